@@ -1,0 +1,130 @@
+// The torch ops, registered through torch's stable ABI (STABLE_TORCH_LIBRARY
+// and the aoti_torch_* C shim), so one build loads in later torch versions.
+// This file only translates tensors to the C API and results to exceptions;
+// validation and launching live in the C core.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+
+#include "../tpcomm.h"
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+// Errors leave as std::runtime_error (RuntimeError in Python) with a message
+// built by snprintf, not by the torch check macro: its iostream formatting
+// crashed inside this library on the device machine's toolchain (g++ 13), seen
+// in a native backtrace at std::ostream::_M_insert<long>.
+[[noreturn]] void fail(const char *fmt, ...) {
+  char msg[768];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  throw std::runtime_error(msg);
+}
+
+tpc_comm *comm_of(int64_t handle) {
+  if (handle == 0) fail("tpcomm: communicator handle is 0 (closed or never created)");
+  return reinterpret_cast<tpc_comm *>(static_cast<intptr_t>(handle));
+}
+
+void check(tpc_comm *comm, tpc_result r) {
+  if (r != TPC_OK) fail("tpcomm: %s: %s", tpc_result_string(r), tpc_comm_last_error(comm));
+}
+
+void check_tensor(tpc_comm *comm, const Tensor &t, const char *what) {
+  if (!t.is_cuda()) fail("tpcomm: %s must be a CUDA tensor", what);
+  if (t.get_device_index() != tpc_comm_device(comm))
+    fail("tpcomm: %s is on cuda:%d but the communicator is on cuda:%d", what,
+         static_cast<int>(t.get_device_index()), tpc_comm_device(comm));
+}
+
+void *current_stream(int32_t device) {
+  void *stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
+  return stream;
+}
+
+tpc_dtype reduce_dtype(const Tensor &t) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return TPC_FLOAT32;
+    case ScalarType::Half: return TPC_FLOAT16;
+    case ScalarType::BFloat16: return TPC_BFLOAT16;
+    default: break;
+  }
+  fail("tpcomm: all_reduce takes float32, float16 or bfloat16");
+}
+
+void all_reduce_into(const Tensor &input, const Tensor &out, int64_t handle, int64_t algo) {
+  tpc_comm *comm = comm_of(handle);
+  check_tensor(comm, input, "input");
+  check_tensor(comm, out, "out");
+  if (!input.is_contiguous() || !out.is_contiguous()) fail("tpcomm: all_reduce needs contiguous tensors");
+  if (input.scalar_type() != out.scalar_type() || input.numel() != out.numel())
+    fail("tpcomm: all_reduce output must match the input's dtype and size");
+  const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
+  check(comm, tpc_all_reduce(comm, input.const_data_ptr(), out.mutable_data_ptr(), nbytes,
+                             reduce_dtype(input), static_cast<tpc_algo>(algo),
+                             current_stream(input.get_device_index())));
+}
+
+Tensor custom_all_reduce(Tensor input, int64_t handle, int64_t algo) {
+  Tensor out = torch::stable::empty_like(input);
+  all_reduce_into(input, out, handle, algo);
+  return out;
+}
+
+void custom_all_reduce_out(Tensor input, Tensor out, int64_t handle, int64_t algo) {
+  all_reduce_into(input, out, handle, algo);
+}
+
+// Concatenation of every rank's input along `dim`, contiguous: what NCCL's
+// all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
+Tensor custom_all_gather(Tensor input, int64_t dim, int64_t handle, int64_t algo) {
+  tpc_comm *comm = comm_of(handle);
+  check_tensor(comm, input, "input");
+  const int64_t ndim = input.dim();
+  if (ndim < 1) fail("tpcomm: all_gather needs a tensor with at least one dimension");
+  if (dim < -ndim || dim >= ndim)
+    fail("tpcomm: dim %lld is out of range for %lld dimensions", static_cast<long long>(dim),
+         static_cast<long long>(ndim));
+  if (dim < 0) dim += ndim;
+  Tensor x = torch::stable::contiguous(input);
+  std::vector<int64_t> sizes(ndim);
+  int64_t row = static_cast<int64_t>(x.element_size());
+  for (int64_t d = 0; d < ndim; ++d) {
+    sizes[d] = x.size(d);
+    if (d >= dim) row *= sizes[d];
+  }
+  sizes[dim] *= tpc_comm_world_size(comm);
+  Tensor out = torch::stable::new_empty(x, sizes);
+  const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
+  if (nbytes == 0) return out;
+  check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,
+                             static_cast<size_t>(row), static_cast<tpc_algo>(algo),
+                             current_stream(x.get_device_index())));
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(tpcomm, m) {
+  m.def("custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor");
+  m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
+  m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
+  m.impl("custom_all_reduce", TORCH_BOX(&custom_all_reduce));
+  m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
+  m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
+}

@@ -1,0 +1,38 @@
+/*
+ * The GPU runtime calls the C core makes, as a table. The real one
+ * (runtime_gpu.c) forwards to CUDA or HIP; the C tests link a fake that
+ * records what the core asked for, so the life cycle (every handle closed,
+ * every buffer freed, peers keyed by rank) is tested without a GPU.
+ * Each entry returns 0 on success or the runtime's error code.
+ */
+#ifndef TPCOMM_RUNTIME_H
+#define TPCOMM_RUNTIME_H
+
+#include <stddef.h>
+
+#include "layout.h"
+
+typedef struct {
+  int (*set_device)(int device);
+  int (*get_device)(int *device);
+  int (*device_malloc)(void **ptr, size_t bytes);
+  int (*device_free)(void *ptr);
+  int (*device_memset)(void *ptr, int value, size_t bytes);
+  int (*memcpy_any)(void *dst, const void *src, size_t bytes); /* unified addressing */
+  int (*host_alloc_mapped)(void **host, void **device, size_t bytes);
+  int (*host_free)(void *host);
+  int (*ipc_export)(void *handle_out, void *ptr);
+  int (*ipc_open)(void **ptr, const void *handle);
+  int (*ipc_close)(void *ptr);
+  int (*device_synchronize)(void);
+  int (*stream_synchronize)(void *stream);
+  int (*stream_is_capturing)(void *stream, int *capturing);
+  const char *(*error_string)(int code);
+  int (*launch_all_reduce)(const tpc_kernel_args *args, int algo, void *stream);
+  int (*launch_all_gather)(const tpc_kernel_args *args, int algo, void *stream);
+} tpc_runtime;
+
+/* Defined by whichever runtime the library is linked with. */
+const tpc_runtime *tpc_runtime_get(void);
+
+#endif /* TPCOMM_RUNTIME_H */

@@ -1,0 +1,51 @@
+/*
+ * Reduction arithmetic per dtype on 8-byte (packet) and 16-byte (bulk) units.
+ * Sums are kept in fp32 and rounded once at the end, and callers add ranks in
+ * the order 0..n-1, so every rank produces the same bits.
+ */
+#ifndef TPCOMM_DATA_OPS_CUH
+#define TPCOMM_DATA_OPS_CUH
+
+#include "../tpcomm.h"
+#include "portability.cuh"
+
+/* Adds the values held in `words` (nwords 32-bit words) to acc, which has
+ * room for 2 values per word (fp32 uses one). */
+TPC_DEVICE void tpc_accumulate(float *acc, const uint32_t *words, int nwords, int dtype) {
+  for (int w = 0; w < nwords; ++w) {
+    const uint32_t v = words[w];
+    if (dtype == TPC_FLOAT32) {
+      acc[w] += __uint_as_float(v);
+    } else if (dtype == TPC_FLOAT16) {
+      acc[2 * w] += tpc_half_to_float((uint16_t)(v & 0xffffu));
+      acc[2 * w + 1] += tpc_half_to_float((uint16_t)(v >> 16));
+    } else {
+      acc[2 * w] += tpc_bf16_to_float((uint16_t)(v & 0xffffu));
+      acc[2 * w + 1] += tpc_bf16_to_float((uint16_t)(v >> 16));
+    }
+  }
+}
+
+TPC_DEVICE void tpc_round(const float *acc, uint32_t *words, int nwords, int dtype) {
+  for (int w = 0; w < nwords; ++w) {
+    if (dtype == TPC_FLOAT32) {
+      words[w] = __float_as_uint(acc[w]);
+    } else if (dtype == TPC_FLOAT16) {
+      words[w] = tpc_float_to_half(acc[2 * w]) | ((uint32_t)tpc_float_to_half(acc[2 * w + 1]) << 16);
+    } else {
+      words[w] = tpc_float_to_bf16(acc[2 * w]) | ((uint32_t)tpc_float_to_bf16(acc[2 * w + 1]) << 16);
+    }
+  }
+}
+
+/* Sums start from -0.0, the exact additive identity (0.0 + -0.0 would give
+ * +0.0): ((-0 + a) + b) is bit-for-bit a + b, the two-rank NCCL result. */
+TPC_DEVICE void tpc_start(float *acc, const uint32_t *words, int nwords, int dtype) {
+  for (int i = 0; i < 2 * nwords; ++i) acc[i] = -0.0f;
+  tpc_accumulate(acc, words, nwords, dtype);
+}
+
+TPC_DEVICE uint4 tpc_load16(const void *p) { return *(const uint4 *)p; }
+TPC_DEVICE void tpc_store16(void *p, uint4 v) { *(uint4 *)p = v; }
+
+#endif /* TPCOMM_DATA_OPS_CUH */

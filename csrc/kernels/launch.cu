@@ -1,0 +1,75 @@
+/*
+ * Entry points the C core calls (through its runtime table): pick the launch
+ * geometry for the size and launch. Kernels themselves live in the .cuh files.
+ */
+#include "all_gather.cuh"
+#include "all_reduce.cuh"
+
+#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
+#define TPC_LAUNCH_ERROR() ((int)hipGetLastError())
+#else
+#define TPC_LAUNCH_ERROR() ((int)cudaGetLastError())
+#endif
+
+/* Packet kernels use no barrier flags, so they may spread over more blocks
+ * than TPC_MAX_BLOCKS; bulk kernels are bounded by the flag arrays. */
+#define TPC_PACKET_MAX_BLOCKS 132
+#define TPC_SINGLE_BLOCK_ITEMS 256 /* up to here one block: no cross-block count */
+/* Remote stores from one SM saturate early: small packet ops spread thin
+ * blocks over many SMs; large ones use fat blocks to keep more in flight. */
+#define TPC_PACKET_THIN_THREADS 128
+#define TPC_PACKET_FAT_THREADS 512
+
+typedef struct {
+  unsigned blocks, threads;
+} tpc_geometry;
+
+/* One work item per data thread where possible, plus the control warp of
+ * every block. Small ops get a single block; larger ones spread over many
+ * blocks so that many SMs push over NVLink at once. */
+static tpc_geometry tpc_geometry_for(uint64_t items, unsigned threads, unsigned max_blocks) {
+  tpc_geometry g;
+  if (items <= TPC_SINGLE_BLOCK_ITEMS) {
+    g.blocks = 1;
+    g.threads = (unsigned)((items + 31) / 32 * 32);
+    if (g.threads < 32) g.threads = 32;
+    g.threads += TPC_CONTROL_THREADS;
+    return g;
+  }
+  uint64_t blocks = (items + threads - 1) / threads;
+  g.blocks = (unsigned)(blocks < max_blocks ? blocks : max_blocks);
+  g.threads = threads + TPC_CONTROL_THREADS;
+  return g;
+}
+
+static unsigned tpc_packet_threads(uint64_t items) {
+  return items <= (uint64_t)TPC_PACKET_MAX_BLOCKS * TPC_PACKET_THIN_THREADS ? TPC_PACKET_THIN_THREADS
+                                                                           : TPC_PACKET_FAT_THREADS;
+}
+
+extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream) {
+  const cudaStream_t s = (cudaStream_t)stream;
+  if (algo == TPC_ALGO_PACKET) {
+    const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
+    tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
+    tpc_all_reduce_packet_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+  } else {
+    /* two-shot: the busiest phase handles one rank's chunk */
+    tpc_geometry g = tpc_geometry_for(args->nbytes / 16 / args->world, 512, TPC_MAX_BLOCKS);
+    tpc_all_reduce_bulk_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+  }
+  return TPC_LAUNCH_ERROR();
+}
+
+extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {
+  const cudaStream_t s = (cudaStream_t)stream;
+  if (algo == TPC_ALGO_PACKET) {
+    const uint64_t items = (args->nbytes / 4 + 1) / 2;
+    tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
+    tpc_all_gather_packet_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+  } else {
+    tpc_geometry g = tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS);
+    tpc_all_gather_bulk_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+  }
+  return TPC_LAUNCH_ERROR();
+}

@@ -1,0 +1,129 @@
+/*
+ * Everything vendor-specific the kernels use: cross-GPU loads and stores with
+ * their memory order, fences, the nanosecond clock, half/bfloat16 conversion.
+ * The rest of csrc/kernels is written only in terms of these.
+ *
+ * Memory-order choices:
+ *  - packets are stored and loaded as two 8-byte elements ({data, flag} each)
+ *    with relaxed system-scope ordering: an aligned 8-byte element access is
+ *    single-copy atomic, so a reader that sees the flag sees the data beside
+ *    it, with no fence on either side;
+ *  - barrier flags use release stores and acquire loads at system scope, so
+ *    the bulk data written before a flag is visible to whoever reads the flag
+ *    (peers are other GPUs: device scope would not cover them).
+ */
+#ifndef TPCOMM_PORTABILITY_CUH
+#define TPCOMM_PORTABILITY_CUH
+
+#include <stdint.h>
+
+#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#define TPC_HIP 1
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#endif
+
+#define TPC_DEVICE static __device__ __forceinline__
+
+TPC_DEVICE void tpc_store_packet(uint64_t *addr, uint64_t lo, uint64_t hi) {
+#ifdef TPC_HIP
+  __hip_atomic_store(addr, lo, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(addr + 1, hi, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(lo), "l"(hi)
+               : "memory");
+#endif
+}
+
+TPC_DEVICE void tpc_load_packet(const uint64_t *addr, uint64_t *lo, uint64_t *hi) {
+#ifdef TPC_HIP
+  *lo = __hip_atomic_load(addr, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  *hi = __hip_atomic_load(addr + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(*lo), "=l"(*hi)
+               : "l"(addr)
+               : "memory");
+#endif
+}
+
+TPC_DEVICE void tpc_store_release(uint32_t *addr, uint32_t value) {
+#ifdef TPC_HIP
+  __hip_atomic_store(addr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
+#endif
+}
+
+TPC_DEVICE uint32_t tpc_load_acquire(const uint32_t *addr) {
+  uint32_t value;
+#ifdef TPC_HIP
+  value = __hip_atomic_load(addr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+#endif
+  return value;
+}
+
+/* Local flags this GPU alone writes (abort word): a relaxed read suffices. */
+TPC_DEVICE uint32_t tpc_load_relaxed(const uint32_t *addr) {
+  return *(const volatile uint32_t *)addr;
+}
+
+/* 16-byte load of data a peer wrote into our buffer: served from L2 (or, on
+ * AMD, from the uncached buffer), never from a possibly stale L1 line. */
+TPC_DEVICE uint4 tpc_load16_from_peer(const void *p) {
+#ifdef TPC_HIP
+  return *(const volatile uint4 *)p;
+#else
+  return __ldcg((const uint4 *)p);
+#endif
+}
+
+/* Orders this thread's earlier stores (to any GPU) before its later ones. */
+TPC_DEVICE void tpc_fence_system(void) {
+#ifdef TPC_HIP
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
+
+/* 0, computed from v in a way the compiler cannot see through: an operation
+ * using it cannot issue before v has been loaded. */
+TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {
+  uint32_t z;
+#ifdef TPC_HIP
+  asm volatile("v_and_b32 %0, %1, 0" : "=v"(z) : "v"(v));
+#else
+  asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
+#endif
+  return z;
+}
+
+TPC_DEVICE uint64_t tpc_clock_ns(void) {
+#ifdef TPC_HIP
+  return wall_clock64() * 10; /* 100 MHz constant clock on CDNA */
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+TPC_DEVICE float tpc_half_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+TPC_DEVICE uint16_t tpc_float_to_half(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+/* bfloat16 is the top half of a float; rounding to nearest even, NaN stays NaN. */
+TPC_DEVICE float tpc_bf16_to_float(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+TPC_DEVICE uint16_t tpc_float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+#endif /* TPCOMM_PORTABILITY_CUH */

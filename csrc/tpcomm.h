@@ -1,0 +1,120 @@
+/*
+ * tpcomm public C API.
+ *
+ * One communicator per tensor-parallel group and GPU. Its life cycle:
+ *
+ *   tpc_comm_create      allocate this rank's registered buffer (signals, packet
+ *                        slots, bulk data slots) and its host-mapped error record
+ *   tpc_comm_export      write the IPC handle of that buffer (TPC_IPC_HANDLE_BYTES)
+ *   tpc_comm_open_peer   open a peer's handle, once for every other rank, in any order
+ *   tpc_comm_ready       check every peer is open and upload the peer table
+ *   tpc_all_reduce / tpc_all_gather   enqueue collectives on a stream
+ *   tpc_comm_destroy     close every opened handle, free every buffer
+ *
+ * Every function returns a tpc_result; tpc_comm_last_error() gives the
+ * human-readable reason of the last failure on that communicator (or, for a
+ * NULL communicator, of the last failed create on this thread). Errors that
+ * happen on the device after a call returned (a peer that never arrived, peers
+ * that disagree on the size of an op) are recorded in host-mapped memory and
+ * read by tpc_comm_async_error() without synchronising; a communicator with an
+ * async error refuses further work.
+ */
+#ifndef TPCOMM_H
+#define TPCOMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TPC_MAX_RANKS 8
+#define TPC_IPC_HANDLE_BYTES 64
+/* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
+#define TPC_MAX_BLOCKS 128
+
+typedef struct tpc_comm tpc_comm;
+
+typedef enum {
+  TPC_OK = 0,
+  TPC_ERR_INVALID_ARG = 1,  /* bad pointer, size, dtype, alignment, rank   */
+  TPC_ERR_RUNTIME = 2,      /* the CUDA/HIP runtime refused a call         */
+  TPC_ERR_PEER = 3,         /* a peer's handle could not be opened         */
+  TPC_ERR_STATE = 4,        /* not ready, already failed, or being misused */
+  TPC_ERR_TIMEOUT = 5,      /* device: a peer did not arrive in time       */
+  TPC_ERR_MISMATCH = 6,     /* device: peers disagree on the op or size    */
+  TPC_ERR_TOO_LARGE = 7     /* larger than the registered buffers take     */
+} tpc_result;
+
+typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
+
+/* Which kernel runs an op. TPC_ALGO_AUTO picks by size (tpc_comm_set_cutover). */
+typedef enum {
+  TPC_ALGO_AUTO = 0,
+  TPC_ALGO_PACKET = 1,     /* barrier-free: data and epoch flag in one store */
+  TPC_ALGO_BULK = 2        /* 16-byte copies between two barriers            */
+} tpc_algo;
+
+typedef struct {
+  int rank;
+  int world_size;          /* 2 .. TPC_MAX_RANKS */
+  int device;              /* CUDA device ordinal this rank runs on */
+  size_t max_bytes;        /* cap on the output bytes of one op (bulk slots) */
+  size_t packet_max_bytes; /* cap on the input bytes per rank of packet kernels */
+  uint64_t timeout_ns;     /* bound on every device-side wait for a peer */
+} tpc_config;
+
+/* What the device recorded when an op failed on it. */
+typedef struct {
+  int32_t code;            /* a tpc_result, TPC_OK when nothing happened */
+  int32_t peer;            /* the rank that did not arrive or disagreed */
+  uint32_t epoch;          /* the op's sequence number on this communicator */
+  uint32_t detail;         /* for TPC_ERR_MISMATCH: the peer's byte count */
+} tpc_async_error;
+
+tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out);
+tpc_result tpc_comm_export(tpc_comm *comm, void *handle_out);
+tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle);
+tpc_result tpc_comm_ready(tpc_comm *comm);
+tpc_result tpc_comm_destroy(tpc_comm *comm);
+
+/* Real P2P check: write a token into every peer's buffer, then (after the
+ * caller's host barrier) read which peers' tokens arrived in ours. */
+tpc_result tpc_comm_probe_write(tpc_comm *comm);
+tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask);
+
+/* Sizes (input bytes per rank) up to which TPC_ALGO_AUTO uses the packet kernel. */
+tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
+                                size_t all_gather_packet_max);
+
+/* Sum in fp32, in rank order 0..n-1, rounded once: identical bits on every rank.
+ * nbytes is the byte size of input and output; a multiple of 16. in == out is allowed. */
+tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
+                          tpc_dtype dtype, tpc_algo algo, void *stream);
+
+/* Gather nbytes from every rank. The output is the concatenation along a
+ * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):
+ * rank q's byte b lands at (b / row_bytes) * n * row_bytes + q * row_bytes
+ * + b % row_bytes. nbytes and row_bytes are multiples of 4. */
+tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,
+                          size_t row_bytes, tpc_algo algo, void *stream);
+
+/* Reads the device-side error record (no synchronisation). */
+tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out);
+
+const char *tpc_result_string(tpc_result result);
+const char *tpc_comm_last_error(const tpc_comm *comm);
+
+int tpc_comm_world_size(const tpc_comm *comm);
+int tpc_comm_rank(const tpc_comm *comm);
+int tpc_comm_device(const tpc_comm *comm);
+
+/* Layout facts, for tests and diagnostics. */
+size_t tpc_comm_buffer_bytes(const tpc_comm *comm);
+int tpc_comm_open_peer_count(const tpc_comm *comm);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TPCOMM_H */

@@ -1,0 +1,19 @@
+"""tpcomm: fast intra-node collectives for tensor-parallel LLM inference.
+
+    comm = tpcomm.Communicator(group)        # collective, once per TP group
+    y = comm.all_reduce(x)                    # custom kernel, or NCCL fallback
+    z = comm.all_gather(x, dim=-1)
+    with comm.capture(): ... CUDA graph capture ...
+    comm.close()
+
+The torch ops behind them, usable inside a model's forward under CUDA graphs
+and torch.compile: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo),
+custom_all_reduce_out(x, out, comm.handle, algo),
+custom_all_gather(x, dim, comm.handle, algo).
+"""
+from ._lib import TpcommError, load
+from .communicator import Communicator
+from . import policy
+
+__all__ = ["Communicator", "TpcommError", "load", "policy"]
+__version__ = "0.1.0"

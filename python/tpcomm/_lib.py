@@ -1,0 +1,108 @@
+"""Loads the compiled extension: registers the torch ops and exposes the C core
+API through ctypes. Importing tpcomm never fails because the extension is
+missing; `load()` raises ImportError with the reason, and the Communicator
+reports it as its disabled_reason."""
+import ctypes
+import glob
+import os
+
+import torch
+
+IPC_HANDLE_BYTES = 64
+MAX_RANKS = 8
+
+# tpc_result codes (csrc/tpcomm.h)
+OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE = range(8)
+# tpc_algo
+ALGO_AUTO, ALGO_PACKET, ALGO_BULK = 0, 1, 2
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_int),
+        ("world_size", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("max_bytes", ctypes.c_size_t),
+        ("packet_max_bytes", ctypes.c_size_t),
+        ("timeout_ns", ctypes.c_uint64),
+    ]
+
+
+class AsyncError(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_int32),
+        ("peer", ctypes.c_int32),
+        ("epoch", ctypes.c_uint32),
+        ("detail", ctypes.c_uint32),
+    ]
+
+
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "tpc_comm_create": (ctypes.c_int, [ctypes.POINTER(Config), ctypes.POINTER(_P)]),
+    "tpc_comm_export": (ctypes.c_int, [_P, ctypes.c_char_p]),
+    "tpc_comm_open_peer": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_char_p]),
+    "tpc_comm_ready": (ctypes.c_int, [_P]),
+    "tpc_comm_destroy": (ctypes.c_int, [_P]),
+    "tpc_comm_probe_write": (ctypes.c_int, [_P]),
+    "tpc_comm_probe_read": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint32)]),
+    "tpc_comm_set_cutover": (ctypes.c_int, [_P, ctypes.c_size_t, ctypes.c_size_t]),
+    "tpc_comm_async_error": (ctypes.c_int, [_P, ctypes.POINTER(AsyncError)]),
+    "tpc_result_string": (ctypes.c_char_p, [ctypes.c_int]),
+    "tpc_comm_last_error": (ctypes.c_char_p, [_P]),
+    "tpc_comm_buffer_bytes": (ctypes.c_size_t, [_P]),
+    "tpc_comm_open_peer_count": (ctypes.c_int, [_P]),
+}
+
+_lib = None
+_load_error = None
+
+
+def library_path():
+    """Path of the built extension (tpcomm/_C*.so) next to this file."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+    if not found:
+        raise ImportError(
+            "tpcomm's compiled extension (tpcomm/_C*.so) was not found: build it with "
+            "`pip install --no-build-isolation -e .`")
+    return found[0]
+
+
+def load():
+    """Returns the ctypes library, registering torch.ops.tpcomm.* on first use."""
+    global _lib, _load_error
+    if _lib is not None:
+        return _lib
+    if _load_error is not None:
+        raise ImportError(_load_error)
+    try:
+        path = library_path()
+        torch.ops.load_library(path)
+        lib = ctypes.CDLL(path)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except Exception as e:  # noqa: BLE001 - every failure must become a reason on every rank
+        _load_error = f"tpcomm extension could not be loaded: {e}"
+        raise ImportError(_load_error) from e
+    from . import _fake
+
+    _fake.register()
+    _lib = lib
+    return lib
+
+
+class TpcommError(RuntimeError):
+    """An error reported by tpcomm's C core (the message says why)."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+def check(lib, handle, code, what):
+    if code != OK:
+        reason = lib.tpc_comm_last_error(handle).decode(errors="replace")
+        kind = lib.tpc_result_string(code).decode()
+        raise TpcommError(code, f"tpcomm: {what}: {kind}: {reason}")

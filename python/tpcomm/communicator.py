@@ -1,0 +1,358 @@
+"""Communicator: tpcomm's resources for one torch.distributed group on one GPU,
+and the per-call choice between tpcomm's kernels and NCCL."""
+import contextlib
+import ctypes
+import itertools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _fake, _lib, policy, topology
+
+KiB = 1024
+MiB = 1024 * KiB
+REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ALGO = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
+_serial = itertools.count()
+
+
+class Communicator:
+    """tpcomm collectives for the ranks of `group` (default: the world group).
+
+    Every rank of the group constructs it, in the same order relative to other
+    communicators (construction is collective). The custom kernels are used
+    when the group is on one node, on CUDA GPUs that can write into each
+    other's memory; otherwise `disabled_reason` says why and every call goes to
+    torch.distributed on the same group.
+
+    Args:
+        group: a torch.distributed process group.
+        device: the CUDA device of this rank (default: the current one when CUDA
+            is available, else CPU, which always falls back).
+        max_bytes: cap on the output bytes of one op on the custom path; larger
+            ops go to NCCL. Registers about 2 * max_bytes of GPU memory per rank.
+        packet_max_bytes: cap on the input bytes per rank of the packet kernels;
+            registers 4 * world_size * packet_max_bytes per rank.
+        timeout_s: bound on every device-side wait for a peer (default: the
+            TPCOMM_TIMEOUT_S environment variable, else 10 s).
+        tables: routing tables (see tpcomm.policy); default: policy.TABLES.
+    """
+
+    def __init__(self, group=None, device=None, max_bytes=16 * MiB, packet_max_bytes=1 * MiB,
+                 timeout_s=None, tables=None):
+        if not dist.is_initialized():
+            raise RuntimeError("tpcomm.Communicator needs torch.distributed to be initialised")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = _resolve_device(device)
+        if max_bytes <= 0 or max_bytes % 16 or packet_max_bytes <= 0 or packet_max_bytes % 16:
+            raise ValueError("max_bytes and packet_max_bytes must be positive multiples of 16")
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("TPCOMM_TIMEOUT_S", "10"))
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be positive")
+        self.max_bytes = int(max_bytes)
+        self.packet_max_bytes = int(min(packet_max_bytes, max_bytes))
+        self.timeout_s = float(timeout_s)
+        self.tables = tables or policy.TABLES
+        self.handle = 0          # the C communicator, as the int the ops take
+        self._comm = None        # the same, as a ctypes pointer
+        self._lib = None
+        self._closed = False
+        self._capturing = False
+        self.disabled_reason = None
+        with self._on_device():
+            self.disabled_reason = self._agree(self._local_reason())
+            if self.disabled_reason is None:
+                self.disabled_reason = self._open_custom()
+
+    # ---------------------------------------------------------------- set-up
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _local_reason(self):
+        if topology.env_flag("TPCOMM_DISABLE"):
+            return "disabled by TPCOMM_DISABLE"
+        if not 2 <= self.world_size <= _lib.MAX_RANKS:
+            return f"world size {self.world_size} is outside 2..{_lib.MAX_RANKS}"
+        if self.device.type != "cuda":
+            return f"device is {self.device.type}: the custom kernels need CUDA GPUs"
+        try:
+            self._lib = _lib.load()
+        except ImportError as e:
+            return str(e)
+        return None
+
+    def _gather(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _agree(self, reason):
+        """Every rank ends with the same verdict (a rank that cannot use the
+        custom path turns it off for all, or peers would wait for it)."""
+        facts = self._gather({"rank": self.rank, "reason": reason,
+                              **topology.local_facts(self.device)})
+        for i, f in enumerate(facts):
+            if f["rank"] != i:
+                return f"group rank {i} answered as rank {f['rank']}: groups out of step"
+        for f in facts:
+            if f["reason"]:
+                return f"rank {f['rank']}: {f['reason']}"
+        n_nodes = topology.nodes(facts)
+        if n_nodes > 1:
+            return f"the group spans {n_nodes} nodes; the custom kernels are intra-node"
+        uuids = [f["gpu_uuid"] for f in facts]
+        if None not in uuids and len(set(uuids)) < len(uuids):
+            return "two ranks share one GPU"
+        if self.world_size > 2 and None not in uuids:
+            nvlink = topology.nvlink_between_all(uuids)
+            if nvlink is False:
+                return f"{self.world_size} GPUs without NVLink between every pair"
+            if nvlink is None:
+                return f"cannot tell whether {self.world_size} GPUs share NVLink (NVML unavailable)"
+        return None
+
+    def _open_custom(self):
+        lib = self._lib
+        cfg = _lib.Config(self.rank, self.world_size, self.device.index, self.max_bytes,
+                          self.packet_max_bytes, int(self.timeout_s * 1e9))
+        comm = ctypes.c_void_p()
+        local_error = None
+        code = lib.tpc_comm_create(ctypes.byref(cfg), ctypes.byref(comm))
+        handle = ctypes.create_string_buffer(_lib.IPC_HANDLE_BYTES)
+        if code != _lib.OK:
+            local_error = "create: " + lib.tpc_comm_last_error(None).decode()
+        elif lib.tpc_comm_export(comm, handle) != _lib.OK:
+            local_error = "export: " + lib.tpc_comm_last_error(comm).decode()
+        # Handles are keyed by rank and by a per-process serial number of the
+        # communicator: ranks that create communicators in different orders
+        # are told so instead of pairing the wrong buffers.
+        serial = next(_serial)
+        entries = self._gather({"rank": self.rank, "serial": serial, "error": local_error,
+                                "handle": handle.raw if local_error is None else None})
+        reason = _first_error(entries)
+        if reason is None and len({e["serial"] for e in entries}) != 1:
+            reason = ("ranks created their communicators in different orders "
+                      f"(serials {[e['serial'] for e in entries]})")
+        if reason is None:
+            reason = self._open_peers(comm, entries)
+        if reason is None:
+            self._comm = comm
+            self.handle = comm.value
+            _fake.WORLD_SIZES[self.handle] = self.world_size
+            _lib.check(lib, comm, lib.tpc_comm_set_cutover(
+                comm, min(self.packet_max_bytes, policy.packet_cutover("all_reduce", self.world_size, self.tables)),
+                min(self.packet_max_bytes, policy.packet_cutover("all_gather", self.world_size, self.tables))),
+                "set cutover")
+            return None
+        if comm.value:
+            lib.tpc_comm_destroy(comm)
+        return reason
+
+    def _open_peers(self, comm, entries):
+        lib = self._lib
+        error = None
+        for peer, e in enumerate(entries):
+            if peer != self.rank and error is None:
+                if lib.tpc_comm_open_peer(comm, peer, e["handle"]) != _lib.OK:
+                    error = lib.tpc_comm_last_error(comm).decode()
+        if error is None and lib.tpc_comm_ready(comm) != _lib.OK:
+            error = lib.tpc_comm_last_error(comm).decode()
+        if error is None and lib.tpc_comm_probe_write(comm) != _lib.OK:
+            error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
+        # Probe: every rank wrote a token into every peer; after the gather
+        # (a host barrier) each checks that all tokens arrived.
+        errors = self._gather(error)
+        if any(errors):
+            return _first_error([{"rank": i, "error": e} for i, e in enumerate(errors)])
+        mask = ctypes.c_uint32()
+        if lib.tpc_comm_probe_read(comm, ctypes.byref(mask)) != _lib.OK:
+            error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
+        else:
+            missing = [p for p in range(self.world_size) if p != self.rank and not mask.value >> p & 1]
+            if missing:
+                error = f"P2P probe: writes from ranks {missing} did not arrive"
+        return _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
+
+    # ------------------------------------------------------------ public API
+    @property
+    def enabled(self):
+        return self.handle != 0
+
+    def all_reduce(self, x, out=None):
+        """Sum of x over the group. Returns a new tensor, or writes into `out`
+        (which may be x itself) and returns it. fp32/fp16/bf16 of a byte size
+        that is a multiple of 16, up to max_bytes, run on tpcomm's kernels;
+        anything else on NCCL (non-contiguous inputs are made contiguous)."""
+        self._check_input(x, "input")
+        if out is not None:
+            self._check_input(out, "out")
+            if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+                raise ValueError("tpcomm: out must be contiguous with the input's shape and dtype")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        backend = self.route_all_reduce(x)
+        if out is not None and _misaligned(out, 16):
+            backend = "nccl"
+        if backend == "nccl":
+            return self._nccl_all_reduce(x, out)
+        if out is None:
+            return torch.ops.tpcomm.custom_all_reduce(x, self.handle, _ALGO[backend])
+        torch.ops.tpcomm.custom_all_reduce_out(x, out, self.handle, _ALGO[backend])
+        return out
+
+    def all_gather(self, x, dim=0):
+        """Concatenation of every rank's x along `dim` (negative dims count
+        from the end), contiguous: what NCCL's all_gather_into_tensor along
+        dim 0 followed by a move to `dim` gives. Any dtype; bit-exact."""
+        self._check_input(x, "input")
+        if x.dim() == 0:
+            raise ValueError("tpcomm: all_gather needs a tensor with at least one dimension")
+        if not -x.dim() <= dim < x.dim():
+            raise IndexError(f"tpcomm: dim {dim} is out of range for {x.dim()} dimensions")
+        dim = dim % x.dim()
+        backend = self.route_all_gather(x, dim)
+        if backend == "nccl":
+            return self._nccl_all_gather(x, dim)
+        return torch.ops.tpcomm.custom_all_gather(x, dim, self.handle, _ALGO[backend])
+
+    def route_all_reduce(self, x):
+        """The backend all_reduce(x) uses: "packet", "bulk" or "nccl"."""
+        nbytes = x.numel() * x.element_size()
+        if (not self.enabled or x.dtype not in REDUCE_DTYPES or nbytes == 0 or nbytes % 16
+                or nbytes > self.max_bytes or _misaligned(x, 16)):
+            return "nccl"
+        backend = policy.choose("all_reduce", self.world_size, nbytes, self.tables)
+        if backend == "packet" and nbytes > self.packet_max_bytes:
+            backend = "bulk"
+        return backend
+
+    def route_all_gather(self, x, dim=0):
+        """The backend all_gather(x, dim) uses: "packet", "bulk" or "nccl"."""
+        nbytes = x.numel() * x.element_size()
+        row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
+        if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4 or _misaligned(x, 4):
+            return "nccl"
+        backend = policy.choose("all_gather", self.world_size, nbytes, self.tables)
+        bulk_ok = (nbytes % 16 == 0 and row % 16 == 0 and nbytes * self.world_size <= self.max_bytes
+                   and not _misaligned(x, 16))
+        if backend == "bulk" and not bulk_ok:
+            backend = "packet"
+        if backend == "packet" and nbytes > self.packet_max_bytes:
+            backend = "bulk" if bulk_ok else "nccl"
+        return backend
+
+    def check(self):
+        """Raises TpcommError if an earlier op failed on the device (a peer
+        that did not arrive within timeout_s, peers that disagreed on an op's
+        size). Reads host-mapped memory: no synchronisation."""
+        if self._comm is None:
+            return
+        err = _lib.AsyncError()
+        code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(err))
+        _lib.check(self._lib, self._comm, code, "device error")
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Context for CUDA graph capture of this communicator's ops.
+
+        The kernels read only their input and buffers registered at init, and
+        take their sequence number from a counter on the device, so captured
+        ops need no registration afterwards and replay correctly in any order
+        and interleaved with eager calls. The context checks the communicator
+        is healthy on entry and marks the capture (for the NCCL fallback)."""
+        self._check_open()
+        self.check()
+        self._capturing = True
+        try:
+            yield self
+        finally:
+            self._capturing = False
+
+    def close(self):
+        """Frees the registered buffers. Collective: every rank calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._comm is not None:
+            torch.cuda.synchronize(self.device)
+            with self._on_device():
+                dist.barrier(group=self.group)  # no peer still uses our buffer
+            _fake.WORLD_SIZES.pop(self.handle, None)
+            comm, self._comm, self.handle = self._comm, None, 0
+            _lib.check(self._lib, comm, self._lib.tpc_comm_destroy(comm), "destroy")
+
+    def __repr__(self):
+        state = "closed" if self._closed else ("custom" if self.enabled else f"NCCL only ({self.disabled_reason})")
+        return (f"tpcomm.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"max_bytes={self.max_bytes}, packet_max_bytes={self.packet_max_bytes}, {state})")
+
+    # -------------------------------------------------------------- helpers
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("tpcomm: the communicator is closed")
+
+    def _check_input(self, x, what):
+        self._check_open()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != self.device:
+            raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")
+
+    def _nccl_all_reduce(self, x, out):
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+
+            y = funcol.all_reduce(x, "sum", self.group)
+            return y if out is None else out.copy_(y)
+        y = x.clone() if out is None else (out.copy_(x) if out.data_ptr() != x.data_ptr() else out)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def _nccl_all_gather(self, x, dim):
+        x = x.contiguous()
+        dim = dim % x.dim()
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+
+            return funcol.all_gather_tensor(x, dim, self.group)
+        if x.device.type != "cuda":  # gloo: list gather
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.group)
+            return torch.cat(parts, dim)
+        stacked = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(stacked, x, group=self.group)
+        if dim == 0:
+            return stacked
+        shape = list(x.shape)
+        shape[dim] *= self.world_size
+        return stacked.reshape((self.world_size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
+
+
+def _resolve_device(device):
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _misaligned(t, alignment):
+    """Views at odd offsets go to NCCL (the kernels move 4- and 16-byte words).
+    Under torch.compile the address is unknown; torch's allocator returns
+    aligned tensors, and the op rejects a misaligned view with a clear error."""
+    return not torch.compiler.is_compiling() and t.data_ptr() % alignment != 0
+
+
+def _first_error(entries):
+    for e in entries:
+        if e.get("error"):
+            return f"rank {e['rank']}: {e['error']}"
+    return None

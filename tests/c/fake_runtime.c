@@ -1,0 +1,311 @@
+/*
+ * The fake runtime table the C tests link instead of csrc/core/runtime_gpu.c.
+ * See fake_runtime.h.
+ */
+#include "fake_runtime.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+fake_state fake;
+
+/* Live allocations and open handles, so bad frees and closes are noticed
+ * instead of crashing (a pointer the fake does not know is never freed). */
+#define FAKE_MAX_LIVE 256
+static void *live_device[FAKE_MAX_LIVE];
+static void *live_host[FAKE_MAX_LIVE];
+static void *live_host_device_view[FAKE_MAX_LIVE];
+static void *live_opens[FAKE_MAX_LIVE];
+static void *zombie; /* a block the fake pretends to have freed */
+
+static const char handle_magic[8] = {'t', 'p', 'c', 'f', 'a', 'k', 'e', 0};
+
+static int track_add(void **table, void *ptr) {
+  for (int i = 0; i < FAKE_MAX_LIVE; ++i)
+    if (!table[i]) {
+      table[i] = ptr;
+      return i;
+    }
+  fprintf(stderr, "fake runtime: more than %d live objects\n", FAKE_MAX_LIVE);
+  abort();
+}
+
+static int track_find(void *const *table, const void *ptr) {
+  if (!ptr) return -1;
+  for (int i = 0; i < FAKE_MAX_LIVE; ++i)
+    if (table[i] == ptr) return i;
+  return -1;
+}
+
+void fake_reset(void) {
+  memset(&fake, 0, sizeof fake);
+  fake.last_device = -1;
+  fake.launch_device = -1;
+  fake.synchronized_device = -1;
+  /* Opens own no memory: a handle left open by a test that made ipc_close
+   * fail is forgotten here, so it cannot match a later buffer's address. */
+  memset(live_opens, 0, sizeof live_opens);
+  free(zombie);
+  zombie = NULL;
+}
+
+void fake_fail_nth(fake_entry entry, int nth, int code) {
+  fake.fail_at[entry] = fake.calls[entry] + nth;
+  fake.fail_code[entry] = code;
+}
+
+/* Counts the call; returns the planned error code for it, or 0. */
+static int enter(fake_entry entry) {
+  fake.calls[entry]++;
+  if (fake.fail_at[entry] && fake.calls[entry] == fake.fail_at[entry]) return fake.fail_code[entry];
+  return 0;
+}
+
+const char *fake_entry_name(fake_entry entry) {
+  static const char *const names[FK_COUNT] = {
+      "set_device",         "get_device",         "device_malloc",      "device_free",     "device_memset",
+      "memcpy_any",         "host_alloc_mapped",  "host_free",       "ipc_export",
+      "ipc_open",           "ipc_close",          "device_synchronize", "stream_synchronize",
+      "stream_is_capturing", "launch_all_reduce", "launch_all_gather",
+  };
+  return (unsigned)entry < FK_COUNT ? names[entry] : "?";
+}
+
+void *fake_handle_pointer(const void *handle) {
+  const unsigned char *h = handle;
+  if (memcmp(h, handle_magic, sizeof handle_magic) != 0) return NULL;
+  void *ptr;
+  memcpy(&ptr, h + sizeof handle_magic, sizeof ptr);
+  return ptr;
+}
+
+/* ------------------------------------------------------------- entries */
+
+static int f_set_device(int device) {
+  int code = enter(FK_SET_DEVICE);
+  if (code) return code;
+  fake.last_device = device;
+  fake.current_device = device;
+  return 0;
+}
+
+static int f_get_device(int *device) {
+  int code = enter(FK_GET_DEVICE);
+  if (code) return code;
+  *device = fake.current_device;
+  return 0;
+}
+
+static int f_device_malloc(void **ptr, size_t bytes) {
+  int code = enter(FK_DEVICE_MALLOC);
+  if (code) return code;
+  /* 16-byte aligned like cudaMalloc (which gives 256). */
+  void *p = aligned_alloc(256, tpc_round_up(bytes ? bytes : 1, 256));
+  if (!p) return 2;
+  memset(p, FAKE_GARBAGE, bytes);
+  track_add(live_device, p);
+  fake.device_allocs++;
+  fake.live_device++;
+  fake.last_malloc = p;
+  fake.last_malloc_bytes = bytes;
+  *ptr = p;
+  return 0;
+}
+
+static int f_device_free(void *ptr) {
+  int code = enter(FK_DEVICE_FREE);
+  if (code) return code;
+  int i = track_find(live_device, ptr);
+  if (i < 0) {
+    fake.bad_device_frees++;
+    return 1;
+  }
+  live_device[i] = NULL;
+  free(ptr);
+  fake.device_frees++;
+  fake.live_device--;
+  return 0;
+}
+
+static int f_device_memset(void *ptr, int value, size_t bytes) {
+  int code = enter(FK_DEVICE_MEMSET);
+  if (code) return code;
+  memset(ptr, value, bytes);
+  return 0;
+}
+
+static int f_memcpy_any(void *dst, const void *src, size_t bytes) {
+  int code = enter(FK_MEMCPY_ANY);
+  if (code) return code;
+  memcpy(dst, src, bytes);
+  return 0;
+}
+
+/* The device view is a different address from the host view (as it can be on
+ * a real system), so passing the host pointer to a kernel is noticed. It
+ * points just past the host block and must never be dereferenced. */
+static int f_host_alloc_mapped(void **host, void **device, size_t bytes) {
+  int code = enter(FK_HOST_ALLOC_MAPPED);
+  if (code && !fake.host_alloc_fails_after_alloc) return code;
+  char *p = malloc(bytes);
+  if (!p) return 2;
+  if (code) {
+    /* runtime_gpu.c: cudaHostAlloc succeeded, cudaHostGetDevicePointer
+     * failed, cudaFreeHost(*host), return the error with *host set. The
+     * block counts as freed (host_free of it is a bad free); the fake keeps
+     * the memory until the next fake_reset so nothing really dangles. */
+    free(zombie);
+    zombie = p;
+    *host = p;
+    return code;
+  }
+  memset(p, FAKE_GARBAGE, bytes);
+  int i = track_add(live_host, p);
+  live_host_device_view[i] = p + bytes + 4096;
+  fake.host_allocs++;
+  fake.live_host++;
+  *host = p;
+  *device = live_host_device_view[i];
+  fake.last_mapped_host = p;
+  fake.last_mapped_device = *device;
+  return 0;
+}
+
+static int f_host_free(void *host) {
+  int code = enter(FK_HOST_FREE);
+  if (code) return code;
+  int i = track_find(live_host, host);
+  if (i < 0) {
+    fake.bad_host_frees++;
+    return 1;
+  }
+  live_host[i] = NULL;
+  live_host_device_view[i] = NULL;
+  free(host);
+  fake.host_frees++;
+  fake.live_host--;
+  return 0;
+}
+
+static int f_ipc_export(void *handle_out, void *ptr) {
+  int code = enter(FK_IPC_EXPORT);
+  if (code) return code;
+  if (track_find(live_device, ptr) < 0) return 400; /* not a device allocation */
+  unsigned char *h = handle_out;
+  memset(h, 0, TPC_IPC_HANDLE_BYTES);
+  memcpy(h, handle_magic, sizeof handle_magic);
+  memcpy(h + sizeof handle_magic, &ptr, sizeof ptr);
+  return 0;
+}
+
+static int f_ipc_open(void **ptr, const void *handle) {
+  int code = enter(FK_IPC_OPEN);
+  if (code) return code;
+  void *p = fake_handle_pointer(handle);
+  if (!p || track_find(live_device, p) < 0) {
+    fake.bad_opens++;
+    return 400;
+  }
+  track_add(live_opens, p);
+  fake.ipc_opens++;
+  fake.live_opens++;
+  *ptr = p;
+  return 0;
+}
+
+static int f_ipc_close(void *ptr) {
+  int code = enter(FK_IPC_CLOSE);
+  if (code) return code;
+  int i = track_find(live_opens, ptr);
+  if (i < 0) {
+    fake.bad_closes++;
+    return 400;
+  }
+  live_opens[i] = NULL;
+  fake.ipc_closes++;
+  fake.live_opens--;
+  return 0;
+}
+
+static int f_device_synchronize(void) {
+  int code = enter(FK_DEVICE_SYNCHRONIZE);
+  if (code) return code;
+  fake.synchronized_device = fake.current_device;
+  return 0;
+}
+
+static int f_stream_synchronize(void *stream) {
+  int code = enter(FK_STREAM_SYNCHRONIZE);
+  if (code) return code;
+  fake.last_synced_stream = stream;
+  return 0;
+}
+
+static int f_stream_is_capturing(void *stream, int *capturing) {
+  (void)stream;
+  int code = enter(FK_STREAM_IS_CAPTURING);
+  if (code) return code;
+  *capturing = fake.capturing;
+  return 0;
+}
+
+static const char *f_error_string(int code) {
+  static _Thread_local char buf[64];
+  snprintf(buf, sizeof buf, "fake error %d", code);
+  return buf;
+}
+
+static int record_launch(fake_entry entry, const tpc_kernel_args *args, int algo, void *stream) {
+  int code = enter(entry);
+  if (code) return code;
+  fake.launches++;
+  fake.last_args = *args;
+  fake.last_algo = algo;
+  fake.last_op_entry = entry;
+  fake.last_stream = stream;
+  fake.launch_device = fake.current_device;
+  return 0;
+}
+
+static int f_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream) {
+  return record_launch(FK_LAUNCH_ALL_REDUCE, args, algo, stream);
+}
+
+static int f_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {
+  return record_launch(FK_LAUNCH_ALL_GATHER, args, algo, stream);
+}
+
+static const tpc_runtime fake_runtime = {
+    .set_device = f_set_device,
+    .get_device = f_get_device,
+    .device_malloc = f_device_malloc,
+    .device_free = f_device_free,
+    .device_memset = f_device_memset,
+    .memcpy_any = f_memcpy_any,
+    .host_alloc_mapped = f_host_alloc_mapped,
+    .host_free = f_host_free,
+    .ipc_export = f_ipc_export,
+    .ipc_open = f_ipc_open,
+    .ipc_close = f_ipc_close,
+    .device_synchronize = f_device_synchronize,
+    .stream_synchronize = f_stream_synchronize,
+    .stream_is_capturing = f_stream_is_capturing,
+    .error_string = f_error_string,
+    .launch_all_reduce = f_launch_all_reduce,
+    .launch_all_gather = f_launch_all_gather,
+};
+
+const tpc_runtime *tpc_runtime_get(void) { return &fake_runtime; }
+
+int fake_runtime_missing_entry(void) {
+  typedef void (*any_fn)(void);
+  const size_t n = sizeof fake_runtime / sizeof(any_fn);
+  for (size_t i = 0; i < n; ++i) {
+    any_fn fn;
+    memcpy(&fn, (const char *)&fake_runtime + i * sizeof fn, sizeof fn);
+    if (!fn) return (int)i;
+  }
+  return -1;
+}

@@ -1,0 +1,98 @@
+/*
+ * A fake GPU runtime for testing the C core (csrc/core/comm.c) on the CPU.
+ *
+ * "Device" memory is host memory, the IPC handle of a buffer carries its
+ * pointer (so several fake ranks in one process can open each other's buffers
+ * and really move bytes between them), and every call is counted. A test can
+ * make any entry fail on a chosen call, and reads back what the launch entries
+ * were given.
+ */
+#ifndef TPCOMM_TEST_FAKE_RUNTIME_H
+#define TPCOMM_TEST_FAKE_RUNTIME_H
+
+#include <stddef.h>
+
+#include "runtime.h"
+
+typedef enum {
+  FK_SET_DEVICE,
+  FK_GET_DEVICE,
+  FK_DEVICE_MALLOC,
+  FK_DEVICE_FREE,
+  FK_DEVICE_MEMSET,
+  FK_MEMCPY_ANY,
+  FK_HOST_ALLOC_MAPPED,
+  FK_HOST_FREE,
+  FK_IPC_EXPORT,
+  FK_IPC_OPEN,
+  FK_IPC_CLOSE,
+  FK_DEVICE_SYNCHRONIZE,
+  FK_STREAM_SYNCHRONIZE,
+  FK_STREAM_IS_CAPTURING,
+  FK_LAUNCH_ALL_REDUCE,
+  FK_LAUNCH_ALL_GATHER,
+  FK_COUNT
+} fake_entry;
+
+/* Byte the fake fills fresh allocations with, so "was it cleared" is testable. */
+#define FAKE_GARBAGE 0xA5
+
+typedef struct {
+  int calls[FK_COUNT];       /* every call of every entry, failed ones included */
+  int fail_at[FK_COUNT];     /* the calls[] value whose call fails; 0: none */
+  int fail_code[FK_COUNT];
+
+  /* Life cycle bookkeeping (successful calls only). */
+  int device_allocs, device_frees, live_device;
+  int host_allocs, host_frees, live_host;
+  int ipc_opens, ipc_closes, live_opens;
+  /* Calls the real runtime would reject: freeing or closing something that is
+   * not live, opening a handle of a buffer that does not exist. */
+  int bad_device_frees, bad_host_frees, bad_closes, bad_opens;
+
+  /* host_alloc_mapped fails the way runtime_gpu.c does when
+   * cudaHostGetDevicePointer fails: it allocated, freed again, and returns
+   * the error with *host still holding the freed pointer. */
+  int host_alloc_fails_after_alloc;
+
+  int last_device;           /* set_device's last argument */
+  int current_device;        /* what get_device reports; set_device changes it */
+  int launch_device;         /* the current device when the last launch ran */
+  int synchronized_device;   /* the current device at the last device_synchronize */
+  size_t last_malloc_bytes;
+  void *last_malloc;         /* device pointer of the last device_malloc */
+  void *last_mapped_host;    /* the two views of the last host_alloc_mapped */
+  void *last_mapped_device;
+
+  /* Streams. */
+  int capturing;             /* what stream_is_capturing reports */
+  void *last_synced_stream;
+
+  /* What the last launch received. */
+  int launches;              /* all_reduce + all_gather launches */
+  tpc_kernel_args last_args;
+  int last_algo;
+  int last_op_entry;         /* FK_LAUNCH_ALL_REDUCE or FK_LAUNCH_ALL_GATHER */
+  void *last_stream;
+} fake_state;
+
+extern fake_state fake;
+
+/* Forgets all counters, failure plans and open handles. Live allocations are
+ * still tracked (tests free what they created before resetting). */
+void fake_reset(void);
+
+/* The nth call of `entry` from now on (1 = the next one) returns `code`. */
+void fake_fail_nth(fake_entry entry, int nth, int code);
+
+/* The device pointer carried by a handle that ipc_export wrote; NULL if the
+ * bytes are not a fake handle. */
+void *fake_handle_pointer(const void *handle);
+
+const char *fake_entry_name(fake_entry entry);
+
+/* Index of the first tpc_runtime entry the fake leaves NULL (runtime.h grew
+ * and the fake was not updated), or -1. */
+int fake_runtime_missing_entry(void);
+
+#endif /* TPCOMM_TEST_FAKE_RUNTIME_H */

@@ -1,0 +1,173 @@
+"""custom_all_gather on real GPUs: bit for bit against the NCCL path and
+against torch.cat of every rank's input (each rank can rebuild all inputs
+from their seeds), for every dtype, special values, dims and size bands."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import tpcomm
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+def _as_bytes(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.contiguous().view(torch.uint8)
+
+
+def _assert_same_bits(a, b, what):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} vs {b.dtype}"
+    assert a.is_contiguous(), f"{what}: output not contiguous"
+    if not torch.equal(_as_bytes(a), _as_bytes(b)):
+        bad = (_as_bytes(a) != _as_bytes(b)).nonzero()
+        raise AssertionError(f"{what}: {bad.numel()} bytes differ, first at {bad[:4].flatten().tolist()}")
+
+
+def _special_values(n, dtype, gen):
+    """Random bits for any dtype, then -0.0, NaN with payloads, +-inf and
+    subnormals written in for floating types."""
+    nbytes = n * (dtype.itemsize if dtype != torch.bool else 1)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device="cuda")
+    if dtype == torch.bool:
+        return (raw & 1).bool()
+    t = raw.view(dtype).clone()
+    if dtype.is_floating_point and n >= 8:
+        specials = {
+            torch.float32: [0x80000000, 0x7FC00123, 0xFFA00001, 0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF],
+            torch.float16: [0x8000, 0x7E01, 0xFC00, 0x7C00, 0x0001, 0x83FF, 0xFD55],
+            torch.bfloat16: [0x8000, 0x7FC1, 0xFF81, 0x7F80, 0xFF80, 0x0001, 0x807F],
+        }.get(dtype)
+        if specials is not None:
+            ints = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+            vals = torch.tensor([v - (1 << 8 * dtype.itemsize) if v >= 1 << (8 * dtype.itemsize - 1) else v
+                                 for v in specials], dtype=ints, device="cuda")
+            t.view(ints)[: len(specials)] = vals
+    return t
+
+
+def _inputs_of_all_ranks(shape, dtype, seed, world):
+    out = []
+    for r in range(world):
+        gen = torch.Generator(device="cuda").manual_seed(seed * 131 + r)
+        numel = 1
+        for s in shape:
+            numel *= s
+        out.append(_special_values(numel, dtype, gen).view(shape))
+    return out
+
+
+def _nccl_path(comm, x, dim):
+    """What the NCCL fallback returns (all_gather_into_tensor, then moved)."""
+    if x.dtype == torch.bool or x.dtype.itemsize == 1:
+        y = comm._nccl_all_gather(x.view(torch.uint8) if x.dtype != torch.bool else x.view(torch.uint8), dim)
+        return y.view(x.dtype)
+    return comm._nccl_all_gather(x, dim)
+
+
+CASES = (
+    [((n, 1024), torch.bfloat16) for n in range(1, 49)]
+    + [((1, 32768), torch.bfloat16), ((1, 16), torch.float32), ((8, 16), torch.float32), ((8, 2), torch.float32),
+       ((37, 64), torch.int32), ((16, 48), torch.int8), ((24, 40), torch.bool), ((40, 24), torch.float8_e4m3fn),
+       ((3, 5, 8), torch.float16), ((7, 4), torch.int64), ((4, 6), torch.uint8)]
+)
+
+
+def _check(comm, shape, dtype, dim, seed, world, rank, what, algo=None):
+    xs = _inputs_of_all_ranks(shape, dtype, seed, world)
+    x = xs[rank]
+    if algo is None:
+        y = comm.all_gather(x, dim)
+    else:
+        y = torch.ops.tpcomm.custom_all_gather(x, dim, comm.handle, algo)
+    _assert_same_bits(y, torch.cat(xs, dim), f"{what} vs torch.cat")
+    _assert_same_bits(y, _nccl_path(comm, x, dim), f"{what} vs NCCL path")
+    return y
+
+
+def body_shapes_dtypes_dims(rank, world):
+    comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    seed = 0
+    routes = set()
+    for shape, dtype in CASES:
+        for dim in (0, 1, -1):
+            seed += 1
+            x = torch.empty(shape, dtype=dtype, device="cuda")
+            routes.add(comm.route_all_gather(x, dim))
+            _check(comm, shape, dtype, dim, seed, world, rank, f"{shape} {dtype} dim {dim}")
+    assert "packet" in routes, routes
+    # transposed (non-contiguous) input
+    xs = _inputs_of_all_ranks((64, 48), torch.bfloat16, 999, world)
+    for dim in (0, 1):
+        y = comm.all_gather(xs[rank].t(), dim)
+        _assert_same_bits(y, torch.cat([t.t() for t in xs], dim), f"transposed dim {dim}")
+    comm.close()
+
+
+def body_size_bands(rank, world):
+    """Just below and above every threshold: packet cutover, packet cap, cap."""
+    max_bytes = 4 * MiB
+    comm = tpcomm.Communicator(max_bytes=max_bytes, packet_max_bytes=1 * MiB)
+    cut = tpcomm.policy.packet_cutover("all_gather", world)
+    per_rank_cap = max_bytes // world
+    seen = {}
+    for nbytes in (cut - 16, cut, cut + 16, 1 * MiB - 16, 1 * MiB, 1 * MiB + 16,
+                   per_rank_cap - 16, per_rank_cap, per_rank_cap + 16, 4, 12, 20):
+        if nbytes <= 0:
+            continue
+        shape = (nbytes // 4,)
+        x = torch.empty(shape, dtype=torch.float32, device="cuda")
+        seen[nbytes] = comm.route_all_gather(x, 0)
+        _check(comm, shape, torch.float32, 0, nbytes, world, rank, f"{nbytes} B per rank ({seen[nbytes]})")
+        if nbytes % 16 == 0 and nbytes * world <= max_bytes:
+            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
+                if algo == tpcomm._lib.ALGO_PACKET and nbytes > comm.packet_max_bytes:
+                    continue
+                _check(comm, shape, torch.float32, 0, nbytes + 7, world, rank, f"{nbytes} B forced {algo}", algo)
+    assert seen[cut] == "packet" and seen[cut + 16] == "bulk", seen
+    assert seen[per_rank_cap + 16] == "nccl", seen
+    comm.close()
+
+
+def body_graph_replays(rank, world):
+    comm = tpcomm.Communicator()
+    shapes = [((8, 1024), torch.bfloat16, 1), ((1, 32768), torch.bfloat16, 0), ((512, 1024), torch.bfloat16, -1),
+              ((2048, 1024), torch.float16, 0), ((8, 2), torch.float32, 1), ((24, 40), torch.bool, 0)]
+    static = [torch.zeros(s, dtype=d, device="cuda") for s, d, _ in shapes]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            outs = [comm.all_gather(x, dim) for x, (_, _, dim) in zip(static, shapes)]
+    for replay in range(25):
+        refs = []
+        for i, (x, (shape, dtype, dim)) in enumerate(zip(static, shapes)):
+            xs = _inputs_of_all_ranks(shape, dtype, 1000 * replay + i, world)
+            x.copy_(xs[rank])
+            refs.append(torch.cat(xs, dim))
+        graph.replay()
+        for i, (y, ref) in enumerate(zip(outs, refs)):
+            _assert_same_bits(y, ref, f"replay {replay} case {i}")
+        if replay % 5 == 0:
+            _check(comm, (4, 256), torch.bfloat16, 0, replay, world, rank, f"eager after replay {replay}")
+    comm.check()
+    comm.close()
+
+
+def body_size_mismatch(rank, world):
+    comm = tpcomm.Communicator(timeout_s=2.0)
+    x = torch.ones(256 if rank == 0 else 512, dtype=torch.int32, device="cuda")
+    comm.all_gather(x)
+    torch.cuda.synchronize()
+    with pytest.raises(tpcomm.TpcommError, match="different op or size"):
+        comm.check()
+    comm.close()
+
+
+@pytest.mark.parametrize("body", [body_shapes_dtypes_dims, body_size_bands, body_graph_replays, body_size_mismatch],
+                         ids=lambda f: f.__name__[5:])
+def test_all_gather(body):
+    harness.run(body)

@@ -1,0 +1,428 @@
+"""tpcomm.Communicator on CPU tensors: every call falls back to torch.distributed
+(gloo here), so its results, argument checks and life cycle are tested with
+real multi-process groups on a machine without a GPU.
+
+Each multi-process test spawns its ranks with torch.multiprocessing; a child
+that fails an assertion raises, torch.multiprocessing re-raises it in the
+parent, and the test fails with the child's traceback. A run that does not
+finish within RUN_TIMEOUT_S is killed and fails.
+"""
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tpcomm
+from tpcomm import policy
+
+KiB = 1024
+MiB = 1024 * KiB
+RUN_TIMEOUT_S = 60
+
+
+# ------------------------------------------------------------------ harness
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, body, env, errors):
+    """Runs in each spawned rank: joins a gloo group and runs body(rank, world_size).
+    A failure is also put on `errors`, so the parent can show every rank's
+    traceback (the first rank to die is often a peer that only lost its
+    connection, not the one that failed)."""
+    try:
+        os.environ.update(env)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        try:
+            body(rank, world_size)
+            dist.barrier()  # nobody leaves while a peer still needs it
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_ranks(world_size, body, env=None, timeout=RUN_TIMEOUT_S):
+    """Runs body(rank, world_size) in world_size spawned processes; fails with
+    every failing rank's traceback, or if they take longer than `timeout`."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.start_processes(_entry, args=(world_size, _free_port(), body, dict(env or {}), errors),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
+    except Exception as e:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(reports))
+        pytest.fail(f"{type(e).__name__}: {str(e).strip()[:2000]}\n{details}", pytrace=False)
+
+
+# ------------------------------------------------------- per-rank test data
+
+def exact_values(rank, shape, dtype, seed=0):
+    """Rank-dependent values whose sums over ranks are exact in `dtype` in any
+    order (so gloo's summation order cannot change a bit)."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.randint(-8, 9, shape, generator=g).to(dtype)
+    if dtype.is_floating_point:
+        return (torch.randint(-4000, 4001, shape, generator=g).to(torch.float64) / 4).to(dtype)
+    return torch.randint(-10**12, 10**12, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def expected_sum(world_size, shape, dtype, seed=0, ranks=None):
+    ranks = range(world_size) if ranks is None else ranks
+    total = torch.zeros(shape, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+    for r in ranks:
+        total += exact_values(r, shape, dtype, seed).to(total.dtype)
+    return total.to(dtype)
+
+
+def assert_bits_equal(actual, expected, what):
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+
+
+# -------------------------------------------------------------- rank bodies
+
+def _check_all_reduce(comm, rank, world_size):
+    dtypes = [torch.float32, torch.int64, torch.float16, torch.bfloat16, torch.float64, torch.int32]
+    for seed, dtype in enumerate(dtypes):
+        for shape in [(4,), (5, 8), (3, 4, 16)]:
+            x = exact_values(rank, shape, dtype, seed)
+            x_before = x.clone()
+            y = comm.all_reduce(x)
+            assert_bits_equal(y, expected_sum(world_size, shape, dtype, seed), f"all_reduce {dtype} {shape}")
+            assert_bits_equal(x, x_before, "out-of-place all_reduce changed its input")
+            assert y.data_ptr() != x.data_ptr()
+
+    # out=x: in place, returns x itself
+    x = exact_values(rank, (6, 16), torch.float32, seed=11)
+    y = comm.all_reduce(x, out=x)
+    assert y is x
+    assert_bits_equal(x, expected_sum(world_size, (6, 16), torch.float32, seed=11), "all_reduce out=x")
+
+    # out=another tensor: written and returned, input untouched
+    x = exact_values(rank, (6, 16), torch.int64, seed=12)
+    x_before = x.clone()
+    out = torch.full_like(x, 7)
+    y = comm.all_reduce(x, out=out)
+    assert y is out
+    assert_bits_equal(out, expected_sum(world_size, (6, 16), torch.int64, seed=12), "all_reduce out=")
+    assert_bits_equal(x, x_before, "all_reduce out= changed its input")
+
+    # non-contiguous inputs: a transposed view and a strided slice
+    base = exact_values(rank, (8, 6), torch.float32, seed=13)
+    base_before = base.clone()
+    y = comm.all_reduce(base.t())
+    assert_bits_equal(y, expected_sum(world_size, (8, 6), torch.float32, seed=13).t(), "transposed all_reduce")
+    assert_bits_equal(base, base_before, "transposed all_reduce changed its input")
+    y = comm.all_reduce(base[:, ::2])
+    assert_bits_equal(y, expected_sum(world_size, (8, 6), torch.float32, seed=13)[:, ::2], "strided all_reduce")
+
+    # routing: everything goes to torch.distributed on CPU, whatever the size
+    for n in (4, 64, 256 * KiB // 4, MiB // 4):
+        assert comm.route_all_reduce(torch.empty(n)) == "nccl"
+
+
+def _check_all_gather(comm, rank, world_size):
+    cases = [((7,), [0, -1]), ((3, 4), [0, 1, -1, -2]), ((2, 3, 5), [0, 1, 2, -1])]
+    for seed, dtype in enumerate([torch.float32, torch.int64, torch.float16, torch.uint8]):
+        for shape, dims in cases:
+            x = exact_values(rank, shape, dtype, seed)
+            x_before = x.clone()
+            parts = [exact_values(r, shape, dtype, seed) for r in range(world_size)]
+            for dim in dims:
+                y = comm.all_gather(x, dim=dim)
+                assert_bits_equal(y, torch.cat(parts, dim), f"all_gather {dtype} {shape} dim={dim}")
+                assert y.is_contiguous()
+                assert comm.route_all_gather(x, dim) == "nccl"
+            assert_bits_equal(x, x_before, "all_gather changed its input")
+    # default dim is 0
+    x = exact_values(rank, (2, 3), torch.float32, seed=20)
+    parts = [exact_values(r, (2, 3), torch.float32, seed=20) for r in range(world_size)]
+    assert_bits_equal(comm.all_gather(x), torch.cat(parts, 0), "all_gather default dim")
+    # a non-contiguous input
+    base = exact_values(rank, (4, 6), torch.float32, seed=21)
+    parts = [exact_values(r, (4, 6), torch.float32, seed=21).t() for r in range(world_size)]
+    for dim in (0, 1, -1):
+        assert_bits_equal(comm.all_gather(base.t(), dim=dim), torch.cat(parts, dim), f"transposed all_gather dim={dim}")
+
+
+def _check_errors(comm, rank, world_size):
+    x = torch.ones(4, 4)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.all_reduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.all_reduce(x, out="nope")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.all_gather(3.0)
+    with pytest.raises(ValueError, match="shape and dtype"):
+        comm.all_reduce(x, out=torch.empty(16))
+    with pytest.raises(ValueError, match="shape and dtype"):
+        comm.all_reduce(x, out=torch.empty(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shape and dtype"):
+        comm.all_reduce(x, out=torch.empty(4, 8)[:, ::2])  # not contiguous
+    with pytest.raises(ValueError, match="meta"):
+        comm.all_reduce(torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        comm.all_gather(torch.tensor(1.0))
+    for dim in (2, -3, 100):
+        with pytest.raises(IndexError, match="out of range"):
+            comm.all_gather(x, dim=dim)
+    # constructor arguments are checked before any collective
+    for kwargs in ({"max_bytes": 10}, {"max_bytes": 0}, {"packet_max_bytes": 24}, {"timeout_s": 0}):
+        with pytest.raises(ValueError):
+            tpcomm.Communicator(device="cpu", **kwargs)
+    # the communicator still works after all of those
+    y = comm.all_reduce(torch.full((4,), float(rank)))
+    assert_bits_equal(y, torch.full((4,), float(sum(range(world_size)))), "all_reduce after errors")
+
+
+def _check_disabled(comm, reason_needle):
+    assert comm.enabled is False
+    assert comm.handle == 0
+    assert reason_needle in comm.disabled_reason, comm.disabled_reason
+    assert "NCCL only" in repr(comm)
+    comm.check()  # nothing to check without the custom path
+    # every rank holds the same verdict
+    reasons = [None] * comm.world_size
+    dist.all_gather_object(reasons, comm.disabled_reason, group=comm.group)
+    assert len(set(reasons)) == 1, reasons
+
+
+def _check_close(comm, rank, world_size):
+    with comm.capture() as c:
+        assert c is comm
+        y = comm.all_reduce(torch.ones(4))
+    assert_bits_equal(y, torch.full((4,), float(world_size)), "all_reduce in capture()")
+    comm.close()
+    comm.close()  # twice is fine
+    assert "closed" in repr(comm)
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_reduce(torch.ones(4))
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_gather(torch.ones(4))
+    with pytest.raises(RuntimeError, match="closed"):
+        with comm.capture():
+            pass
+
+
+def _body_main(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    assert comm.rank == rank and comm.world_size == world_size
+    assert comm.device == torch.device("cpu")
+    _check_disabled(comm, "cpu")
+    assert comm.disabled_reason.startswith("rank 0: ")
+    _check_all_reduce(comm, rank, world_size)
+    _check_all_gather(comm, rank, world_size)
+    _check_errors(comm, rank, world_size)
+    # a second communicator on the same group works alongside the first
+    other = tpcomm.Communicator(device=torch.device("cpu"))
+    x = exact_values(rank, (16,), torch.float32, seed=30)
+    assert_bits_equal(other.all_reduce(x), expected_sum(world_size, (16,), torch.float32, seed=30), "second communicator")
+    other.close()
+    _check_close(comm, rank, world_size)
+
+
+def _body_subgroup(rank, world_size):
+    """A Communicator over a subgroup reduces over that subgroup only."""
+    members = [0, world_size - 1]
+    group = dist.new_group(members)  # collective: every rank calls it
+    if rank in members:
+        comm = tpcomm.Communicator(group, device="cpu")
+        assert comm.world_size == 2
+        assert comm.rank == members.index(rank)
+        assert comm.enabled is False
+        x = exact_values(rank, (3, 16), torch.float32, seed=40)
+        y = comm.all_reduce(x)
+        assert_bits_equal(y, expected_sum(world_size, (3, 16), torch.float32, seed=40, ranks=members), "subgroup all_reduce")
+        g = comm.all_gather(x, dim=1)
+        assert_bits_equal(g, torch.cat([exact_values(r, (3, 16), torch.float32, seed=40) for r in members], 1),
+                          "subgroup all_gather")
+        comm.close()
+
+
+def _body_disabled_by_env(rank, world_size):
+    assert os.environ.get("TPCOMM_DISABLE") == "1"
+    comm = tpcomm.Communicator(device="cpu")
+    _check_disabled(comm, "TPCOMM_DISABLE")
+    assert comm.disabled_reason == "rank 0: disabled by TPCOMM_DISABLE"
+    y = comm.all_reduce(torch.full((8,), float(rank + 1)))
+    assert_bits_equal(y, torch.full((8,), float(world_size * (world_size + 1) // 2)), "all_reduce when disabled")
+    comm.close()
+
+
+# ------------------------------------------------------------------- tests
+
+def test_two_ranks():
+    run_ranks(2, _body_main)
+
+
+def test_three_ranks():
+    run_ranks(3, _body_main)
+
+
+def test_subgroup_of_three_ranks():
+    run_ranks(3, _body_subgroup)
+
+
+def test_disabled_by_env():
+    run_ranks(2, _body_disabled_by_env, env={"TPCOMM_DISABLE": "1"})
+
+
+def _body_fails(rank, world_size):
+    if rank == 1:
+        raise AssertionError("rank 1 fails on purpose")
+
+
+def test_harness_reports_child_failures():
+    """A child's failed assertion fails the test (guards the harness itself)."""
+    with pytest.raises(pytest.fail.Exception, match="(?s)--- rank 1 ---.*rank 1 fails on purpose"):
+        run_ranks(2, _body_fails)
+
+
+def _body_hangs(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+
+
+def test_harness_kills_hung_ranks():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 10 s"):
+        run_ranks(2, _body_hangs, timeout=10)
+    assert time.monotonic() - start < 40
+
+
+def test_needs_torch_distributed():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        tpcomm.Communicator(device="cpu")
+
+
+# ---------------------------------------- routing of an enabled communicator
+#
+# The routing decisions are plain Python over sizes; they are checked here on
+# a Communicator whose set-up is skipped and that pretends to be enabled.
+
+# Explicit tables, so these tests do not move when the shipped ones are re-tuned.
+TABLES = {
+    "all_reduce": {2: [(256 * KiB, "packet"), (16 * MiB, "bulk")],
+                   "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")]},
+    "all_gather": {2: [(256 * KiB, "packet"), (16 * MiB, "bulk")],
+                   "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")]},
+}
+
+
+def _routing_comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, tables=TABLES):
+    comm = object.__new__(tpcomm.Communicator)
+    comm.world_size = world_size
+    comm.max_bytes = max_bytes
+    comm.packet_max_bytes = packet_max_bytes
+    comm.tables = tables
+    comm.handle = 0x1000  # "enabled"
+    return comm
+
+
+def _t(nbytes, dtype=torch.float32, shape=None):
+    esize = torch.empty((), dtype=dtype).element_size()
+    return torch.empty(shape or (nbytes // esize,), dtype=dtype, device="meta")
+
+
+def test_route_all_reduce():
+    c = _routing_comm()
+    assert c.enabled
+    assert c.route_all_reduce(_t(16)) == "packet"
+    assert c.route_all_reduce(_t(256 * KiB)) == "packet"
+    assert c.route_all_reduce(_t(256 * KiB + 16)) == "bulk"
+    assert c.route_all_reduce(_t(16 * MiB)) == "bulk"
+    assert c.route_all_reduce(_t(16 * MiB + 16)) == "nccl"
+    assert c.route_all_reduce(_t(1024, torch.bfloat16)) == "packet"
+    assert c.route_all_reduce(_t(1024, torch.float16)) == "packet"
+    # dtypes the kernels do not reduce, sizes they do not take
+    assert c.route_all_reduce(_t(1024, torch.int64)) == "nccl"
+    assert c.route_all_reduce(_t(1024, torch.float64)) == "nccl"
+    assert c.route_all_reduce(_t(20)) == "nccl"
+    assert c.route_all_reduce(_t(0)) == "nccl"
+    # the caps of this communicator win over the table
+    c = _routing_comm(max_bytes=1 * MiB, packet_max_bytes=64 * KiB)
+    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
+    assert c.route_all_reduce(_t(128 * KiB)) == "bulk"  # table says packet, over the packet cap
+    assert c.route_all_reduce(_t(1 * MiB)) == "bulk"
+    assert c.route_all_reduce(_t(1 * MiB + 16)) == "nccl"
+    # world size 4 uses the "other" rows
+    c = _routing_comm(world_size=4)
+    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
+    assert c.route_all_reduce(_t(64 * KiB + 16)) == "bulk"
+    # disabled: always NCCL
+    c.handle = 0
+    assert c.route_all_reduce(_t(16)) == "nccl"
+
+
+def test_route_all_gather():
+    c = _routing_comm()
+    assert c.route_all_gather(_t(1024, shape=(64, 4)), 0) == "packet"
+    assert c.route_all_gather(_t(1024, shape=(64, 4)), 1) == "packet"
+    big = (64 * KiB, 2)  # 512 KiB of fp32; rows of 8 bytes along dim 1
+    assert c.route_all_gather(_t(0, shape=big), 0) == "bulk"
+    assert c.route_all_gather(_t(0, shape=big), -1) == "packet"  # 8-byte rows: no bulk
+    assert c.route_all_gather(_t(0, shape=(32 * KiB, 4)), 1) == "bulk"  # 16-byte rows
+    # sizes or rows that are not a multiple of 4 bytes: NCCL
+    assert c.route_all_gather(_t(6, torch.uint8), 0) == "nccl"
+    assert c.route_all_gather(_t(0, torch.float16, shape=(4, 3)), 1) == "nccl"  # 6-byte rows
+    assert c.route_all_gather(_t(0, torch.float16, shape=(4, 3)), 0) == "packet"  # 24 bytes
+    assert c.route_all_gather(_t(0, torch.float16, shape=(0, 8)), 0) == "nccl"
+    # over the packet cap and bulk impossible: NCCL
+    c = _routing_comm(packet_max_bytes=64 * KiB)
+    assert c.route_all_gather(_t(0, shape=big), -1) == "nccl"
+    assert c.route_all_gather(_t(0, shape=big), 0) == "bulk"
+    # bulk output over max_bytes
+    c = _routing_comm(max_bytes=1 * MiB)
+    assert c.route_all_gather(_t(512 * KiB), 0) == "bulk"  # 2 x 512 KiB out: fits exactly
+    assert c.route_all_gather(_t(512 * KiB + 16), 0) == "packet"  # output too large: within the packet cap
+    c = _routing_comm(max_bytes=1 * MiB, packet_max_bytes=256 * KiB)
+    assert c.route_all_gather(_t(512 * KiB + 16), 0) == "nccl"  # neither kernel takes it
+    c.handle = 0
+    assert c.route_all_gather(_t(1024), 0) == "nccl"
+
+
+def test_route_default_tables():
+    """With the shipped tables, a size the table gives to a kernel goes to
+    that kernel (within the default caps), and past the table to NCCL."""
+    for world_size in (2, 4, 8):
+        c = _routing_comm(world_size=world_size, tables=policy.TABLES)
+        rows = policy.TABLES["all_reduce"].get(world_size, policy.TABLES["all_reduce"]["other"])
+        for limit, backend in rows:
+            assert c.route_all_reduce(_t(limit)) == backend
+        assert c.route_all_reduce(_t(rows[-1][0] + 16)) == "nccl"
+
+
+def test_route_misaligned_view_goes_to_nccl():
+    c = _routing_comm()
+    base = torch.zeros(1024 + 1)
+    x = base[1:]  # contiguous, 4 bytes past a 16-byte boundary
+    assert x.is_contiguous() and x.data_ptr() % 16 == 4
+    assert c.route_all_reduce(x) == "nccl"

@@ -1,0 +1,281 @@
+"""The built extension without a GPU: op registration and schemas, fake
+(meta) implementations, the C API through ctypes, and the routing tables."""
+import ctypes
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tpcomm
+from tpcomm import _fake, _lib, policy
+
+KiB = 1024
+MiB = 1024 * KiB
+
+SCHEMAS = {
+    "custom_all_reduce": "tpcomm::custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor",
+    "custom_all_reduce_out":
+        "tpcomm::custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()",
+    "custom_all_gather": "tpcomm::custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor",
+}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return tpcomm.load()
+
+
+@pytest.fixture
+def handle():
+    """A made-up communicator handle the fake ops know the world size of."""
+    made = []
+
+    def register(world_size):
+        h = 0x7F00_0000_0000 + 0x100 * len(made) + world_size
+        _fake.WORLD_SIZES[h] = world_size
+        made.append(h)
+        return h
+
+    yield register
+    for h in made:
+        _fake.WORLD_SIZES.pop(h, None)
+
+
+# ---------------------------------------------------------------- loading
+
+def test_extension_loads(lib):
+    assert isinstance(lib, ctypes.CDLL)
+    assert tpcomm.load() is lib  # loaded once
+    path = _lib.library_path()
+    assert path.endswith(".so") and "_C" in path
+    for name in SCHEMAS:
+        assert hasattr(torch.ops.tpcomm, name)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_op_schema(lib, name):
+    schema = getattr(torch.ops.tpcomm, name).default._schema
+    assert str(schema) == SCHEMAS[name]
+
+
+def test_out_is_mutable_and_nothing_else(lib):
+    out_schema = torch.ops.tpcomm.custom_all_reduce_out.default._schema
+    assert out_schema.arguments[1].name == "out"
+    assert out_schema.arguments[1].alias_info is not None
+    assert out_schema.arguments[1].alias_info.is_write
+    assert out_schema.arguments[0].alias_info is None  # input is only read
+    for name in ("custom_all_reduce", "custom_all_gather"):
+        schema = getattr(torch.ops.tpcomm, name).default._schema
+        assert all(a.alias_info is None for a in schema.arguments), name
+        assert not schema.is_mutable
+
+
+def test_ops_are_cuda_only(lib, handle):
+    """No CPU kernel is registered: a CPU tensor is refused by the dispatcher."""
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        torch.ops.tpcomm.custom_all_reduce(torch.zeros(16), handle(2), 0)
+
+
+# ------------------------------------------------------------- fake impls
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_fake_all_gather_shapes(lib, handle, world_size, dtype):
+    h = handle(world_size)
+    with FakeTensorMode():
+        x2 = torch.empty(3, 5, device="cuda", dtype=dtype)
+        x3 = torch.empty(2, 3, 7, device="cuda", dtype=dtype)
+        cases = [
+            (x2, 0, (3 * world_size, 5)),
+            (x2, 1, (3, 5 * world_size)),
+            (x2, -1, (3, 5 * world_size)),
+            (x2, -2, (3 * world_size, 5)),
+            (x3, 0, (2 * world_size, 3, 7)),
+            (x3, 1, (2, 3 * world_size, 7)),
+            (x3, -1, (2, 3, 7 * world_size)),
+        ]
+        for x, dim, shape in cases:
+            y = torch.ops.tpcomm.custom_all_gather(x, dim, h, 0)
+            assert tuple(y.shape) == shape, (x.shape, dim)
+            assert y.dtype == dtype
+            assert y.device.type == "cuda"
+            assert y.is_contiguous()
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_fake_all_reduce_keeps_shape_and_dtype(lib, handle, world_size):
+    h = handle(world_size)
+    with FakeTensorMode():
+        for shape, dtype in [((4, 8), torch.float32), ((3, 5, 16), torch.bfloat16), ((64,), torch.float16)]:
+            x = torch.empty(shape, device="cuda", dtype=dtype)
+            y = torch.ops.tpcomm.custom_all_reduce(x, h, 0)
+            assert tuple(y.shape) == shape and y.dtype == dtype and y.device == x.device
+            assert y.is_contiguous()
+            # a transposed input still gives a contiguous output of its shape
+            xt = torch.empty(8, 4, device="cuda", dtype=dtype).t()
+            yt = torch.ops.tpcomm.custom_all_reduce(xt, h, 1)
+            assert tuple(yt.shape) == (4, 8) and yt.is_contiguous()
+            out = torch.empty_like(x)
+            assert torch.ops.tpcomm.custom_all_reduce_out(x, out, h, 2) is None
+
+
+def test_fake_all_gather_errors(lib, handle):
+    h = handle(2)
+    with FakeTensorMode():
+        x = torch.empty(3, 5, device="cuda")
+        for dim in (2, -3, 7):
+            with pytest.raises(IndexError, match="out of range"):
+                torch.ops.tpcomm.custom_all_gather(x, dim, h, 0)
+        with pytest.raises(ValueError, match="at least one dimension"):
+            torch.ops.tpcomm.custom_all_gather(torch.empty((), device="cuda"), 0, h, 0)
+        with pytest.raises(ValueError, match="not an open communicator"):
+            torch.ops.tpcomm.custom_all_gather(x, 0, 12345, 0)
+
+
+def test_fake_ops_trace_with_make_fx(lib, handle):
+    """The fake impls let the ops be traced symbolically (what torch.compile needs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h = handle(4)
+
+    def f(x):
+        y = torch.ops.tpcomm.custom_all_reduce(x, h, 0)
+        return torch.ops.tpcomm.custom_all_gather(y, -1, h, 0)
+
+    with FakeTensorMode():
+        x = torch.empty(2, 8, device="cuda")
+        gm = make_fx(f, tracing_mode="fake")(x)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.tpcomm.custom_all_reduce.default in targets
+    assert torch.ops.tpcomm.custom_all_gather.default in targets
+
+
+# ---------------------------------------------------------- C API (ctypes)
+
+def _config(rank=0, world_size=2, device=0, max_bytes=1 * MiB, packet_max_bytes=64 * KiB,
+            timeout_ns=10**9):
+    return _lib.Config(rank, world_size, device, max_bytes, packet_max_bytes, timeout_ns)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
+def test_c_create_fails_without_gpu(lib):
+    comm = ctypes.c_void_p(1234)
+    cfg = _config()
+    code = lib.tpc_comm_create(ctypes.byref(cfg), ctypes.byref(comm))
+    assert code == _lib.ERR_RUNTIME == 2
+    assert comm.value is None  # *comm_out is cleared
+    message = lib.tpc_comm_last_error(None).decode()
+    assert "failed" in message
+    assert "runtime error" in message
+    with pytest.raises(tpcomm.TpcommError) as info:
+        _lib.check(lib, None, code, "create")
+    assert info.value.code == _lib.ERR_RUNTIME
+    assert "GPU runtime error" in str(info.value) and "failed" in str(info.value)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("world_size", 1, "world_size"),
+    ("world_size", 9, "world_size"),
+    ("rank", 2, "rank 2"),
+    ("rank", -1, "rank -1"),
+    ("max_bytes", 1000, "max_bytes 1000"),
+    ("packet_max_bytes", 8, "packet_max_bytes 8"),
+    ("timeout_ns", 0, "timeout_ns"),
+])
+def test_c_create_invalid_config(lib, field, value, needle):
+    cfg = _config()
+    setattr(cfg, field, value)
+    comm = ctypes.c_void_p()
+    code = lib.tpc_comm_create(ctypes.byref(cfg), ctypes.byref(comm))
+    assert code == _lib.ERR_INVALID_ARG
+    assert comm.value is None
+    assert needle in lib.tpc_comm_last_error(None).decode()
+
+
+def test_c_result_strings(lib):
+    codes = [_lib.OK, _lib.ERR_INVALID_ARG, _lib.ERR_RUNTIME, _lib.ERR_PEER, _lib.ERR_STATE,
+             _lib.ERR_TIMEOUT, _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE]
+    assert codes == list(range(8))
+    strings = [lib.tpc_result_string(c).decode() for c in codes]
+    assert all(s.strip() for s in strings)
+    assert len(set(strings)) == len(strings)
+    assert "unknown" in lib.tpc_result_string(42).decode()
+
+
+def test_c_null_communicator(lib):
+    assert lib.tpc_comm_destroy(None) == _lib.OK
+    assert lib.tpc_comm_ready(None) == _lib.ERR_INVALID_ARG
+    assert lib.tpc_comm_buffer_bytes(None) == 0
+    assert lib.tpc_comm_open_peer_count(None) == 0
+    err = _lib.AsyncError()
+    assert lib.tpc_comm_async_error(None, ctypes.byref(err)) == _lib.ERR_INVALID_ARG
+
+
+def test_ctypes_structs_match_the_header():
+    # csrc/tpcomm.h: tpc_config is int, int, int, size_t, size_t, uint64_t
+    assert ctypes.sizeof(_lib.Config) == 3 * 4 + 4 + 8 + 8 + 8  # one pad after device
+    assert _lib.Config.max_bytes.offset == 16
+    assert ctypes.sizeof(_lib.AsyncError) == 16
+    assert (_lib.ALGO_AUTO, _lib.ALGO_PACKET, _lib.ALGO_BULK) == (0, 1, 2)
+    assert _lib.IPC_HANDLE_BYTES == 64 and _lib.MAX_RANKS == 8
+
+
+# ------------------------------------------------------------------ policy
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_policy_boundaries(op, world_size):
+    rows = policy.TABLES[op].get(world_size, policy.TABLES[op]["other"])
+    assert rows == sorted(rows, key=lambda r: r[0])
+    for i, (limit, backend) in enumerate(rows):
+        assert policy.choose(op, world_size, limit) == backend
+        following = rows[i + 1][1] if i + 1 < len(rows) else "nccl"
+        assert policy.choose(op, world_size, limit + 1) == following
+    assert policy.choose(op, world_size, 0) == rows[0][1]
+    assert policy.choose(op, world_size, 1) == rows[0][1]
+    assert policy.choose(op, world_size, rows[-1][0] * 4) == "nccl"
+
+
+def test_policy_default_tables():
+    """The shipped tables (numbers come from benchmarks and change with them):
+    both ops, a fallback row set, increasing limits, packet rows before bulk
+    rows, and nothing past the Communicator's default max_bytes (16 MiB)."""
+    assert set(policy.TABLES) == {"all_reduce", "all_gather"}
+    assert policy.TABLES["all_reduce"] is policy.ALL_REDUCE
+    assert policy.TABLES["all_gather"] is policy.ALL_GATHER
+    for op, table in policy.TABLES.items():
+        assert "other" in table
+        for world_size, rows in table.items():
+            assert world_size == "other" or 2 <= world_size <= 8
+            limits = [limit for limit, _ in rows]
+            backends = [backend for _, backend in rows]
+            assert limits == sorted(set(limits)) and limits[0] > 0, (op, world_size)
+            assert set(backends) <= {"packet", "bulk"}, (op, world_size)
+            assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world_size)
+            assert limits[-1] <= 16 * MiB
+            # every limit is a multiple of 16: sizes the kernels can take
+            assert all(limit % 16 == 0 for limit in limits)
+            packet = [limit for limit, backend in rows if backend == "packet"]
+            cutover = policy.packet_cutover(op, world_size if world_size != "other" else 99)
+            assert cutover == (max(packet) if packet else 0)
+            assert cutover <= 1 * MiB  # within the default packet_max_bytes
+
+
+def test_policy_custom_tables():
+    tables = {
+        "all_reduce": {3: [(100, "bulk"), (200, "packet"), (300, "bulk")],
+                       "other": [(10, "bulk")]},
+        "all_gather": {"other": [(32, "packet"), (64, "packet"), (128, "bulk")]},
+    }
+    assert policy.choose("all_reduce", 3, 100, tables) == "bulk"
+    assert policy.choose("all_reduce", 3, 101, tables) == "packet"
+    assert policy.choose("all_reduce", 3, 201, tables) == "bulk"
+    assert policy.choose("all_reduce", 3, 301, tables) == "nccl"
+    assert policy.choose("all_reduce", 2, 10, tables) == "bulk"
+    assert policy.choose("all_reduce", 2, 11, tables) == "nccl"
+    # the cutover is the largest size routed to the packet kernel, 0 when none is
+    assert policy.packet_cutover("all_reduce", 3, tables) == 200
+    assert policy.packet_cutover("all_reduce", 5, tables) == 0
+    assert policy.packet_cutover("all_gather", 2, tables) == 64
+    assert policy.choose("all_gather", 7, 64, tables) == "packet"
+    assert policy.choose("all_gather", 7, 65, tables) == "bulk"
