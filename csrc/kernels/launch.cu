@@ -47,29 +47,46 @@ static unsigned tpc_packet_threads(uint64_t items) {
                                                                            : TPC_PACKET_FAT_THREADS;
 }
 
+typedef void (*tpc_kernel)(tpc_kernel_args);
+
+/* Launches with programmatic stream serialisation where CUDA has it: the
+ * kernel may begin while the previous one finishes and waits for it in
+ * tpc_grid_wait (see portability.cuh). */
+static int tpc_launch(tpc_kernel kernel, tpc_geometry g, const tpc_kernel_args *args, void *stream) {
+#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__) || defined(TPC_NO_PDL)
+  kernel<<<g.blocks, g.threads, 0, (cudaStream_t)stream>>>(*args);
+  return TPC_LAUNCH_ERROR();
+#else
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(g.blocks);
+  cfg.blockDim = dim3(g.threads);
+  cfg.stream = (cudaStream_t)stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, *args);
+#endif
+}
+
 extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream) {
-  const cudaStream_t s = (cudaStream_t)stream;
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
-    tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
-    tpc_all_reduce_packet_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
-  } else {
-    /* two-shot: the busiest phase handles one rank's chunk */
-    tpc_geometry g = tpc_geometry_for(args->nbytes / 16 / args->world, 512, TPC_MAX_BLOCKS);
-    tpc_all_reduce_bulk_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+    return tpc_launch(tpc_all_reduce_packet_kernel,
+                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
   }
-  return TPC_LAUNCH_ERROR();
+  /* two-shot: the busiest phase handles one rank's chunk */
+  return tpc_launch(tpc_all_reduce_bulk_kernel,
+                    tpc_geometry_for(args->nbytes / 16 / args->world, 512, TPC_MAX_BLOCKS), args, stream);
 }
 
 extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {
-  const cudaStream_t s = (cudaStream_t)stream;
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = (args->nbytes / 4 + 1) / 2;
-    tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
-    tpc_all_gather_packet_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
-  } else {
-    tpc_geometry g = tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS);
-    tpc_all_gather_bulk_kernel<<<g.blocks, g.threads, 0, s>>>(*args);
+    return tpc_launch(tpc_all_gather_packet_kernel,
+                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
   }
-  return TPC_LAUNCH_ERROR();
+  return tpc_launch(tpc_all_gather_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
+                    args, stream);
 }

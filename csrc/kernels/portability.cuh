@@ -92,6 +92,24 @@ TPC_DEVICE void tpc_fence_system(void) {
 #endif
 }
 
+/* Programmatic dependent launch (Hopper and later): kernels are launched
+ * allowed to start before the previous kernel on the stream has finished, so
+ * their launch overlaps its tail. tpc_grid_wait() blocks until that kernel has
+ * completed and its writes are visible: called before anything reads memory.
+ * tpc_grid_release() lets the next kernel start launching now. No-ops where
+ * the hardware lacks it (the launch then behaves as an ordinary one). */
+TPC_DEVICE void tpc_grid_wait(void) {
+#if !defined(TPC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+TPC_DEVICE void tpc_grid_release(void) {
+#if !defined(TPC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /* 0, computed from v in a way the compiler cannot see through: an operation
  * using it cannot issue before v has been loaded. */
 TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {

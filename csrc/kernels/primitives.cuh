@@ -64,6 +64,8 @@ typedef struct {
  * release their slots to the peers, which needs every block done reading. */
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
   __shared__ uint32_t block_epoch;
+  tpc_grid_wait();    /* the previous kernel's writes (epoch, input) are visible */
+  tpc_grid_release(); /* and the next kernel may start launching behind us */
   tpc_op op;
   op.sig = tpc_signals_of(a, a->rank);
   op.err = a->err;
