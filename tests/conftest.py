@@ -25,7 +25,7 @@ ENV_DEFAULTS = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 for _name, _value in ENV_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+    os.environ[_name] = _value  # forced, never merely defaulted: multicast must stay off
 
 GPU_SKIP_REASON = "needs 2 CUDA GPUs (run on the device machine: see README)"
 GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep
