@@ -8,6 +8,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -54,7 +55,7 @@ def run(fn, *args, world=None, timeout_s=150):
             if time.monotonic() > deadline:
                 failure = f"GPU test still running after {timeout_s} s (killed)"
                 break
-    except mp.ProcessException as e:  # raised in a child, or a child crashed
+    except ProcessException as e:  # raised in a child, or a child crashed
         failure = str(e)
     finally:
         for p in procs.processes:

@@ -1,56 +1,205 @@
-"""python -m tpcomm.bench: tpcomm against NCCL on every visible GPU.
+"""python -m tpcomm.bench: tpcomm against NCCL and torch's symmetric memory on
+every visible GPU.
 
-One process per GPU (spawned here, or one per rank under torchrun). For each
-op, backend, dtype, size and mode it records the median time per op: "graph"
-captures `--ops-per-graph` back-to-back ops in one CUDA graph and takes the
-median over `--replays` replays divided by the op count; "eager" times the same
-number of plain calls. Every backend is warmed up, checked against NCCL once,
-and timed after a barrier; the figure kept is the slowest rank's median.
-Writes a table to the terminal and JSON to benchmarks/results/<gpu>x<n>.json.
+One process per GPU (spawned here, or one per rank under torchrun). For every
+op (all_reduce, all_gather), dtype, size and backend it records the median
+time per op in two modes: "graph" captures N back-to-back ops in one CUDA
+graph and takes the median over --replays replays divided by N; "eager" times
+N plain calls, --eager-reps times. N is --ops-per-graph up to --large-bytes
+per rank and --ops-per-graph-large above. Every backend is warmed up, checked
+bit for bit on integer-valued data and timed after a barrier; the figure kept
+is the slowest rank's median.
+
+Backends: nccl (torch.distributed), nccl_window (NCCL symmetric kernels on a
+MemPool registered with ProcessGroupNCCL.register_mem_pool(pool, symm=True)),
+symm_one_shot / symm_two_shot (torch.ops.symm_mem.one_shot_all_reduce /
+two_shot_all_reduce_, all_reduce only), tpcomm (the dispatcher's choice),
+tpcomm_packet, tpcomm_bulk (kernels forced). A backend that cannot run a case
+is listed under "not run" with the reason; the run goes on. NVLink multicast
+stays off throughout.
+
+Writes tables to the terminal (bandwidth for sizes >= 1 MiB under each),
+JSON to benchmarks/results/<gpu>x<n>.json (or --out) and PNG figures next to
+it (<stem>_<op>_<mode>.png, <stem>_speedup.png; python -m tpcomm.bench.plots
+redraws them). With fewer than 2 GPUs it prints the environment and exits 0.
 """
 import argparse
 import os
+import signal
 import sys
+import time
 
-from . import measure
+from . import report
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tpcomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="all_reduce,all_gather", help="comma-separated ops")
-    p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16,float16,float32")
-    p.add_argument("--min-bytes", type=int, default=64, help="smallest size per rank")
-    p.add_argument("--max-bytes", type=int, default=16 << 20, help="largest size per rank")
+    p.add_argument("--ops", default="all_reduce,all_gather", help="comma-separated ops (default: both)")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32",
+                   help="comma-separated: bfloat16,float16,float32 (or bf16,fp16,fp32)")
+    p.add_argument("--min-bytes", type=int, default=64, help="smallest size per rank (default 64)")
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size per rank (default 64 MiB)")
+    p.add_argument("--sizes-step", type=int, default=4,
+                   help="factor between consecutive sizes (default 4: 64 B, 256 B, 1 KiB, ..., 64 MiB)")
     p.add_argument("--modes", default="graph,eager")
     p.add_argument("--backends", default=None,
-                   help="comma-separated subset of: " + ",".join(measure.BACKENDS))
-    p.add_argument("--ops-per-graph", type=int, default=50)
-    p.add_argument("--replays", type=int, default=20)
+                   help="comma-separated subset of: " + ",".join(report.BACKENDS) + " (default: all)")
+    p.add_argument("--ops-per-graph", type=int, default=50, help="ops per graph / eager run up to --large-bytes")
+    p.add_argument("--ops-per-graph-large", type=int, default=10, help="ops per graph / eager run above it")
+    p.add_argument("--large-bytes", type=int, default=1 << 20, help="size per rank above which ops are fewer")
+    p.add_argument("--replays", type=int, default=20, help="graph replays timed (default 20)")
+    p.add_argument("--eager-reps", type=int, default=10, help="eager runs timed (default 10)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>x<n>.json)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and replays (smoke run)")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="x8 size steps, 5 replays, 3 eager runs (smoke run)")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
+    p.add_argument("--no-kernel-probe", action="store_true",
+                   help="skip recording the NCCL kernel names of nccl / nccl_window (torch.profiler)")
+    p.add_argument("--timeout-s", type=int, default=120,
+                   help="NCCL watchdog timeout of the process group: a hung rank is aborted after it")
+    p.add_argument("--deadline-s", type=int, default=330,
+                   help="the spawned ranks are stopped after this many seconds (partial results are kept, "
+                        "tables and figures drawn from them); keep it under any outer time limit")
+    args = p.parse_args(argv)
+    try:
+        report.parse_choices(args.ops, report.OPS, "op")
+        report.parse_dtypes(args.dtypes)
+        report.parse_choices(args.modes, report.MODES, "mode")
+        report.parse_choices(args.backends or ",".join(report.BACKENDS), report.BACKENDS, "backend")
+        report.size_list(args.min_bytes, args.max_bytes, args.sizes_step)
+        if min(args.ops_per_graph, args.ops_per_graph_large, args.replays, args.eager_reps) < 1:
+            raise ValueError("ops per graph, replays and eager reps must be at least 1")
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    for k, v in measure.MULTICAST_OFF.items():
+    for k, v in MULTICAST_OFF.items():
         os.environ[k] = v
     import torch
 
+    from . import measure
+
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        measure.worker(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), int(os.environ["WORLD_SIZE"]),
-                       None, args)
+        rank = int(os.environ["RANK"])
+        path = measure.worker(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ["WORLD_SIZE"]), None, args)
+        if rank == 0 and path and not args.no_plots:
+            make_plots(path)
         return 0
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver counts as no GPU
+        n = 0
     if n < 2:
         print(measure.environment_text(n))
         print(f"tpcomm.bench needs at least 2 CUDA GPUs on this machine; found {n}. Nothing to measure.")
+        print(f"not run: {', '.join(report.BACKENDS)}: needs at least 2 CUDA GPUs (found {n})")
         return 0
+    return spawn(n, args)
+
+
+def spawn(n, args, target=None):
+    """Runs one rank per GPU (target(rank, n, port, args, queue), default
+    measure.spawned_worker) under --deadline-s; then draws the figures.
+    Returns 0 when the results file is complete, else 1."""
     import torch.multiprocessing as mp
 
-    mp.spawn(measure.worker, args=(n, measure.free_port(), args), nprocs=n, join=True)
-    return 0
+    from . import measure
+
+    target = target or measure.spawned_worker
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    start = time.monotonic()
+    failure = None
+    procs = mp.start_processes(target, args=(n, measure.free_port(), args, queue), nprocs=n,
+                               join=False, start_method="spawn")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout`: keep what was measured
+    try:
+        while not procs.join(timeout=2.0):
+            if time.monotonic() - start > args.deadline_s:
+                failure = f"the ranks were still running after --deadline-s {args.deadline_s} s and were stopped"
+                _stop(procs.processes)
+                break
+    except _Terminated:
+        failure = "stopped by SIGTERM"
+        _stop(procs.processes)
+    except Exception as e:  # noqa: BLE001 - a rank raised or died: report, keep what was written
+        failure = f"a rank failed: {e}"
+        _stop(procs.processes)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    path = None
+    try:
+        while not queue.empty():
+            path = queue.get()
+    except Exception:  # noqa: BLE001
+        pass
+    complete = False
+    if path and os.path.exists(path):
+        try:
+            complete = bool(report.read_json(path).get("env", {}).get("complete"))
+        except Exception:  # noqa: BLE001
+            complete = False
+    if failure and complete:
+        print(f"\ntpcomm.bench: note: {failure}; the results in {path} are complete", flush=True)
+        failure = None
+    if failure:
+        print(f"\ntpcomm.bench: {failure}", flush=True)
+        if path and os.path.exists(path):
+            try:
+                data = report.read_json(path)
+                print(f"partial results ({len(data.get('rows', []))} rows) in {path}:")
+                print(report.format_tables(data))
+                if data.get("not_run"):
+                    print("\nnot run:")
+                    print(report.format_not_run(data["not_run"]))
+                print("\n" + report.format_summary(data))
+            except Exception as e:  # noqa: BLE001
+                print(f"could not read the partial results in {path}: {e}")
+        else:
+            print("no results file was written")
+    if path and os.path.exists(path) and not args.no_plots:
+        make_plots(path)
+    print(f"tpcomm.bench took {time.monotonic() - start:.0f} s", flush=True)
+    return 1 if failure else 0
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _stop(processes):
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def make_plots(path):
+    """Figures next to the JSON; a failure is reported, never raised."""
+    try:
+        from . import plots
+
+        for f in plots.render(report.read_json(path), plots.stem_for(path)):
+            print(f"wrote {f}")
+    except ImportError as e:
+        print(f"no figures: matplotlib is not importable ({e})")
+    except Exception as e:  # noqa: BLE001
+        print(f"no figures: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

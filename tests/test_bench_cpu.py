@@ -1,0 +1,428 @@
+"""tpcomm.bench without a GPU: the size list, the bandwidth formulas, the
+tables and the results file, the figures (when matplotlib is importable), the
+command on a machine without GPUs, and the measurement loop itself run on
+CPU tensors over gloo with fake timers (the CUDA-only backends must come out
+as "not run" with their reasons, never as a crash)."""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from tpcomm.bench import report
+
+KiB = 1024
+MiB = 1024 * KiB
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- sizes
+def test_default_size_list_is_x4_from_64_bytes_to_64_mib():
+    s = report.size_list(64, 64 * MiB, 4)
+    assert s[0] == 64 and s[-1] == 64 * MiB
+    assert len(s) == 11
+    assert all(b == 4 * a for a, b in zip(s, s[1:]))
+    assert s[:4] == [64, 256, 1 * KiB, 4 * KiB]
+
+
+def test_size_list_appends_the_maximum_and_checks_its_arguments():
+    assert report.size_list(64, 1000, 4) == [64, 256, 1000]
+    assert report.size_list(64, 64, 4) == [64]
+    assert report.size_list(64, 512, 2) == [64, 128, 256, 512]
+    for bad in ((0, 64, 4), (128, 64, 4), (64, 128, 1)):
+        with pytest.raises(ValueError):
+            report.size_list(*bad)
+
+
+def test_older_sizes_helper_still_works():
+    from tpcomm.bench import measure
+
+    assert measure.sizes(64, 512, False) == [64, 128, 256, 512]
+    assert measure.sizes(64, 1024, True) == [64, 512, 1024]
+
+
+def test_dtype_and_choice_parsing():
+    assert report.parse_dtypes("bf16,fp16,fp32") == ["bfloat16", "float16", "float32"]
+    assert report.parse_dtypes("bfloat16, bf16") == ["bfloat16"]
+    with pytest.raises(ValueError):
+        report.parse_dtypes("int8")
+    assert report.parse_choices("nccl,tpcomm", report.BACKENDS, "backend") == ["nccl", "tpcomm"]
+    with pytest.raises(ValueError):
+        report.parse_choices("nccl,gloo", report.BACKENDS, "backend")
+
+
+def test_human_bytes():
+    assert report.human_bytes(64) == "64 B"
+    assert report.human_bytes(1024) == "1 KiB"
+    assert report.human_bytes(64 * MiB) == "64 MiB"
+    assert report.human_bytes(1536) == "1.5 KiB"
+
+
+# ------------------------------------------------------------ bandwidth
+def test_algbw_definitions():
+    # all_reduce: bytes per rank over time; all_gather: world * bytes over time
+    assert report.algbw_gbps("all_reduce", 1_000_000, 2, 10.0) == pytest.approx(100.0)
+    assert report.algbw_gbps("all_gather", 1_000_000, 2, 10.0) == pytest.approx(200.0)
+    assert report.algbw_gbps("all_gather", 1_000_000, 4, 10.0) == pytest.approx(400.0)
+
+
+def test_link_bytes_and_peer_fraction():
+    assert report.link_bytes("all_reduce", 1000, 2) == pytest.approx(1000)
+    assert report.link_bytes("all_reduce", 1000, 4) == pytest.approx(1500)
+    assert report.link_bytes("all_gather", 1000, 2) == pytest.approx(1000)
+    assert report.link_bytes("all_gather", 1000, 4) == pytest.approx(3000)
+    # 1 MB over the link in 10 us is 100 GB/s: half of a 200 GB/s peer copy
+    assert report.peer_fraction("all_reduce", 1_000_000, 2, 10.0, 200.0) == pytest.approx(0.5)
+    assert report.peer_fraction("all_gather", 1_000_000, 4, 10.0, 600.0) == pytest.approx(0.5)
+    assert report.peer_fraction("all_reduce", 1_000_000, 2, 10.0, None) is None
+
+
+def test_add_bandwidth_only_from_one_mib():
+    rows = [_row("all_reduce", "nccl", "bfloat16", 64 * KiB, "graph", 5.0),
+            _row("all_reduce", "nccl", "bfloat16", 4 * MiB, "graph", 40.0),
+            _row("all_gather", "nccl", "bfloat16", 4 * MiB, "graph", 40.0)]
+    report.add_bandwidth(rows, 2, 400.0)
+    assert "algbw_gbps" not in rows[0] and "peer_fraction" not in rows[0]
+    assert rows[1]["algbw_gbps"] == pytest.approx(4 * MiB / 40e-6 / 1e9, rel=1e-3)
+    assert rows[2]["algbw_gbps"] == pytest.approx(2 * rows[1]["algbw_gbps"], rel=1e-3)
+    assert rows[1]["peer_fraction"] == pytest.approx(4 * MiB / 40e-6 / 400e9, rel=1e-2)
+    no_peer = report.add_bandwidth([_row("all_reduce", "nccl", "bfloat16", 4 * MiB, "graph", 40.0)], 2, None)
+    assert "algbw_gbps" in no_peer[0] and "peer_fraction" not in no_peer[0]
+
+
+# ------------------------------------------------- tables, JSON, figures
+def _row(op, backend, dtype, n, mode, t, correct=True):
+    return {"op": op, "backend": backend, "dtype": dtype, "bytes_per_rank": n, "mode": mode,
+            "median_us": t, "correct": correct}
+
+
+def fake_results():
+    """A small results dict shaped like a real run's."""
+    rows = []
+    speed = {"nccl": 1.0, "nccl_window": 0.8, "symm_one_shot": 0.5, "symm_two_shot": 0.7, "tpcomm": 0.3,
+             "tpcomm_packet": 0.3, "tpcomm_bulk": 0.6}
+    not_run = []
+    for op in report.OPS:
+        for dtype in ("bfloat16", "float32"):
+            for n in report.size_list(64, 64 * MiB, 4):
+                for b in report.BACKENDS:
+                    if op == "all_gather" and b.startswith("symm"):
+                        not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
+                                        "why": "all_reduce only"})
+                        continue
+                    if b == "tpcomm_packet" and n > 1 * MiB:
+                        not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
+                                        "why": "over the packet cap of 1 MiB"})
+                        continue
+                    for mode in report.MODES:
+                        t = (10.0 + n / 200e3) * speed[b] * (3.0 if mode == "eager" else 1.0)
+                        rows.append(_row(op, b, dtype, n, mode, round(t, 3), correct=not (b == "tpcomm_bulk" and n == 64)))
+    not_run.append({"op": "all_reduce", "backend": "nccl_window", "dtype": "float16", "bytes_per_rank": 64,
+                    "mode": "graph", "why": "failed to run: RuntimeError: boom"})
+    env = {"date": "2026-01-01", "world_size": 2, "gpu": "NVIDIA H200", "peer_copy_gbps": 380.0}
+    report.add_bandwidth(rows, 2, env["peer_copy_gbps"])
+    return {"env": env, "rows": rows, "not_run": not_run}
+
+
+def test_tables_and_not_run_and_summary_render():
+    data = fake_results()
+    text = report.format_tables(data)
+    assert text.count("median us per op") == 2 * 2 * 2  # op x dtype x mode
+    for b in report.BACKENDS:
+        assert b in text
+    assert "64 MiB" in text and "algbw GB/s" in text and "380 GB/s peer copy" in text
+    assert "!" in text  # the row marked incorrect
+    nr = report.format_not_run(data["not_run"])
+    assert "symm_one_shot" in nr and "all_reduce only" in nr and "(11 sizes)" in nr
+    assert "nccl_window graph" in nr and "boom" in nr
+    summary = report.format_summary(data)
+    assert "INCORRECT" in summary and "speed-up over nccl" in summary
+
+
+def test_tables_tolerate_missing_and_bad_values():
+    data = {"env": {}, "rows": [_row("all_reduce", "nccl", "bfloat16", 64, "graph", float("nan")),
+                                _row("all_reduce", "tpcomm", "bfloat16", 64, "graph", 0.0),
+                                _row("all_reduce", "newthing", "bfloat16", 64, "eager", 3.0)], "not_run": []}
+    report.format_tables(data)
+    report.format_summary(data)
+    assert report.format_tables({"env": {}, "rows": [], "not_run": []}) == ""
+
+
+def test_json_round_trip_keeps_the_format(tmp_path):
+    data = fake_results()
+    data["rows"].append(_row("all_reduce", "nccl", "float16", 64, "graph", float("inf")))
+    path = tmp_path / "sub" / "r.json"
+    report.write_json(str(path), data)
+    back = json.loads(path.read_text())
+    assert set(back) == {"env", "rows", "not_run"}
+    required = {"op", "backend", "dtype", "bytes_per_rank", "mode", "median_us"}
+    assert all(required <= set(r) for r in back["rows"])
+    assert back["rows"][-1]["median_us"] is None  # non-finite becomes null, not invalid JSON
+    assert not (tmp_path / "sub" / "r.json.tmp").exists()
+
+
+def test_default_out_path():
+    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join(
+        "benchmarks", "results", "h200x2.json")
+
+
+def test_plots_render_valid_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tpcomm.bench import plots
+
+    stem = str(tmp_path / "h200x2")
+    paths = plots.render(fake_results(), stem)
+    names = sorted(os.path.basename(p) for p in paths)
+    assert names == sorted(["h200x2_all_reduce_graph.png", "h200x2_all_gather_graph.png",
+                            "h200x2_all_reduce_eager.png", "h200x2_all_gather_eager.png", "h200x2_speedup.png"])
+    assert len(paths) <= 5
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_SIGNATURE
+        assert os.path.getsize(p) > 1000
+
+
+def test_plots_command_line_redraws_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "res.json"
+    report.write_json(str(path), fake_results())
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench.plots", str(path)], capture_output=True, text=True,
+                         timeout=300, env=_child_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    pngs = sorted(p.name for p in tmp_path.glob("res_*.png"))
+    assert len(pngs) == 5, pngs
+    with open(tmp_path / "res_speedup.png", "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+
+
+def test_plots_of_a_partial_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tpcomm.bench import plots
+
+    data = {"env": {"world_size": 2}, "rows": [_row("all_reduce", "nccl", "float32", 64, "graph", 10.0),
+                                               _row("all_reduce", "tpcomm", "float32", 64, "graph", 3.0)],
+            "not_run": []}
+    paths = plots.render(data, str(tmp_path / "p"))
+    assert sorted(os.path.basename(p) for p in paths) == ["p_all_reduce_graph.png", "p_speedup.png"]
+    assert plots.render({"env": {}, "rows": [], "not_run": []}, str(tmp_path / "q")) == []
+
+
+def test_progress_plain_lines(capsys):
+    from tpcomm.bench.progress import Progress
+
+    p = Progress(4, enabled=True, interval_s=0.0, stream=sys.stdout, use_tqdm=False)
+    for _ in range(4):
+        p.advance(1, "x")
+    p.close()
+    out = capsys.readouterr().out
+    assert "4/4 (100%)" in out
+    q = Progress(4, enabled=False, stream=sys.stdout)
+    q.advance(4)
+    q.write("hidden")
+    assert "hidden" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------- the command
+def _child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    return env
+
+
+def test_command_without_gpus_says_so_and_exits_0():
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "--quick"], capture_output=True, text=True,
+                         timeout=300, env=_child_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "needs at least 2 CUDA GPUs" in out.stdout
+    assert "not run:" in out.stdout and "nccl_window" in out.stdout
+    assert "torch" in out.stdout  # the environment is printed
+
+
+def test_command_help_and_bad_arguments():
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "--help"], capture_output=True, text=True,
+                         timeout=300, env=_child_env(), cwd=ROOT)
+    assert out.returncode == 0 and "--sizes-step" in out.stdout and "--backends" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "tpcomm.bench", "--backends", "nccl,mpi"], capture_output=True,
+                         text=True, timeout=300, env=_child_env(), cwd=ROOT)
+    assert bad.returncode == 2 and "unknown backend" in bad.stderr
+
+
+# ------------------------------------- the measurement loop on CPU (gloo)
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sim_rank(rank, world, port, out_path, errors):
+    """One rank of the loop on CPU: CUDA calls and timers are faked, the
+    collectives are real (gloo)."""
+    try:
+        import argparse
+
+        from tpcomm.bench import __main__ as cli
+        from tpcomm.bench import measure
+
+        torch.cuda.synchronize = lambda *a, **k: None
+        fake_t = {"graph": 5.0, "eager": 9.0}
+
+        def fake_time(mode):
+            def timer(call, ops, reps):
+                for _ in range(2):
+                    call()
+                return fake_t[mode] + rank + ops * 0.0
+            return timer
+
+        measure.time_graph = fake_time("graph")
+        measure.time_eager = fake_time("eager")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        args = cli.parse_args(["--max-bytes", str(4 * MiB), "--sizes-step", "16", "--dtypes", "bf16,fp32",
+                               "--out", out_path, "--no-progress"])
+        assert isinstance(args, argparse.Namespace)
+        measure._run(rank, world, torch.device("cpu"), args, None)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def test_measurement_loop_on_cpu_with_gloo(tmp_path):
+    out_path = str(tmp_path / "sim.json")
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = mp.start_processes(_sim_rank, args=(2, _free_port(), out_path, errors), nprocs=2, join=False,
+                               start_method="spawn")
+    try:
+        import time
+
+        deadline = time.monotonic() + 240
+        while not procs.join(timeout=1.0):
+            assert time.monotonic() < deadline, "simulation still running after 240 s"
+    except ProcessException:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        pytest.fail("\n".join(msgs) or "a rank failed")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    data = json.loads(open(out_path).read())
+    assert set(data) == {"env", "rows", "not_run"}
+    assert data["env"]["complete"] is True
+    sizes = report.size_list(64, 4 * MiB, 16)
+    # nccl (here gloo) is measured for every case, in both modes, checked correct, slowest rank kept
+    nccl = [r for r in data["rows"] if r["backend"] == "nccl"]
+    assert len(nccl) == 2 * 2 * len(sizes) * 2
+    assert all(r["correct"] is True for r in nccl)
+    assert {r["median_us"] for r in nccl if r["mode"] == "graph"} == {6.0}
+    assert all("algbw_gbps" in r for r in nccl if r["bytes_per_rank"] >= MiB)
+    assert not any("algbw_gbps" in r for r in nccl if r["bytes_per_rank"] < MiB)
+    # every other backend is "not run" with a reason, for every case
+    nr = data["not_run"]
+    for b in report.BACKENDS[1:]:
+        mine = [e for e in nr if e["backend"] == b]
+        assert len(mine) == 2 * 2 * len(sizes), b
+        assert all(e["why"] for e in mine)
+    assert any("register_mem_pool" in e["why"] for e in nr if e["backend"] == "nccl_window")
+    assert any("custom path disabled" in e["why"] for e in nr if e["backend"] == "tpcomm")
+    assert data["env"]["peer_copy_gbps"] is None and "not measured" in data["env"]["peer_copy"]
+    assert isinstance(data["env"].get("nccl_kernels"), dict)
+    report.format_tables(data)
+    report.format_not_run(nr)
+    if _has_matplotlib():
+        from tpcomm.bench import plots
+
+        assert plots.render(data, str(tmp_path / "sim"))
+
+
+def _has_matplotlib():
+    import importlib
+
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
+
+
+def test_fake_rows_through_every_output_path(tmp_path, capsys):
+    """The table, not-run list, summary, JSON and figures of a fake run, as
+    the spawner prints them after a failure."""
+    data = fake_results()
+    path = str(tmp_path / "fake.json")
+    report.write_json(path, data)
+    from tpcomm.bench import __main__ as cli
+
+    cli.make_plots(path)
+    out = capsys.readouterr().out
+    if _has_matplotlib():
+        assert out.count("wrote ") == 5
+    else:
+        assert "no figures" in out
+    assert not math.isnan(report.read_json(path)["rows"][0]["median_us"])
+
+
+# ------------------------------- the spawner's handling of failing ranks
+def _fake_rank(rank, world, port, args, queue):
+    """Stands in for measure.spawned_worker; args.ops_per_graph picks the behaviour."""
+    import time
+
+    kind = {1: "ok", 2: "raise", 3: "hang", 4: "crash_after", 5: "sigterm"}[args.ops_per_graph]
+    data = fake_results()
+    if rank == 0:
+        queue.put(args.out)
+        data["env"]["complete"] = kind in ("ok", "crash_after")
+        if kind == "raise":
+            data["rows"] = data["rows"][:20]
+        report.write_json(args.out, data)
+    if kind == "raise" and rank == 1:
+        raise RuntimeError("simulated failure in rank 1")
+    if kind == "hang":
+        time.sleep(600)
+    if kind == "sigterm":  # an outer `timeout` stopping the command
+        if rank == 0:
+            time.sleep(1.0)
+            os.kill(os.getppid(), 15)
+        time.sleep(600)
+    if kind == "crash_after":  # the way a crash in interpreter teardown looks, after the results are written
+        deadline = time.monotonic() + 60
+        while not os.path.exists(args.out) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(3)
+
+
+@pytest.mark.parametrize("kind,code,expect", [
+    (1, 0, "took"),
+    (2, 1, "simulated failure in rank 1"),
+    (3, 1, "were stopped"),
+    (4, 0, "are complete"),
+    (5, 1, "stopped by SIGTERM"),
+])
+def test_spawner_reports_and_keeps_partial_results(tmp_path, capsys, kind, code, expect):
+    from tpcomm.bench import __main__ as cli
+
+    out = str(tmp_path / "r.json")
+    args = cli.parse_args(["--out", out, "--ops-per-graph", str(kind), "--deadline-s", "8", "--no-plots"])
+    rc = cli.spawn(2, args, target=_fake_rank)
+    text = capsys.readouterr().out
+    assert rc == code, text
+    assert expect in text
+    if kind == 2:
+        assert "partial results (20 rows)" in text and "all_reduce bfloat16 graph" in text
+    if kind in (3, 5):
+        assert "partial results" in text
+    assert os.path.exists(out)
