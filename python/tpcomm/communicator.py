@@ -62,7 +62,6 @@ class Communicator:
         self._comm = None        # the same, as a ctypes pointer
         self._lib = None
         self._closed = False
-        self._capturing = False
         self.disabled_reason = None
         with self._on_device():
             self.disabled_reason = self._agree(self._local_reason())
@@ -263,15 +262,12 @@ class Communicator:
         The kernels read only their input and buffers registered at init, and
         take their sequence number from a counter on the device, so captured
         ops need no registration afterwards and replay correctly in any order
-        and interleaved with eager calls. The context checks the communicator
-        is healthy on entry and marks the capture (for the NCCL fallback)."""
+        and interleaved with eager calls. The context only checks, on entry,
+        that the communicator is open and no earlier op failed on the device
+        (an error found inside a capture would abort it)."""
         self._check_open()
         self.check()
-        self._capturing = True
-        try:
-            yield self
-        finally:
-            self._capturing = False
+        yield self
 
     def close(self):
         """Frees the registered buffers. Collective: every rank calls it."""
