@@ -19,13 +19,9 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
-ENV_DEFAULTS = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-for _name, _value in ENV_DEFAULTS.items():
-    os.environ[_name] = _value  # forced, never merely defaulted: multicast must stay off
+from tpcomm.topology import force_multicast_off  # noqa: E402 - needs the path above
+
+force_multicast_off()  # forced, never merely defaulted; spawned children inherit it
 
 GPU_SKIP_REASON = "needs 2 CUDA GPUs (run on the device machine: see README)"
 GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep

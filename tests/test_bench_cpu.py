@@ -43,13 +43,6 @@ def test_size_list_appends_the_maximum_and_checks_its_arguments():
             report.size_list(*bad)
 
 
-def test_older_sizes_helper_still_works():
-    from tpcomm.bench import measure
-
-    assert measure.sizes(64, 512, False) == [64, 128, 256, 512]
-    assert measure.sizes(64, 1024, True) == [64, 512, 1024]
-
-
 def test_dtype_and_choice_parsing():
     assert report.parse_dtypes("bf16,fp16,fp32") == ["bfloat16", "float16", "float32"]
     assert report.parse_dtypes("bfloat16, bf16") == ["bfloat16"]

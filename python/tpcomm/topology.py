@@ -5,6 +5,16 @@ import socket
 import torch
 
 
+# NVLink multicast stays off on the shared machines: a program that uses it can
+# take the host's GPUs out of service. Set in every process that may start
+# NCCL, torch SymmetricMemory or NVSHMEM (spawned children inherit it).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def force_multicast_off():
+    os.environ.update(MULTICAST_OFF)
+
+
 def local_facts(device):
     """What one rank knows about itself; every rank's facts are compared."""
     uuid = None

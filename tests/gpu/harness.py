@@ -1,7 +1,6 @@
 """Runs a test body in one process per GPU, with NCCL initialised, and fails
 the calling test with the child's traceback. Bounded: a child that is still
 running after `timeout_s` is killed and the test fails."""
-import os
 import socket
 import traceback
 
@@ -10,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tpcomm.topology import force_multicast_off
+
 
 
 def _free_port():
@@ -23,7 +23,7 @@ def _child(rank, world, port, fn, args, errors):
     import faulthandler
 
     faulthandler.enable()  # a crash prints the Python stack instead of vanishing
-    os.environ.update(MULTICAST_OFF)
+    force_multicast_off()
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
@@ -41,7 +41,7 @@ def _child(rank, world, port, fn, args, errors):
 
 
 def run(fn, *args, world=None, timeout_s=150):
-    os.environ.update(MULTICAST_OFF)
+    force_multicast_off()
     world = world or torch.cuda.device_count()
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

@@ -3,7 +3,6 @@ against torch.cat of every rank's input (each rank can rebuild all inputs
 from their seeds), for every dtype, special values, dims and size bands."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import harness
 import tpcomm

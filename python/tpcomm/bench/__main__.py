@@ -29,9 +29,9 @@ import signal
 import sys
 import time
 
+from .. import topology
 from . import report
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_args(argv=None):
@@ -79,8 +79,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    for k, v in MULTICAST_OFF.items():
-        os.environ[k] = v
+    topology.force_multicast_off()
     import torch
 
     from . import measure

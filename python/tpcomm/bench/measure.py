@@ -22,12 +22,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .. import topology
 from . import report
 from .backends import Resources, Unavailable, agree, describe, make_case
 from .progress import Progress
 from .report import BACKENDS, OPS, human_bytes  # noqa: F401 - re-exported
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PEER_COPY_BYTES = 256 << 20
 
 
@@ -35,11 +35,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def sizes(lo, hi, quick):
-    """The sizes of the older command line (kept for callers): x2 steps, x8 when quick."""
-    return report.size_list(lo, hi, 8 if quick else 2)
 
 
 # ------------------------------------------------------------------- timing
@@ -121,11 +116,6 @@ def bit_equal(y, ref):
     return torch.equal(y.contiguous().view(-1).view(as_int), ref.contiguous().view(-1).view(as_int))
 
 
-def check_against_nccl(op, call, comm, x):
-    """Bit-exact check of a custom backend on integer-valued data (kept for callers)."""
-    return bit_equal(call(), reference(op, x, comm.world_size))
-
-
 # -------------------------------------------------------------- environment
 def environment(world):
     env = {"date": datetime.date.today().isoformat(), "world_size": world, "torch": torch.__version__,
@@ -144,7 +134,7 @@ def environment(world):
                                        capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
     except Exception as e:  # noqa: BLE001
         env["driver"] = f"unknown ({e})"
-    env["multicast"] = "off (" + ", ".join(f"{k}={os.environ.get(k)}" for k in MULTICAST_OFF) + ")"
+    env["multicast"] = "off (" + ", ".join(f"{k}={os.environ.get(k)}" for k in topology.MULTICAST_OFF) + ")"
     return env
 
 
@@ -257,8 +247,7 @@ def plan(args):
 def worker(rank, world, port, args, queue=None, destroy=True):
     """One rank. Returns the results path (rank 0) or None. With destroy
     False the process group is left for the process's exit to end."""
-    for k, v in MULTICAST_OFF.items():
-        os.environ[k] = v
+    topology.force_multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     timeout = datetime.timedelta(seconds=args.timeout_s)
