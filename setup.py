@@ -13,7 +13,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
-CORE_SOURCES = ["csrc/core/comm.c", "csrc/core/runtime_gpu.c"]
+CORE_SOURCES = ["csrc/core/comm.c", "csrc/core/registry.c", "csrc/core/runtime_gpu.c"]
 # Stable-ABI target: the oldest torch whose stable ops we use (contiguous, new_empty).
 TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 

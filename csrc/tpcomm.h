@@ -10,6 +10,21 @@
  *   tpc_comm_ready       check every peer is open and upload the peer table
  *   tpc_all_reduce / tpc_all_gather   enqueue collectives on a stream
  *   tpc_comm_destroy     close every opened handle, free every buffer
+ *   tpc_comm_abort       non-blocking: stop this communicator's device work now
+ *                        (queued ops and graph replays exit), tell the peers,
+ *                        and leave the GPU memory mapped (a kernel may still run)
+ *
+ * Every communicator has a process-unique id that is never reused. The torch
+ * ops take that id, not a pointer: tpc_comm_acquire looks it up, so a closed or
+ * unknown id is an error naming it, never a dangling pointer. Kernels check a
+ * per-communicator "alive" word kept in memory that is never freed before they
+ * touch any buffer, so a CUDA graph replayed after destroy records
+ * TPC_ERR_CLOSED and writes nothing.
+ *
+ * Once an error is recorded on the device, every later op of that
+ * communicator exits at once, writes nothing to peers and fills a
+ * floating-point output with NaN; peers are told, so a late rank does not
+ * complete an op its peer gave up.
  *
  * Every function returns a tpc_result; tpc_comm_last_error() gives the
  * human-readable reason of the last failure on that communicator (or, for a
@@ -44,7 +59,8 @@ typedef enum {
   TPC_ERR_STATE = 4,        /* not ready, already failed, or being misused */
   TPC_ERR_TIMEOUT = 5,      /* device: a peer did not arrive in time       */
   TPC_ERR_MISMATCH = 6,     /* device: peers disagree on the op or size    */
-  TPC_ERR_TOO_LARGE = 7     /* larger than the registered buffers take     */
+  TPC_ERR_TOO_LARGE = 7,    /* larger than the registered buffers take     */
+  TPC_ERR_CLOSED = 8        /* closed, aborted, unknown id, or a graph replayed after close */
 } tpc_result;
 
 typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
@@ -68,9 +84,13 @@ typedef struct {
 /* What the device recorded when an op failed on it. */
 typedef struct {
   int32_t code;            /* a tpc_result, TPC_OK when nothing happened */
-  int32_t peer;            /* the rank that did not arrive or disagreed */
+  int32_t peer;            /* the rank that did not arrive, disagreed, or gave up */
   uint32_t epoch;          /* the op's sequence number on this communicator */
-  uint32_t detail;         /* for TPC_ERR_MISMATCH: the peer's byte count */
+  int32_t reported;        /* 1: `peer` gave up (with `code`); this rank only learned of it */
+  uint32_t peer_bytes;     /* TPC_ERR_MISMATCH: what the peer announced */
+  uint32_t peer_kind;
+  uint32_t own_bytes;      /* TPC_ERR_MISMATCH: what this rank ran */
+  uint32_t own_kind;       /* kind words: op | algo << 8 | dtype << 16 | row fold << 24 */
 } tpc_async_error;
 
 tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out);
@@ -78,6 +98,26 @@ tpc_result tpc_comm_export(tpc_comm *comm, void *handle_out);
 tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle);
 tpc_result tpc_comm_ready(tpc_comm *comm);
 tpc_result tpc_comm_destroy(tpc_comm *comm);
+/* Never blocks and needs no peer: marks the communicator failed on the device
+ * (its queued ops and graph replays exit; peers are told), retires its id and
+ * frees the host state. The registered buffer stays allocated and mapped,
+ * because kernels may still be running on it: it is released when the process
+ * exits. */
+tpc_result tpc_comm_abort(tpc_comm *comm);
+
+/* The process-unique id of a communicator (never 0, never reused). */
+uint64_t tpc_comm_id(const tpc_comm *comm);
+/* Looks up an open communicator by id and claims it for one op from this
+ * thread: another thread that acquires it before tpc_comm_release gets
+ * TPC_ERR_STATE; a closed or unknown id gets TPC_ERR_CLOSED naming it. The
+ * message of a failed acquire is read with tpc_comm_last_error(NULL). */
+tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out);
+void tpc_comm_release(tpc_comm *comm);
+/* The device error record of any id ever created, open or closed (a graph
+ * replayed after close records TPC_ERR_CLOSED there). Returns the record's
+ * code, with its message in tpc_comm_last_error(NULL); TPC_ERR_CLOSED with a
+ * clean record for a closed id; TPC_ERR_INVALID_ARG for an unknown one. */
+tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out);
 
 /* Real P2P check: write a token into every peer's buffer, then (after the
  * caller's host barrier) read which peers' tokens arrived in ours. */
@@ -89,19 +129,28 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
                                 size_t all_gather_packet_max);
 
 /* Sum in fp32, in rank order 0..n-1, rounded once: identical bits on every rank.
- * nbytes is the byte size of input and output; a multiple of 16. in == out is allowed. */
+ * nbytes is the byte size of input and output; a multiple of 16; in and out
+ * 16-byte aligned (the torch binding copies misaligned views: routing never
+ * depends on a pointer). in == out is allowed. */
 tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           tpc_dtype dtype, tpc_algo algo, void *stream);
 
 /* Gather nbytes from every rank. The output is the concatenation along a
  * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):
  * rank q's byte b lands at (b / row_bytes) * n * row_bytes + q * row_bytes
- * + b % row_bytes. nbytes and row_bytes are multiples of 4. */
+ * + b % row_bytes. nbytes and row_bytes are multiples of 4. nan_pattern: 8
+ * bytes of the output dtype's NaN (0x7fc07fc07fc07fc0 for bfloat16), written
+ * over the output when the op cannot produce it; 0 for dtypes without NaN
+ * (the output is then left as is). all_reduce derives it from its dtype. */
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,
-                          size_t row_bytes, tpc_algo algo, void *stream);
+                          size_t row_bytes, tpc_algo algo, uint64_t nan_pattern, void *stream);
 
 /* Reads the device-side error record (no synchronisation). */
 tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out);
+
+/* Test hook: sets the device epoch (the next op runs under epoch + 1), to
+ * run tests across the 2^32 wrap. Synchronises the device first. */
+tpc_result tpc_comm_debug_set_epoch(tpc_comm *comm, uint32_t epoch);
 
 const char *tpc_result_string(tpc_result result);
 const char *tpc_comm_last_error(const tpc_comm *comm);

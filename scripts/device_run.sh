@@ -13,7 +13,9 @@ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation
   || { tail -40 /tmp/build.log; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -rs tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  # -s: the trust tests print the time to each error ("TIMING" lines)
+  timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "TIMING|passed|failed|Error|error|assert|FAIL|SKIP|^E " | tail -80
   echo "tests done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

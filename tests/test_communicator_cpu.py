@@ -276,7 +276,67 @@ def _body_disabled_by_env(rank, world_size):
     comm.close()
 
 
+def _body_serials_per_group(rank, world_size):
+    """Creation numbers are counted per group: rank 0 belongs to {0,1} and
+    {0,2} and creates their communicators in the opposite order from the
+    order in which the groups were made; each group's ranks still agree. A
+    rank whose count on a group really is off is told so."""
+    from tpcomm import communicator
+
+    g01 = dist.new_group([0, 1])
+    g02 = dist.new_group([0, 2])
+    made = {}
+    for name, group in {0: [("g02", g02), ("g01", g01)], 1: [("g01", g01)], 2: [("g02", g02)]}[rank]:
+        made[name] = tpcomm.Communicator(group, device="cpu")
+    for name, comm in made.items():
+        assert comm.serial == 0, (name, comm.serial)
+        assert "different orders" not in comm.disabled_reason, comm.disabled_reason
+    # a second communicator on {0,1}: number 1 on both of its ranks
+    if rank in (0, 1):
+        again = tpcomm.Communicator(g01, device="cpu")
+        assert again.serial == 1 and "different orders" not in again.disabled_reason
+        again.close()
+        # rank 1 skips a number on this group (as if it had created one the
+        # other rank did not): the next communicator says so on both ranks
+        if rank == 1:
+            next(communicator._serials[communicator.group_key(g01)])
+        off = tpcomm.Communicator(g01, device="cpu")
+        assert "different orders" in off.disabled_reason, off.disabled_reason
+        assert "[2, 3]" in off.disabled_reason, off.disabled_reason
+        x = torch.full((4,), float(rank + 1))
+        assert_bits_equal(off.all_reduce(x), torch.full((4,), 3.0), "fallback of a disagreeing communicator")
+        off.close()
+    for comm in made.values():
+        comm.close()
+
+
+def _body_close_barrier_is_bounded(rank, world_size):
+    """close()'s meeting with the peers gives up after its timeout and names
+    the ranks that did not come (a peer that died never calls close)."""
+    comm = tpcomm.Communicator(device="cpu")
+    if rank == 0:
+        start = time.monotonic()
+        missing = comm._meet_peers(1.0)
+        took = time.monotonic() - start
+        assert missing == list(range(1, world_size)), missing
+        assert 1.0 <= took < 3.0, took
+    dist.barrier()
+    if rank:  # the late ranks arrive now: rank 0's mark is there, nobody is missing
+        start = time.monotonic()
+        assert comm._meet_peers(30.0) == []
+        assert time.monotonic() - start < 10.0
+    comm.close()
+
+
 # ------------------------------------------------------------------- tests
+
+def test_close_barrier_is_bounded():
+    run_ranks(3, _body_close_barrier_is_bounded)
+
+
+def test_serials_are_counted_per_group():
+    run_ranks(3, _body_serials_per_group)
+
 
 def test_two_ranks():
     run_ranks(2, _body_main)
@@ -420,9 +480,16 @@ def test_route_default_tables():
         assert c.route_all_reduce(_t(rows[-1][0] + 16)) == "nccl"
 
 
-def test_route_misaligned_view_goes_to_nccl():
+def test_route_never_depends_on_the_pointer():
+    """A view at an odd offset on one rank only must take the same route as
+    the aligned tensor its peers hold (the binding copies it into an aligned
+    tensor), or one rank would run the kernel while the other calls NCCL."""
     c = _routing_comm()
-    base = torch.zeros(1024 + 1)
-    x = base[1:]  # contiguous, 4 bytes past a 16-byte boundary
-    assert x.is_contiguous() and x.data_ptr() % 16 == 4
-    assert c.route_all_reduce(x) == "nccl"
+    base = torch.zeros(4096 + 3)
+    for offset in (1, 2, 3):  # 4, 8 and 12 bytes past a 16-byte boundary
+        x = base[offset:offset + 1024]
+        assert x.is_contiguous() and x.data_ptr() % 16 == 4 * offset
+        assert c.route_all_reduce(x) == c.route_all_reduce(torch.zeros(1024)) == "packet"
+        g = base[offset:offset + 4096].view(64, 64)
+        for dim in (0, 1):
+            assert c.route_all_gather(g, dim) == c.route_all_gather(torch.zeros(64, 64), dim)

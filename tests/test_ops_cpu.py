@@ -1,6 +1,9 @@
 """The built extension without a GPU: op registration and schemas, fake
 (meta) implementations, the C API through ctypes, and the routing tables."""
 import ctypes
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -8,6 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
 from tpcomm import _fake, _lib, policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -211,13 +216,36 @@ def test_c_null_communicator(lib):
     assert lib.tpc_comm_async_error(None, ctypes.byref(err)) == _lib.ERR_INVALID_ARG
 
 
-def test_ctypes_structs_match_the_header():
-    # csrc/tpcomm.h: tpc_config is int, int, int, size_t, size_t, uint64_t
-    assert ctypes.sizeof(_lib.Config) == 3 * 4 + 4 + 8 + 8 + 8  # one pad after device
-    assert _lib.Config.max_bytes.offset == 16
-    assert ctypes.sizeof(_lib.AsyncError) == 16
-    assert (_lib.ALGO_AUTO, _lib.ALGO_PACKET, _lib.ALGO_BULK) == (0, 1, 2)
-    assert _lib.IPC_HANDLE_BYTES == 64 and _lib.MAX_RANKS == 8
+def test_ctypes_structs_match_the_header(tmp_path):
+    """_lib's ctypes copies of csrc/tpcomm.h (structs, result codes) against
+    what a C compiler makes of the header itself."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to read the header")
+    fields = {"Config": ("tpc_config", _lib.Config), "AsyncError": ("tpc_async_error", _lib.AsyncError)}
+    lines = []
+    for _, (c_name, cls) in fields.items():
+        lines.append(f'printf("{c_name} %zu\\n", sizeof({c_name}));')
+        for name, _ in cls._fields_:
+            lines.append(f'printf("{c_name}.{name} %zu\\n", offsetof({c_name}, {name}));')
+    codes = ["TPC_OK", "TPC_ERR_INVALID_ARG", "TPC_ERR_RUNTIME", "TPC_ERR_PEER", "TPC_ERR_STATE", "TPC_ERR_TIMEOUT",
+             "TPC_ERR_MISMATCH", "TPC_ERR_TOO_LARGE", "TPC_ERR_CLOSED", "TPC_ALGO_AUTO", "TPC_ALGO_PACKET",
+             "TPC_ALGO_BULK", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS"]
+    lines += [f'printf("{c} %d\\n", (int){c});' for c in codes]
+    src = tmp_path / "layout.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "tpcomm.h"\nint main(void) {\n'
+                   + "\n".join(lines) + "\nreturn 0;\n}\n")
+    exe = tmp_path / "layout"
+    subprocess.run(["gcc", "-std=c11", "-I", os.path.join(ROOT, "csrc"), str(src), "-o", str(exe)], check=True)
+    seen = dict(line.rsplit(" ", 1) for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                                 text=True).stdout.splitlines())
+    for _, (c_name, cls) in fields.items():
+        assert int(seen[c_name]) == ctypes.sizeof(cls), c_name
+        for name, _ in cls._fields_:
+            assert int(seen[f"{c_name}.{name}"]) == getattr(cls, name).offset, (c_name, name)
+    python_side = [_lib.OK, _lib.ERR_INVALID_ARG, _lib.ERR_RUNTIME, _lib.ERR_PEER, _lib.ERR_STATE, _lib.ERR_TIMEOUT,
+                   _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE, _lib.ERR_CLOSED, _lib.ALGO_AUTO, _lib.ALGO_PACKET,
+                   _lib.ALGO_BULK, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS]
+    assert [int(seen[c]) for c in codes] == python_side
 
 
 # ------------------------------------------------------------------ policy

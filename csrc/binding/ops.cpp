@@ -8,6 +8,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
@@ -32,14 +33,31 @@ using torch::headeronly::ScalarType;
   throw std::runtime_error(msg);
 }
 
-tpc_comm *comm_of(int64_t handle) {
-  if (handle == 0) fail("tpcomm: communicator handle is 0 (closed or never created)");
-  return reinterpret_cast<tpc_comm *>(static_cast<intptr_t>(handle));
+// Errors carry their tpc_result at the end ("[tpc_result 5]"), so the Python
+// layer raises the matching tpcomm exception class.
+void check(tpc_comm *comm, tpc_result r) {
+  if (r != TPC_OK)
+    fail("tpcomm: %s: %s [tpc_result %d]", tpc_result_string(r), tpc_comm_last_error(comm), static_cast<int>(r));
 }
 
-void check(tpc_comm *comm, tpc_result r) {
-  if (r != TPC_OK) fail("tpcomm: %s: %s", tpc_result_string(r), tpc_comm_last_error(comm));
-}
+// Holds the communicator of an id for one op (tpc_comm_acquire): a closed or
+// unknown id raises naming it, and the communicator cannot be destroyed by
+// another thread while the op runs.
+class Held {
+ public:
+  explicit Held(int64_t id) {
+    if (id <= 0) fail("tpcomm: communicator id %lld is not a communicator (closed, or never created) [tpc_result %d]",
+                      static_cast<long long>(id), static_cast<int>(TPC_ERR_CLOSED));
+    check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_));
+  }
+  ~Held() { tpc_comm_release(comm_); }
+  Held(const Held &) = delete;
+  Held &operator=(const Held &) = delete;
+  tpc_comm *get() const { return comm_; }
+
+ private:
+  tpc_comm *comm_ = nullptr;
+};
 
 void check_tensor(tpc_comm *comm, const Tensor &t, const char *what) {
   if (!t.is_cuda()) fail("tpcomm: %s must be a CUDA tensor", what);
@@ -64,33 +82,63 @@ tpc_dtype reduce_dtype(const Tensor &t) {
   fail("tpcomm: all_reduce takes float32, float16 or bfloat16");
 }
 
-void all_reduce_into(const Tensor &input, const Tensor &out, int64_t handle, int64_t algo) {
-  tpc_comm *comm = comm_of(handle);
+// 8 bytes of the dtype's NaN, which a failed op writes over its output; 0 for
+// dtypes without one (their output is left as is).
+uint64_t nan_pattern(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+    case ScalarType::ComplexFloat: return 0x7fc000007fc00000ull;
+    case ScalarType::Double:
+    case ScalarType::ComplexDouble: return 0x7ff8000000000000ull;
+    case ScalarType::Half:
+    case ScalarType::ComplexHalf: return 0x7e007e007e007e00ull;
+    case ScalarType::BFloat16: return 0x7fc07fc07fc07fc0ull;
+    case ScalarType::Float8_e4m3fn:
+    case ScalarType::Float8_e5m2: return 0x7f7f7f7f7f7f7f7full;
+    case ScalarType::Float8_e4m3fnuz:
+    case ScalarType::Float8_e5m2fnuz: return 0x8080808080808080ull;
+    default: return 0;
+  }
+}
+
+// The kernels move 16-byte words. A view at an odd offset is copied to an
+// aligned tensor here, on whichever rank holds it, so the route (and the
+// header every rank sends) never depends on a pointer.
+bool aligned16(const Tensor &t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+Tensor aligned_input(const Tensor &t) { return aligned16(t) ? t : torch::stable::clone(t); }
+
+void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) {
+  Held held(id);
+  tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
   check_tensor(comm, out, "out");
   if (!input.is_contiguous() || !out.is_contiguous()) fail("tpcomm: all_reduce needs contiguous tensors");
   if (input.scalar_type() != out.scalar_type() || input.numel() != out.numel())
     fail("tpcomm: all_reduce output must match the input's dtype and size");
+  const tpc_dtype dtype = reduce_dtype(input);
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
-  check(comm, tpc_all_reduce(comm, input.const_data_ptr(), out.mutable_data_ptr(), nbytes,
-                             reduce_dtype(input), static_cast<tpc_algo>(algo),
-                             current_stream(input.get_device_index())));
+  const Tensor in = aligned_input(input);
+  Tensor dst = aligned16(out) ? out : torch::stable::empty_like(out);
+  check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
+                             static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
+  if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
-Tensor custom_all_reduce(Tensor input, int64_t handle, int64_t algo) {
+Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
   Tensor out = torch::stable::empty_like(input);
-  all_reduce_into(input, out, handle, algo);
+  all_reduce_into(input, out, comm, algo);
   return out;
 }
 
-void custom_all_reduce_out(Tensor input, Tensor out, int64_t handle, int64_t algo) {
-  all_reduce_into(input, out, handle, algo);
+void custom_all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
+  all_reduce_into(input, out, comm, algo);
 }
 
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
 // all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
-Tensor custom_all_gather(Tensor input, int64_t dim, int64_t handle, int64_t algo) {
-  tpc_comm *comm = comm_of(handle);
+Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
+  Held held(id);
+  tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
   const int64_t ndim = input.dim();
   if (ndim < 1) fail("tpcomm: all_gather needs a tensor with at least one dimension");
@@ -98,7 +146,7 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t handle, int64_t algo
     fail("tpcomm: dim %lld is out of range for %lld dimensions", static_cast<long long>(dim),
          static_cast<long long>(ndim));
   if (dim < 0) dim += ndim;
-  Tensor x = torch::stable::contiguous(input);
+  Tensor x = aligned_input(torch::stable::contiguous(input));
   std::vector<int64_t> sizes(ndim);
   int64_t row = static_cast<int64_t>(x.element_size());
   for (int64_t d = 0; d < ndim; ++d) {
@@ -111,13 +159,14 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t handle, int64_t algo
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,
                              static_cast<size_t>(row), static_cast<tpc_algo>(algo),
-                             current_stream(x.get_device_index())));
+                             nan_pattern(x.scalar_type()), current_stream(x.get_device_index())));
   return out;
 }
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY(tpcomm, m) {
+  // `comm` is a communicator id (Communicator.handle), looked up on every call.
   m.def("custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor");
   m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
   m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");

@@ -9,6 +9,7 @@
 
 #include "../tpcomm.h"
 #include "layout.h"
+#include "registry.h"
 #include "runtime.h"
 
 /* Token a rank writes into each peer's probe slot; the rank is folded in so
@@ -21,8 +22,7 @@ struct tpc_comm {
   tpc_layout layout;
   char *bufs[TPC_MAX_RANKS];    /* own buffer at [rank], peers' opened handles */
   uint32_t opened_mask;         /* peers whose handle is open */
-  tpc_async_error *err_host;    /* host view of the device error record */
-  void *err_device;
+  tpc_entry *entry;             /* id, control slot, error record (registry.c) */
   int ready;
   int failed;
   size_t all_reduce_packet_max; /* TPC_ALGO_AUTO cutovers */
@@ -59,6 +59,7 @@ const char *tpc_result_string(tpc_result result) {
     case TPC_ERR_TIMEOUT: return "a peer did not arrive in time";
     case TPC_ERR_MISMATCH: return "peers disagree on the op or its size";
     case TPC_ERR_TOO_LARGE: return "larger than the registered buffers";
+    case TPC_ERR_CLOSED: return "communicator closed";
   }
   return "unknown tpcomm result";
 }
@@ -87,7 +88,8 @@ static tpc_result check_config(const tpc_config *c) {
   if (c->rank < 0 || c->rank >= c->world_size)
     return fail(NULL, TPC_ERR_INVALID_ARG, "rank %d is outside 0..%d", c->rank,
                 c->world_size - 1);
-  if (c->device < 0) return fail(NULL, TPC_ERR_INVALID_ARG, "device %d is negative", c->device);
+  if (c->device < 0 || c->device >= TPC_MAX_DEVICES)
+    return fail(NULL, TPC_ERR_INVALID_ARG, "device %d is outside 0..%d", c->device, TPC_MAX_DEVICES - 1);
   if (c->max_bytes < 16 || c->max_bytes % 16)
     return fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes %zu is not a positive multiple of 16",
                 c->max_bytes);
@@ -116,7 +118,7 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   comm->all_gather_packet_max = config->packet_max_bytes;
 
   int code;
-  void *own = NULL, *err_host = NULL, *err_device = NULL;
+  void *own = NULL;
   if ((code = rt->set_device(config->device)) != 0) {
     r = runtime_fail(NULL, rt, code, "selecting the device");
     goto undo;
@@ -131,26 +133,39 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
     r = runtime_fail(NULL, rt, code, "clearing the registered buffer");
     goto undo;
   }
-  if ((code = rt->host_alloc_mapped(&err_host, &err_device, sizeof(tpc_async_error))) != 0) {
-    r = runtime_fail(NULL, rt, code, "allocating the host-mapped error record");
-    goto undo;
-  }
-  comm->err_host = err_host;
-  comm->err_device = err_device;
-  memset(comm->err_host, 0, sizeof(tpc_async_error));
   if ((code = rt->device_synchronize()) != 0) {
     r = runtime_fail(NULL, rt, code, "synchronising after set-up");
     goto undo;
   }
+  /* Last: an id is only handed out to a communicator that exists. */
+  if ((code = tpc_registry_add(rt, config->device, &comm->entry)) != 0) {
+    r = code < 0 ? fail(NULL, TPC_ERR_RUNTIME, "out of host memory for the communicator registry")
+                 : runtime_fail(NULL, rt, code, "allocating the control pool");
+    goto undo;
+  }
+  /* The slot is fresh (never used by another communicator): epoch and failed
+   * are 0; alive becomes this id, which the kernels compare with theirs. */
+  const tpc_control control = {(uint32_t)comm->entry->id, 0, 0, 0};
+  if ((code = rt->memcpy_any(comm->entry->control, &control, sizeof control)) != 0) {
+    r = runtime_fail(NULL, rt, code, "initialising the control slot");
+    goto undo; /* the id stays retired: it was never open */
+  }
+  tpc_registry_lock();
+  comm->entry->rank = config->rank;
+  comm->entry->timeout_ns = config->timeout_ns;
+  comm->entry->comm = comm;
+  comm->entry->state = TPC_ENTRY_OPEN;
+  tpc_registry_unlock();
   *comm_out = comm;
   return TPC_OK;
 
 undo:
-  if (comm->err_host) rt->host_free(comm->err_host);
   if (own) rt->device_free(own);
   free(comm);
   return r;
 }
+
+uint64_t tpc_comm_id(const tpc_comm *comm) { return comm ? comm->entry->id : 0; }
 
 tpc_result tpc_comm_export(tpc_comm *comm, void *handle_out) {
   if (!comm || !handle_out) return fail(comm, TPC_ERR_INVALID_ARG, "NULL argument");
@@ -187,12 +202,41 @@ tpc_result tpc_comm_ready(tpc_comm *comm) {
   return TPC_OK;
 }
 
+/* Retires the id: later lookups say "closed". Refused while another thread
+ * holds the communicator for an op. */
+static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
+  tpc_registry_lock();
+  const int busy = comm->entry->in_use;
+  if (!busy) {
+    comm->entry->comm = NULL;
+    comm->entry->state = state;
+  }
+  tpc_registry_unlock();
+  return busy ? fail(comm, TPC_ERR_STATE, "communicator %llu is running an op (from another thread?)",
+                     (unsigned long long)comm->entry->id)
+              : TPC_OK;
+}
+
 tpc_result tpc_comm_destroy(tpc_comm *comm) {
   if (!comm) return TPC_OK;
+  tpc_result r = retire(comm, TPC_ENTRY_CLOSED);
+  if (r != TPC_OK) return r;
   const tpc_runtime *rt = comm->rt;
-  tpc_result r = TPC_OK;
   int code = rt->device_synchronize();
   if (code) r = runtime_fail(comm, rt, code, "synchronising before destroy");
+  /* Before anything is freed: kernels of graphs replayed from now on find
+   * the slot dead and touch no buffer. Only the alive word is written, so a
+   * failure the device recorded stays readable (tpc_id_async_error). */
+  const uint32_t dead = 0;
+  code = rt->memcpy_any(&comm->entry->control->alive, &dead, sizeof dead);
+  if (code) {
+    /* A replayed graph would still pass the alive check: keep the buffer and
+     * the mappings it would touch (as abort does) rather than free them. */
+    r = runtime_fail(comm, rt, code, "marking the control slot closed (the GPU memory is kept)");
+    snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+    free(comm);
+    return r;
+  }
   for (int p = 0; p < comm->cfg.world_size; ++p) {
     if (!(comm->opened_mask & (1u << p))) continue;
     code = rt->ipc_close(comm->bufs[p]);
@@ -200,11 +244,74 @@ tpc_result tpc_comm_destroy(tpc_comm *comm) {
   }
   code = rt->device_free(comm->bufs[comm->cfg.rank]);
   if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "freeing the registered buffer");
-  code = rt->host_free(comm->err_host);
-  if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "freeing the error record");
   if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
   free(comm);
   return r;
+}
+
+tpc_result tpc_comm_abort(tpc_comm *comm) {
+  if (!comm) return TPC_OK;
+  tpc_result r = retire(comm, TPC_ENTRY_ABORTED);
+  if (r != TPC_OK) return r;
+  const tpc_runtime *rt = comm->rt;
+  /* Device first: ops still queued or spinning see `failed` and stop; a
+   * graph replayed later sees the slot dead. Then every peer's stop word, so
+   * their waits for this rank end now instead of at their timeout. Static
+   * sources: the copies may still be in flight when this returns. */
+  static const uint32_t aborted = TPC_ERR_CLOSED, dead = 0;
+  static uint32_t stop_words[TPC_MAX_RANKS];
+  const int me = comm->cfg.rank;
+  stop_words[me] = ((uint32_t)TPC_ERR_CLOSED << 8) | (uint32_t)(me + 1);
+  int current = -1;
+  rt->get_device(&current);
+  if (current != comm->cfg.device) rt->set_device(comm->cfg.device);
+  int code = rt->write_async(&comm->entry->control->failed, &aborted, sizeof aborted);
+  const int dead_code = rt->write_async(&comm->entry->control->alive, &dead, sizeof dead);
+  if (code || dead_code)
+    r = runtime_fail(comm, rt, code ? code : dead_code, "marking the communicator aborted on the device");
+  for (int p = 0; p < comm->cfg.world_size; ++p) {
+    if (p == me || !(comm->opened_mask & (1u << p))) continue;
+    tpc_signals *peer = (tpc_signals *)comm->bufs[p];
+    rt->write_async(&peer->stopped, &stop_words[me], sizeof stop_words[me]); /* a dead peer may refuse */
+  }
+  if (current >= 0 && current != comm->cfg.device) rt->set_device(current);
+  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+  /* The registered buffer and the peers' mappings stay: a kernel may still be
+   * running on them, and freeing would wait for it. */
+  free(comm);
+  return r;
+}
+
+tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out) {
+  if (!comm_out) return fail(NULL, TPC_ERR_INVALID_ARG, "comm_out is NULL");
+  *comm_out = NULL;
+  tpc_registry_lock();
+  tpc_entry *e = tpc_registry_find(id);
+  tpc_result r = TPC_OK;
+  if (!e)
+    r = fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is unknown (never created in this process)",
+             (unsigned long long)id);
+  else if (e->state != TPC_ENTRY_OPEN)
+    r = fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
+             e->state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
+  else if (e->in_use)
+    r = fail(NULL, TPC_ERR_STATE,
+             "communicator id %llu is already running an op (from another thread?): ops of one "
+             "communicator must come from one thread at a time, in the same order on every rank",
+             (unsigned long long)id);
+  else {
+    e->in_use = 1;
+    *comm_out = e->comm;
+  }
+  tpc_registry_unlock();
+  return r;
+}
+
+void tpc_comm_release(tpc_comm *comm) {
+  if (!comm) return;
+  tpc_registry_lock();
+  comm->entry->in_use = 0;
+  tpc_registry_unlock();
 }
 
 tpc_result tpc_comm_probe_write(tpc_comm *comm) {
@@ -246,27 +353,117 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
   return TPC_OK;
 }
 
+static const char *op_name(uint32_t kind) {
+  switch (kind & 0xffu) {
+    case TPC_OP_ALL_REDUCE: return "all_reduce";
+    case TPC_OP_ALL_GATHER: return "all_gather";
+  }
+  return "an unknown op";
+}
+
+static const char *algo_name(uint32_t kind) {
+  switch ((kind >> 8) & 0xffu) {
+    case TPC_ALGO_PACKET: return "packet";
+    case TPC_ALGO_BULK: return "bulk";
+  }
+  return "?";
+}
+
+/* The first field in which two header announcements differ. */
+static const char *differing_field(const tpc_async_error *e) {
+  if ((e->peer_kind ^ e->own_kind) & 0xffu) return "op";
+  if (e->peer_bytes != e->own_bytes) return "size";
+  if ((e->peer_kind ^ e->own_kind) & 0xff00u) return "algorithm";
+  if ((e->peer_kind ^ e->own_kind) & 0xff0000u) return "dtype";
+  return "layout (all_gather dim)";
+}
+
+/* Turns a device error record into the error's code and message. */
+static tpc_result describe(tpc_comm *comm, int rank, uint64_t id, uint64_t timeout_ns,
+                           const tpc_async_error *e) {
+  const char *tail = "the communicator is unusable: abort() or close() it and create a new one";
+  switch (e->code) {
+    case TPC_OK:
+      return TPC_OK;
+    case TPC_ERR_TIMEOUT:
+      if (e->reported)
+        return fail(comm, TPC_ERR_TIMEOUT,
+                    "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
+                    "within %.3f s); this rank's output of that op is NaN; %s",
+                    rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
+      return fail(comm, TPC_ERR_TIMEOUT,
+                  "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
+                  rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
+    case TPC_ERR_MISMATCH:
+      if (e->reported)
+        return fail(comm, TPC_ERR_MISMATCH,
+                    "rank %d: peer %d found that the ranks called different ops at op #%u on "
+                    "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
+      return fail(comm, TPC_ERR_MISMATCH,
+                  "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
+                  "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
+                  rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
+                  op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
+                  op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
+    case TPC_ERR_CLOSED:
+      if (e->reported)
+        return fail(comm, TPC_ERR_CLOSED,
+                    "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
+                    e->peer, (unsigned long long)id, e->epoch, tail);
+      return fail(comm, TPC_ERR_CLOSED,
+                  "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
+                  "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
+                  rank, (unsigned long long)id);
+  }
+  return fail(comm, (tpc_result)e->code, "rank %d: device error %d involving peer %d (op #%u)", rank,
+              e->code, e->peer, e->epoch);
+}
+
+/* The device writes the record's code last, after a system fence; a
+ * volatile read sees it without synchronising any stream. */
+static tpc_async_error read_record(const tpc_async_error *record) {
+  const volatile tpc_async_error *rec = record;
+  tpc_async_error copy;
+  copy.code = rec->code;
+  copy.peer = rec->peer;
+  copy.epoch = rec->epoch;
+  copy.reported = rec->reported;
+  copy.peer_bytes = rec->peer_bytes;
+  copy.peer_kind = rec->peer_kind;
+  copy.own_bytes = rec->own_bytes;
+  copy.own_kind = rec->own_kind;
+  return copy;
+}
+
 tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out) {
   if (!comm) return fail(comm, TPC_ERR_INVALID_ARG, "NULL communicator");
-  /* The device writes the record with a system-scope atomic; a volatile read
-   * sees it without synchronising the stream. */
-  volatile tpc_async_error *rec = comm->err_host;
-  tpc_async_error copy = {rec->code, rec->peer, rec->epoch, rec->detail};
+  const tpc_async_error copy = read_record(comm->entry->record);
   if (out) *out = copy;
   if (copy.code == TPC_OK) return TPC_OK;
   comm->failed = 1;
-  if (copy.code == TPC_ERR_TIMEOUT)
-    return fail(comm, TPC_ERR_TIMEOUT,
-                "rank %d: peer %d did not arrive within %.3f s (op #%u on this communicator); "
-                "the communicator is unusable, create a new one",
-                comm->cfg.rank, copy.peer, comm->cfg.timeout_ns / 1e9, copy.epoch);
-  if (copy.code == TPC_ERR_MISMATCH)
-    return fail(comm, TPC_ERR_MISMATCH,
-                "rank %d: peer %d called a different op or size (it sent %u bytes, op #%u); "
-                "the communicator is unusable, create a new one",
-                comm->cfg.rank, copy.peer, copy.detail, copy.epoch);
-  return fail(comm, (tpc_result)copy.code, "rank %d: device error %d from peer %d (op #%u)",
-              comm->cfg.rank, copy.code, copy.peer, copy.epoch);
+  return describe(comm, comm->cfg.rank, comm->entry->id, comm->cfg.timeout_ns, &copy);
+}
+
+tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out) {
+  tpc_registry_lock();
+  tpc_entry *e = tpc_registry_find(id);
+  const tpc_entry_state state = e ? e->state : TPC_ENTRY_CLOSED;
+  const tpc_async_error copy = e ? read_record(e->record) : (tpc_async_error){0};
+  tpc_registry_unlock();
+  if (out) *out = copy;
+  if (!e) return fail(NULL, TPC_ERR_INVALID_ARG, "communicator id %llu is unknown", (unsigned long long)id);
+  if (copy.code != TPC_OK) return describe(NULL, e->rank, id, e->timeout_ns, &copy);
+  if (state != TPC_ENTRY_OPEN)
+    return fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
+                state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
+  return TPC_OK;
+}
+
+tpc_result tpc_comm_debug_set_epoch(tpc_comm *comm, uint32_t epoch) {
+  if (!comm) return fail(comm, TPC_ERR_INVALID_ARG, "NULL communicator");
+  int code = comm->rt->device_synchronize();
+  if (!code) code = comm->rt->memcpy_any(&comm->entry->control->epoch, &epoch, sizeof epoch);
+  return code ? runtime_fail(comm, comm->rt, code, "setting the epoch") : TPC_OK;
 }
 
 /* Shared preconditions of every op: usable communicator, async errors surfaced,
@@ -295,13 +492,20 @@ static tpc_result begin_op(tpc_comm *comm, const void *in, void *out, void *stre
 }
 
 static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, void *out,
-                      size_t nbytes, size_t row_bytes, int dtype, int op) {
+                      size_t nbytes, size_t out_bytes, size_t row_bytes, int dtype, int op,
+                      int algo, uint64_t nan_pattern) {
   memset(a, 0, sizeof *a);
   for (int p = 0; p < comm->cfg.world_size; ++p) a->bufs[p] = comm->bufs[p];
-  a->err = (tpc_async_error *)comm->err_device;
+  a->control = comm->entry->control;
+  a->err = comm->entry->record_device;
+  a->alive_id = (uint32_t)comm->entry->id;
+  a->kind = tpc_kind_word(op, algo, dtype, row_bytes);
+  a->poison = nan_pattern;
+  a->poison_out = nan_pattern != 0;
   a->in = in;
   a->out = out;
   a->nbytes = nbytes;
+  a->out_bytes = out_bytes;
   a->row_bytes = row_bytes;
   a->timeout_ns = comm->cfg.timeout_ns;
   a->packet_off = comm->layout.packet_off;
@@ -353,13 +557,15 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
                 nbytes, comm->cfg.max_bytes);
   if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
+  /* NaN of the dtype, repeated over 8 bytes. */
+  static const uint64_t nan_of[] = {0x7fc000007fc00000ull, 0x7e007e007e007e00ull, 0x7fc07fc07fc07fc0ull};
   tpc_kernel_args a;
-  fill_args(comm, &a, in, out, nbytes, nbytes, dtype, TPC_OP_ALL_REDUCE);
+  fill_args(comm, &a, in, out, nbytes, nbytes, nbytes, dtype, TPC_OP_ALL_REDUCE, algo, nan_of[dtype]);
   return launch_on_device(comm, TPC_OP_ALL_REDUCE, &a, algo, stream);
 }
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,
-                          size_t row_bytes, tpc_algo algo, void *stream) {
+                          size_t row_bytes, tpc_algo algo, uint64_t nan_pattern, void *stream) {
   tpc_result r = begin_op(comm, in, out, stream);
   if (r != TPC_OK) return r;
   if (nbytes == 0 || nbytes % 4)
@@ -370,10 +576,12 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   if (misaligned(in, 4) || misaligned(out, 4))
     return fail(comm, TPC_ERR_INVALID_ARG, "all_gather input and output must be 4-byte aligned");
   const size_t out_bytes = nbytes * (size_t)comm->cfg.world_size;
-  const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && !misaligned(in, 16) &&
-                      !misaligned(out, 16) && out_bytes <= comm->cfg.max_bytes;
+  /* Shapes and sizes only, never pointers: every rank must choose alike. */
+  const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && out_bytes <= comm->cfg.max_bytes;
   if (algo == TPC_ALGO_AUTO)
     algo = (nbytes <= comm->all_gather_packet_max || !bulk_ok) ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
+  if (algo == TPC_ALGO_BULK && (misaligned(in, 16) || misaligned(out, 16)))
+    return fail(comm, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned");
   if (algo == TPC_ALGO_PACKET && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
                 nbytes, comm->cfg.packet_max_bytes);
@@ -385,6 +593,6 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
   tpc_kernel_args a;
-  fill_args(comm, &a, in, out, nbytes, row_bytes, 0, TPC_OP_ALL_GATHER);
+  fill_args(comm, &a, in, out, nbytes, out_bytes, row_bytes, 0, TPC_OP_ALL_GATHER, algo, nan_pattern);
   return launch_on_device(comm, TPC_OP_ALL_GATHER, &a, algo, stream);
 }

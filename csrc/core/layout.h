@@ -1,11 +1,16 @@
 /*
- * Where everything lives inside one rank's registered buffer, and the
- * argument block every kernel receives. Shared by the C core and the CUDA
- * kernels, so it is plain C.
+ * Where everything lives inside one rank's registered buffer, the control
+ * slot that outlives it, and the argument block every kernel receives. Shared
+ * by the C core and the CUDA kernels, so it is plain C.
  *
- *   [0, TPC_SIGNALS_BYTES)     tpc_signals: epoch, barrier flags, headers
+ *   [0, TPC_SIGNALS_BYTES)     tpc_signals: barrier flags, headers, stop word
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
  *   [data_off, +data_bytes)    bulk slots, written by peers between barriers
+ *
+ * The words a kernel must read before it may touch that buffer (is the
+ * communicator still open, has it failed, which op is next) live apart from
+ * it, in a tpc_control slot from a pool that is never freed (control_pool.c):
+ * a CUDA graph replayed after close() reads them safely and stops there.
  */
 #ifndef TPCOMM_LAYOUT_H
 #define TPCOMM_LAYOUT_H
@@ -19,19 +24,37 @@
 /* One packet: 16 bytes holding two {4 data bytes, 4 flag bytes} halves. */
 #define TPC_PACKET_BYTES 16
 #define TPC_PACKET_DATA_BYTES 8
+/* The last epoch before the counter wraps: the op that runs under it clears
+ * every flag peers wrote, so no flag older than 2^32 ops can match again. */
+#define TPC_EPOCH_LAST 0xffffffffu
+
+/* Device memory, 16 bytes, one per communicator ever created in the process;
+ * never freed, never reused (control_pool.c). Read by thread 0 of every block
+ * in one 16-byte load before anything else. */
+typedef struct {
+  uint32_t alive;   /* the communicator's id (low 32 bits) while open; 0 once closed */
+  uint32_t epoch;   /* the last op's number; advanced by the device */
+  uint32_t failed;  /* 0, or the first error's tpc_result: later ops exit at once */
+  uint32_t pad_;
+} tpc_control;
 
 /* Lives at offset 0 of every registered buffer. Fields marked "local" are
  * only touched by this rank; the others are written by peers. */
 typedef struct {
-  uint32_t epoch;            /* local: ops completed on this communicator */
-  uint32_t blocks_done;      /* local: blocks of the current bulk op that finished */
+  uint32_t blocks_done;      /* local: blocks of the current op that finished */
   uint32_t blocks_arrived;   /* local: blocks of the current packet op that started */
-  uint32_t abort_epoch;      /* local: an op that failed; its waits stop */
   uint32_t bulk_seq;         /* local: bulk ops completed */
-  uint32_t error_claimed;    /* local: a thread of this GPU owns the error record */
-  uint32_t pad_[2];
+  uint32_t wraps;            /* local: epoch wraps completed */
+  /* peers: nonzero once a peer failed: (its tpc_result << 8) | (its rank + 1).
+   * Read by every op here, so a late rank does not finish an op its peer gave up. */
+  uint32_t stopped;
+  uint32_t pad_[3];
   uint32_t probe[TPC_MAX_RANKS];     /* peers: P2P probe tokens */
   uint32_t released[TPC_MAX_RANKS];  /* peers: bulk op they finished reading */
+  uint32_t wrap_in[TPC_MAX_RANKS];   /* peers: done with the last epoch before the wrap */
+  uint32_t wrap_out[TPC_MAX_RANKS];  /* peers: cleared their flags at the wrap */
+  /* Everything from here to the end of the packet slots carries epoch flags
+   * and is cleared at the wrap. */
   uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed */
   uint32_t barrier_out[TPC_MAX_BLOCKS][TPC_MAX_RANKS];  /* peers: phase done */
   /* peers: one header packet per [parity][sender], says the op and its size */
@@ -41,10 +64,14 @@ typedef struct {
 /* Packets are stored as 16-byte vectors: the header array must be aligned. */
 #ifdef __cplusplus
 static_assert(offsetof(tpc_signals, header) % 16 == 0, "header packets must be 16-byte aligned");
+static_assert(offsetof(tpc_signals, barrier_in) % 16 == 0, "the wrap clears 16-byte units");
 static_assert(sizeof(tpc_signals) <= TPC_SIGNALS_BYTES, "signals overflow their region");
+static_assert(sizeof(tpc_control) == 16, "the control slot is read in one 16-byte load");
 #else
 _Static_assert(offsetof(tpc_signals, header) % 16 == 0, "header packets must be 16-byte aligned");
+_Static_assert(offsetof(tpc_signals, barrier_in) % 16 == 0, "the wrap clears 16-byte units");
 _Static_assert(sizeof(tpc_signals) <= TPC_SIGNALS_BYTES, "signals overflow their region");
+_Static_assert(sizeof(tpc_control) == 16, "the control slot is read in one 16-byte load");
 #endif
 
 typedef struct {
@@ -58,21 +85,36 @@ typedef struct {
 /* What kind of op a header packet announces; peers must agree. */
 enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2 };
 
+/* The header's kind word: op, algorithm, dtype and a fold of the row length,
+ * so peers that disagree on any of them fail with a CollectiveMismatch that
+ * names the field. */
+static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_bytes) {
+  const uint32_t row_fold = (uint32_t)(row_bytes ^ (row_bytes >> 8) ^ (row_bytes >> 16) ^ (row_bytes >> 24)) & 0xffu;
+  return (uint32_t)(op & 0xff) | (uint32_t)(algo & 0xff) << 8 | (uint32_t)(dtype & 0xff) << 16 | row_fold << 24;
+}
+
 typedef struct {
   char *bufs[TPC_MAX_RANKS];  /* every rank's registered buffer, own included */
-  tpc_async_error *err;       /* host-mapped error record (device address) */
+  tpc_control *control;       /* this communicator's control slot (never freed) */
+  tpc_async_error *err;       /* its host-mapped error record (device address, never freed) */
   const void *in;
   void *out;
   uint64_t nbytes;            /* input bytes per rank */
+  uint64_t out_bytes;         /* bytes of out: poisoned when the op cannot run */
   uint64_t row_bytes;         /* all-gather: contiguous run per rank in out */
   uint64_t timeout_ns;
   uint64_t packet_off;
   uint64_t packet_slot_bytes;
   uint64_t data_off;
+  uint64_t poison;            /* 8-byte NaN pattern of out's dtype, written as 4-byte words */
+  uint32_t alive_id;          /* control->alive must equal this, or the communicator is closed */
+  uint32_t kind;              /* tpc_kind_word of this op */
   int32_t rank;
   int32_t world;
   int32_t dtype;              /* tpc_dtype, all-reduce only */
   int32_t op;                 /* TPC_OP_* */
+  int32_t poison_out;         /* out is floating point: fill it with NaN on failure */
+  int32_t pad_;
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

@@ -28,6 +28,13 @@ typedef struct {
   int (*stream_synchronize)(void *stream);
   int (*stream_is_capturing)(void *stream, int *capturing);
   const char *(*error_string)(int code);
+  /* n control slots (device memory, zeroed) and n error records (host-mapped,
+   * zeroed, with their device view) that are never freed (registry.c). */
+  int (*alloc_control_chunk)(void **control, void **records, void **records_device, size_t n);
+  /* Copies bytes host-to-device (or to a peer's mapped memory) on a private
+   * stream that waits for nothing: never blocks on the work of other streams.
+   * Does not wait for the copy either. */
+  int (*write_async)(void *dst, const void *src, size_t bytes);
   int (*launch_all_reduce)(const tpc_kernel_args *args, int algo, void *stream);
   int (*launch_all_gather)(const tpc_kernel_args *args, int algo, void *stream);
 } tpc_runtime;

@@ -4,6 +4,8 @@
  */
 #include "runtime.h"
 
+#include <string.h>
+
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime_api.h>
 typedef hipError_t gpu_error;
@@ -48,6 +50,34 @@ static int host_alloc_mapped(void **host, void **device, size_t bytes) {
   return code;
 }
 static int host_free(void *host) { return (int)GPU(FreeHost)(host); }
+static int alloc_control_chunk(void **control, void **records, void **records_device, size_t n) {
+  int code = alloc_shared(control, n * sizeof(tpc_control));
+  if (code) return code;
+  if ((code = (int)GPU(Memset)(*control, 0, n * sizeof(tpc_control))) != 0 ||
+      (code = host_alloc_mapped(records, records_device, n * sizeof(tpc_async_error))) != 0) {
+    GPU(Free)(*control);
+    *control = NULL;
+    return code;
+  }
+  memset(*records, 0, n * sizeof(tpc_async_error));
+  return 0;
+}
+/* One stream per device for tpc_comm_abort's writes: non-blocking, so it
+ * waits neither for the legacy default stream nor for any other. Created on
+ * first use and kept (abort must not wait for a destroy to synchronise). */
+#define TPC_STREAM_DEVICES 64
+static int write_async(void *dst, const void *src, size_t bytes) {
+  static gpu_stream streams[TPC_STREAM_DEVICES];
+  int device = 0;
+  int code = (int)GPU(GetDevice)(&device);
+  if (code) return code;
+  if (device < 0 || device >= TPC_STREAM_DEVICES) return (int)GPU(ErrorInvalidDevice);
+  if (!streams[device]) {
+    code = (int)GPU(StreamCreateWithFlags)(&streams[device], GPU(StreamNonBlocking));
+    if (code) return code;
+  }
+  return (int)GPU(MemcpyAsync)(dst, src, bytes, GPU(MemcpyDefault), streams[device]);
+}
 static int ipc_export(void *handle_out, void *ptr) {
   gpu_ipc_handle h;
   int code = (int)GPU(IpcGetMemHandle)(&h, ptr);
@@ -79,7 +109,8 @@ static const tpc_runtime gpu_runtime = {
     set_device,         get_device,         alloc_shared,       device_free,           device_memset,
     memcpy_any,         host_alloc_mapped,  host_free,             ipc_export,
     ipc_open,           ipc_close,          device_synchronize,    stream_synchronize,
-    stream_is_capturing, error_string,      tpc_launch_all_reduce, tpc_launch_all_gather,
+    stream_is_capturing, error_string,      alloc_control_chunk,   write_async,
+    tpc_launch_all_reduce, tpc_launch_all_gather,
 };
 
 const tpc_runtime *tpc_runtime_get(void) { return &gpu_runtime; }

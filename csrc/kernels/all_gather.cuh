@@ -27,8 +27,9 @@ static __device__ __forceinline__ uint64_t tpc_gather_index(uint64_t index, uint
   return (uint64_t)(i / r) * (uint64_t)n * row + (uint64_t)q * row + (i % r);
 }
 
-__global__ void tpc_all_gather_packet_kernel(tpc_kernel_args a) {
+__global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a, 1);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op);
   tpc_header_check(&a, &op);
   const int n = a.world, me = a.rank;
@@ -55,16 +56,22 @@ __global__ void tpc_all_gather_packet_kernel(tpc_kernel_args a) {
     const int pair = w + 1 < words;
     for (int i = 1; i < n; ++i) {
       const int q = (me + i) % n;
-      const uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, q) + u * TPC_PACKET_BYTES, q);
-      out[tpc_gather_index(w, row, q, n)] = v.x;
-      if (pair) out[tpc_gather_index(w + 1, row, q, n)] = v.y;
+      uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, q) + u * TPC_PACKET_BYTES, q);
+      const uint64_t o = tpc_gather_index(w, row, q, n), o1 = tpc_gather_index(w + 1, row, q, n);
+      if (tpc_op_broken(&op)) {
+        if (!a.poison_out) continue;
+        v = make_uint2(tpc_poison_word(&a, o), tpc_poison_word(&a, o1));
+      }
+      out[o] = v.x;
+      if (pair) out[o1] = v.y;
     }
   }
   tpc_op_end(&a, &op, 0);
 }
 
-__global__ void tpc_all_gather_bulk_kernel(tpc_kernel_args a) {
+__global__ void tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a, 0);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op);
   tpc_bulk_acquire(&a, &op);
   const int n = a.world, me = a.rank;
@@ -77,15 +84,18 @@ __global__ void tpc_all_gather_bulk_kernel(tpc_kernel_args a) {
 
   for (uint64_t k = first; k < units; k += stride) {
     const uint4 v = tpc_load16(in + k * 16);
-    for (int i = 1; i < n; ++i) tpc_store16(SLOT((me + i) % n, me) + k * 16, v);
+    /* After a failed acquire a peer may still read its slots: write nothing. */
+    for (int i = 1; i < n && !op.failed; ++i) tpc_store16(SLOT((me + i) % n, me) + k * 16, v);
     tpc_store16(out + tpc_gather_index(k, row, me, n) * 16, v);
   }
   tpc_header_check(&a, &op);
   tpc_block_barrier(&a, &op, 0);
-  for (int i = 1; i < n; ++i) {
+  const int broken = tpc_op_broken(&op);
+  for (int i = 1; i < n && (!broken || a.poison_out); ++i) {
     const int q = (me + i) % n;
     for (uint64_t k = first; k < units; k += stride)
-      tpc_store16(out + tpc_gather_index(k, row, q, n) * 16, tpc_load16_from_peer(SLOT(me, q) + k * 16));
+      tpc_store16(out + tpc_gather_index(k, row, q, n) * 16,
+                  broken ? tpc_poison16(&a) : tpc_load16_from_peer(SLOT(me, q) + k * 16));
   }
 #undef SLOT
   tpc_op_end(&a, &op, 1);

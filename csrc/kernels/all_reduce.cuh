@@ -18,8 +18,9 @@
 #include "data_ops.cuh"
 #include "primitives.cuh"
 
-__global__ void tpc_all_reduce_packet_kernel(tpc_kernel_args a) {
+__global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a, 1);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op);
   tpc_header_check(&a, &op);
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
@@ -46,7 +47,7 @@ __global__ void tpc_all_reduce_packet_kernel(tpc_kernel_args a) {
     }
     uint32_t sum[2];
     tpc_round(acc, sum, 2, a.dtype);
-    ((uint2 *)a.out)[u] = make_uint2(sum[0], sum[1]);
+    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : make_uint2(sum[0], sum[1]);
   }
   tpc_op_end(&a, &op, 0);
 }
@@ -56,8 +57,9 @@ static __device__ __forceinline__ uint64_t tpc_chunk_begin(uint64_t units, int j
   return units * (uint64_t)j / (uint64_t)world;
 }
 
-__global__ void tpc_all_reduce_bulk_kernel(tpc_kernel_args a) {
+__global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a, 0);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op);
   tpc_bulk_acquire(&a, &op);
   const int n = a.world, me = a.rank;
@@ -71,7 +73,8 @@ __global__ void tpc_all_reduce_bulk_kernel(tpc_kernel_args a) {
 #define SCATTER_SLOT(owner, sender) (a.bufs[owner] + a.data_off + (uint64_t)(sender) * slot_units * 16)
 #define GATHERED(owner) (a.bufs[owner] + a.data_off + (uint64_t)n * slot_units * 16)
 
-  for (int i = 1; i < n; ++i) {
+  /* After a failed acquire a peer may still read its slots: write nothing. */
+  for (int i = 1; i < n && !op.failed; ++i) {
     const int j = (me + i) % n;
     const uint64_t b = tpc_chunk_begin(units, j, n), e = tpc_chunk_begin(units, j + 1, n);
     for (uint64_t k = b + first; k < e; k += stride)
@@ -92,17 +95,18 @@ __global__ void tpc_all_reduce_bulk_kernel(tpc_kernel_args a) {
     }
     uint32_t s[4];
     tpc_round(acc, s, 4, a.dtype);
-    const uint4 sum = make_uint4(s[0], s[1], s[2], s[3]);
+    const uint4 sum = tpc_op_broken(&op) ? tpc_poison16(&a) : make_uint4(s[0], s[1], s[2], s[3]);
     tpc_store16(out + k * 16, sum);
     for (int i = 1; i < n; ++i) tpc_store16(GATHERED((me + i) % n) + k * 16, sum);
   }
   tpc_block_barrier(&a, &op, 1);
 
+  const int broken = tpc_op_broken(&op);
   for (int i = 1; i < n; ++i) {
     const int j = (me + i) % n;
     const uint64_t cb = tpc_chunk_begin(units, j, n), ce = tpc_chunk_begin(units, j + 1, n);
     for (uint64_t k = cb + first; k < ce; k += stride)
-      tpc_store16(out + k * 16, tpc_load16_from_peer(GATHERED(me) + k * 16));
+      tpc_store16(out + k * 16, broken ? tpc_poison16(&a) : tpc_load16_from_peer(GATHERED(me) + k * 16));
   }
 #undef SCATTER_SLOT
 #undef GATHERED

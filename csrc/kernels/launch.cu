@@ -47,7 +47,7 @@ static unsigned tpc_packet_threads(uint64_t items) {
                                                                            : TPC_PACKET_FAT_THREADS;
 }
 
-typedef void (*tpc_kernel)(tpc_kernel_args);
+typedef void (*tpc_kernel)(const tpc_kernel_args);
 
 /* Launches with programmatic stream serialisation where CUDA has it: the
  * kernel may begin while the previous one finishes and waits for it in

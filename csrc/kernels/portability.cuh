@@ -27,6 +27,17 @@
 #endif
 
 #define TPC_DEVICE static __device__ __forceinline__
+/* Rare paths (recording an error, refusing an op, the epoch wrap): one
+ * out-of-line copy, so the hot path of every kernel stays a few hundred
+ * instructions and its first run on each SM misses the instruction cache less. */
+#define TPC_COLD static __device__ __noinline__
+/* Kernel arguments whose address the kernel takes (the rare paths above get
+ * a pointer to them) without a copy into local memory. */
+#ifdef TPC_HIP
+#define TPC_GRID_CONSTANT
+#else
+#define TPC_GRID_CONSTANT __grid_constant__
+#endif
 
 TPC_DEVICE void tpc_store_packet(uint64_t *addr, uint64_t lo, uint64_t hi) {
 #ifdef TPC_HIP
@@ -68,9 +79,28 @@ TPC_DEVICE uint32_t tpc_load_acquire(const uint32_t *addr) {
   return value;
 }
 
-/* Local flags this GPU alone writes (abort word): a relaxed read suffices. */
+/* Words other agents write and this GPU polls (the stop word, the failed
+ * word the host may set): a volatile read, never served from a stale L1 line. */
 TPC_DEVICE uint32_t tpc_load_relaxed(const uint32_t *addr) {
   return *(const volatile uint32_t *)addr;
+}
+
+/* The 16-byte control slot in one load (see layout.h: alive, epoch, failed). */
+TPC_DEVICE uint4 tpc_load_control(const void *p) {
+  uint4 v;
+#ifdef TPC_HIP
+  const uint32_t *w = (const uint32_t *)p;
+  v.x = __hip_atomic_load(w, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+  v.y = __hip_atomic_load(w + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+  v.z = __hip_atomic_load(w + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+  v.w = __hip_atomic_load(w + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+#endif
+  return v;
 }
 
 /* 16-byte load of data a peer wrote into our buffer: served from L2 (or, on
@@ -120,6 +150,19 @@ TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {
   asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
 #endif
   return z;
+}
+
+/* v, through an instruction the compiler cannot move or look through: a
+ * check written after the packet waits stays there, instead of being hoisted
+ * to the top of the kernel where it would stall on a load still in flight. */
+TPC_DEVICE uint32_t tpc_opaque(uint32_t v) {
+  uint32_t r;
+#ifdef TPC_HIP
+  asm volatile("v_mov_b32 %0, %1" : "=v"(r) : "v"(v));
+#else
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+#endif
+  return r;
 }
 
 TPC_DEVICE uint64_t tpc_clock_ns(void) {

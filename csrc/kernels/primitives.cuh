@@ -7,6 +7,7 @@
 #define TPCOMM_PRIMITIVES_CUH
 
 #include "../core/layout.h"
+#include "data_ops.cuh"
 #include "portability.cuh"
 
 /* Every block is its data threads followed by one control warp. The control
@@ -41,86 +42,187 @@ TPC_DEVICE tpc_signals *tpc_signals_of(const tpc_kernel_args *a, int rank) {
 
 /* Per-thread view of the op being run. */
 typedef struct {
+  const tpc_kernel_args *args;
   tpc_signals *sig;       /* this rank's signals */
-  tpc_async_error *err;   /* host-mapped */
+  tpc_control *control;   /* never freed: safe to read after close */
+  tpc_async_error *err;   /* host-mapped, never freed */
   uint64_t deadline_ns;   /* waits past this give up; 0 until a wait is slow */
   uint64_t timeout_ns;
   uint32_t epoch;         /* this op's number; packet flag value */
   uint32_t ticket;        /* thread 0: order in which this block arrived */
-  int failed;             /* this thread gave up a wait */
+  uint32_t refused;       /* the op must not run: TPC_ERR_CLOSED, or the earlier error's code */
+  uint32_t peer_stop;     /* the stop word as this thread first read it: a peer gave up */
+  int failed;             /* this thread gave up, or learned that a peer did */
 } tpc_op;
 
-/* Thread 0 of every block reads the epoch the previous op left and shares it
- * with its block; one block advances it for the next op (tpc_op_end), so graph
- * replays and eager calls, in any order, each get the next number without the
- * host knowing it.
+/* Thread 0 of every block reads the control slot (one 16-byte load, from
+ * memory that is never freed) and shares it with its block:
+ *  - alive must be this communicator's id: otherwise it was closed and the
+ *    buffers are gone (a graph replayed after close), and the op is refused;
+ *  - failed must be 0: once an error is recorded every later op is refused,
+ *    so it exits at once instead of waiting out its own timeout;
+ *  - epoch is the previous op's number. One block advances it for the next op
+ *    (tpc_op_end), so graph replays and eager calls, in any order, each get
+ *    the next number without the host knowing it.
+ * A refused op touches no buffer: the kernel calls tpc_op_refuse and returns.
  *
- * Which block advances it: for packet ops the last block to *arrive* (each
- * block takes a ticket whose operand depends on the epoch it read, so when the
- * last ticket is drawn every block has read it; a dependency, not a fence,
- * which would stall the whole block). The atomic's latency then
- * hides behind the block's data work instead of adding a round trip at the
- * end. Bulk ops count *completions* instead (tpc_op_end), because they also
- * release their slots to the peers, which needs every block done reading. */
+ * Which block advances the epoch: for packet ops the last block to *arrive*
+ * (each block takes a ticket whose operand depends on the epoch it read, so
+ * when the last ticket is drawn every block has read it; a dependency, not a
+ * fence, which would stall the whole block). The atomic's latency then hides
+ * behind the block's data work instead of adding a round trip at the end.
+ * Bulk ops (and the op before the wrap) count *completions* instead
+ * (tpc_op_end), because they also release their slots to the peers, which
+ * needs every block done reading.
+ *
+ * Every thread also reads the stop word that peers set when they give up,
+ * early and without waiting for it: it is checked before the thread writes
+ * its output, so a rank that arrives after its peer gave up this op returns
+ * NaN and an error, not a result its peer does not have. */
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
-  __shared__ uint32_t block_epoch;
+  __shared__ uint32_t block_epoch, block_refused;
   tpc_grid_wait();    /* the previous kernel's writes (epoch, input) are visible */
   tpc_grid_release(); /* and the next kernel may start launching behind us */
   tpc_op op;
+  op.args = a;
   op.sig = tpc_signals_of(a, a->rank);
+  op.control = a->control;
   op.err = a->err;
   op.ticket = 0;
   if (threadIdx.x == 0) {
-    uint32_t epoch = *(volatile uint32_t *)&op.sig->epoch + 1u;
+    const uint4 c = tpc_load_control(a->control);
+    const uint32_t refused = c.x != a->alive_id ? (uint32_t)TPC_ERR_CLOSED : c.z;
+    uint32_t epoch = c.y + 1u;
     /* 0 means "never written" in every slot; skipping to 2 keeps the parity
      * alternating across the wrap. */
     if (epoch == 0) epoch = 2;
     block_epoch = epoch;
-    if (count_arrival && gridDim.x > 1)
+    block_refused = refused;
+    if (!refused && count_arrival && gridDim.x > 1)
       op.ticket = atomicAdd(&op.sig->blocks_arrived, 1u + tpc_zero_after(epoch));
   }
   __syncthreads();
   op.epoch = block_epoch;
+  op.refused = block_refused;
+  /* A plain load: the block's warps share one L1 line instead of sending
+   * thousands of requests to one L2 address (a 1 MiB op has ~2,000 warps).
+   * It is a snapshot at the op's start; peers that stop later are seen by the
+   * wait loops, which read the word past the caches. */
+  op.peer_stop = op.refused ? 0u : op.sig->stopped;
   op.deadline_ns = 0; /* set by the first slow wait: no clock read on the fast path */
   op.timeout_ns = a->timeout_ns;
   op.failed = 0;
   return op;
 }
 
+/* The NaN pattern for output word `index` (4-byte words of out). */
+TPC_DEVICE uint32_t tpc_poison_word(const tpc_kernel_args *a, uint64_t index) {
+  return (uint32_t)(index & 1u ? a->poison >> 32 : a->poison);
+}
+
+TPC_DEVICE uint2 tpc_poison8(const tpc_kernel_args *a) {
+  return make_uint2(tpc_poison_word(a, 0), tpc_poison_word(a, 1));
+}
+
+TPC_DEVICE uint4 tpc_poison16(const tpc_kernel_args *a) {
+  const uint2 p = tpc_poison8(a);
+  return make_uint4(p.x, p.y, p.x, p.y);
+}
+
 /* First error wins; later ones (other threads timing out as a consequence)
- * leave the record alone. The claim is a device-memory atomic: atomics on
- * host-mapped memory are not available over every PCIe root complex. The
- * record's code is written last, after a system fence, so the host never sees
- * a code with stale peer/epoch fields. The abort word stops this rank's other
- * waits. */
-TPC_DEVICE void tpc_record_error(tpc_op *op, int code, int peer, uint32_t detail) {
+ * leave the record alone. The claim is the control slot's failed word (device
+ * memory: atomics on host-mapped memory are not available over every PCIe
+ * root complex); once set, every later op of this communicator is refused at
+ * its start. The record's code is written last, after a system fence, so the
+ * host never sees a code with stale fields. The claimer then tells every
+ * peer, whose waits for this rank end at once and whose next op is refused
+ * too. `touch_buffers` is 0 for a closed communicator: its buffers are gone. */
+TPC_COLD void tpc_record_cold(const tpc_kernel_args *a, uint32_t epoch, uint32_t code, int peer,
+                              int reported, uint32_t peer_bytes, uint32_t peer_kind, int touch_buffers) {
+  if (atomicCAS(&a->control->failed, 0u, code) != 0u) return;
+  volatile tpc_async_error *rec = a->err;
+  rec->peer = peer;
+  rec->epoch = epoch;
+  rec->reported = reported;
+  rec->peer_bytes = peer_bytes;
+  rec->peer_kind = peer_kind;
+  rec->own_bytes = (uint32_t)a->nbytes;
+  rec->own_kind = a->kind;
+  tpc_fence_system();
+  rec->code = (int32_t)code;
+  tpc_fence_system();
+  if (!touch_buffers) return;
+  for (int p = 0; p < a->world; ++p)
+    if (p != a->rank)
+      tpc_store_release(&tpc_signals_of(a, p)->stopped, code << 8 | (uint32_t)(a->rank + 1));
+}
+
+/* Everything but the flag is out of line: it takes scalars and the kernel
+ * parameter's address (a __grid_constant__, so no copy), never the op, which
+ * would push the hot path's state into local memory. */
+TPC_DEVICE void tpc_record(tpc_op *op, uint32_t code, int peer, int reported, uint32_t peer_bytes,
+                           uint32_t peer_kind, int touch_buffers) {
   op->failed = 1;
-  if (atomicCAS(&op->sig->error_claimed, 0u, 1u) == 0u) {
-    volatile tpc_async_error *rec = op->err;
-    rec->peer = peer;
-    rec->epoch = op->epoch;
-    rec->detail = detail;
-    tpc_fence_system();
-    rec->code = code;
-    tpc_fence_system();
+  tpc_record_cold(op->args, op->epoch, code, peer, reported, peer_bytes, peer_kind, touch_buffers);
+}
+
+TPC_DEVICE void tpc_record_error(tpc_op *op, int code, int peer, uint32_t peer_bytes, uint32_t peer_kind) {
+  tpc_record(op, (uint32_t)code, peer, 0, peer_bytes, peer_kind, 1);
+}
+
+/* A peer's stop word seen: this rank takes over its code, naming it. */
+TPC_DEVICE void tpc_record_peer_stop(tpc_op *op, uint32_t stop) {
+  tpc_record(op, stop >> 8, (int)(stop & 0xffu) - 1, 1, 0, 0, 1);
+}
+
+/* Nonzero once this thread must not produce output: it gave up a wait, or
+ * a peer had given up before this thread started. Two register tests on the
+ * fast path; the stop word's load was issued at the start and has landed by
+ * the time the output is written (tpc_opaque keeps the test here). */
+TPC_DEVICE int tpc_op_broken(tpc_op *op) {
+  if (op->failed) return 1;
+  const uint32_t stop = tpc_opaque(op->peer_stop);
+  if (stop) {
+    tpc_record_peer_stop(op, stop);
+    return 1;
   }
-  atomicExch(&op->sig->abort_epoch, op->epoch);
+  return 0;
+}
+
+/* The op was refused at its start (`refused`: the reason): record why (a
+ * closed communicator's first refused op), fill a floating-point output with
+ * NaN and touch nothing else. Every thread of the grid takes part. */
+TPC_COLD void tpc_op_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
+  if (refused == TPC_ERR_CLOSED && blockIdx.x == 0 && threadIdx.x == 0)
+    tpc_record_cold(a, epoch, TPC_ERR_CLOSED, -1, 0, 0, 0, 0);
+  if (!a->poison_out) return;
+  const uint64_t words = a->out_bytes / 4;
+  uint32_t *out = (uint32_t *)a->out;
+  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < words;
+       w += (uint64_t)gridDim.x * blockDim.x)
+    out[w] = tpc_poison_word(a, w);
 }
 
 /* The one bound on waiting for a peer: called from every polling loop. Checks
- * the clock and the abort word only every 64 spins to keep the loop tight.
- * Returns nonzero when the wait must stop. */
+ * the clock, this communicator's failed word and the peers' stop word only
+ * every 64 spins to keep the loop tight. Returns nonzero when the wait must
+ * stop. */
 TPC_DEVICE int tpc_wait_gives_up(tpc_op *op, int peer, uint32_t *spins) {
   if (op->failed) return 1;
   if ((++*spins & 63u) != 0) return 0;
-  if (tpc_load_relaxed(&op->sig->abort_epoch) == op->epoch) {
-    op->failed = 1;
+  if (tpc_load_relaxed(&op->control->failed) != 0) {
+    op->failed = 1; /* another thread recorded it, or abort() */
+    return 1;
+  }
+  const uint32_t stop = tpc_load_relaxed(&op->sig->stopped);
+  if (stop != 0) {
+    tpc_record_peer_stop(op, stop);
     return 1;
   }
   const uint64_t now = tpc_clock_ns();
   if (op->deadline_ns == 0) op->deadline_ns = now + op->timeout_ns;
   if (now > op->deadline_ns) {
-    tpc_record_error(op, TPC_ERR_TIMEOUT, peer, 0);
+    tpc_record_error(op, TPC_ERR_TIMEOUT, peer, 0, 0);
     return 1;
   }
   return 0;
@@ -161,8 +263,8 @@ TPC_DEVICE char *tpc_packet_slot(const tpc_kernel_args *a, int owner, uint32_t e
   return a->bufs[owner] + a->packet_off + index * a->packet_slot_bytes;
 }
 
-/* Headers let peers that disagree on an op or its size fail with a clear
- * record (and stop this rank's other waits) instead of timing out. The control
+/* Headers let peers that disagree on an op, its size, algorithm, dtype or
+ * layout (the kind word, layout.h) fail with a clear record (and stop this rank's other waits) instead of timing out. The control
  * warp of block 0 sends them and waits for the peers' while the data threads
  * work, so the check adds nothing to the op's latency. */
 TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op) {
@@ -170,15 +272,15 @@ TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op) {
   if (peer < 0) return;
   uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
   tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch),
-                   tpc_packet_half((uint32_t)a->op, op->epoch));
+                   tpc_packet_half(a->kind, op->epoch));
 }
 
 TPC_DEVICE void tpc_header_check(const tpc_kernel_args *a, tpc_op *op) {
   const int peer = tpc_control_peer(a);
   if (peer < 0) return;
   uint2 h = tpc_packet_wait(op, op->sig->header[op->epoch & 1u][peer], peer);
-  if (!op->failed && (h.x != (uint32_t)a->nbytes || h.y != (uint32_t)a->op))
-    tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x);
+  if (!op->failed && (h.x != (uint32_t)a->nbytes || h.y != a->kind))
+    tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x, h.y);
 }
 
 /* Block b of every rank meets block b of every other rank. Blocks of one op
@@ -201,7 +303,8 @@ TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op, int seco
                                     : &op->sig->barrier_in[blockIdx.x][t];
     tpc_flag_wait(op, theirs, op->epoch, t);
   }
-  __syncthreads();
+  /* A wait that gave up stops the whole block, not just its thread. */
+  if (__syncthreads_or(op->failed)) op->failed = 1;
 }
 
 /* Bulk slots are reused by every bulk op. Before writing into a peer's slots
@@ -214,33 +317,77 @@ TPC_DEVICE void tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op) {
     const uint32_t done = *(volatile uint32_t *)&op->sig->bulk_seq;
     tpc_flag_wait(op, &op->sig->released[t], done, t);
   }
-  __syncthreads();
+  if (__syncthreads_or(op->failed)) op->failed = 1;
 }
 
-/* Called by every block at the end. One block per op advances the epoch (the
+/* The op under the last epoch before the counter wraps (TPC_EPOCH_LAST),
+ * run by thread 0 of its last block to finish: flags are equal to epochs, so
+ * a flag left in a slot that was not written for 2^32 ops would match the
+ * reused epoch. The ranks meet (every peer is done with the last epoch, so
+ * nothing more is written into our buffer), each clears every flag-carrying
+ * word of its own buffer, and they meet again before anyone runs the next op.
+ * Once in 2^32 ops, so one thread does it (milliseconds); the waits are
+ * bounded like every other. */
+TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
+  tpc_op *op = &op_copy;
+  const uint32_t w = op->sig->wraps + 1u;
+  for (int t = 0; t < a->world; ++t) {
+    if (t == a->rank) continue;
+    tpc_fence_system();
+    tpc_store_release(&tpc_signals_of(a, t)->wrap_in[a->rank], w);
+  }
+  for (int t = 0; t < a->world; ++t)
+    if (t != a->rank) tpc_flag_wait(op, &op->sig->wrap_in[t], w, t);
+  char *begin = (char *)&op->sig->barrier_in[0][0];
+  char *end = a->bufs[a->rank] + a->packet_off + 2 * (uint64_t)a->world * a->packet_slot_bytes;
+  for (char *p = begin; p < end; p += 16) tpc_store16(p, make_uint4(0, 0, 0, 0));
+  for (int t = 0; t < a->world; ++t) {
+    if (t == a->rank) continue;
+    tpc_fence_system();
+    tpc_store_release(&tpc_signals_of(a, t)->wrap_out[a->rank], w);
+  }
+  for (int t = 0; t < a->world; ++t)
+    if (t != a->rank) tpc_flag_wait(op, &op->sig->wrap_out[t], w, t);
+  op->sig->wraps = w;
+}
+
+/* Called by every thread at the end. One block per op advances the epoch (the
  * next kernel on the stream sees it: kernel boundary). Packet ops: the last
  * block to arrive (see tpc_op_begin), no waiting. Bulk ops: the last block to
  * finish, which also tells peers their slots in our buffer are free again;
- * the fences order every block's reads of those slots before that release. */
+ * the fences order every block's reads of those slots before that release. A
+ * failed bulk op never releases its slots: a peer that still writes into them
+ * would overwrite data nobody reads, and the next op is refused anyway. */
 TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk) {
+  const int wrap = op->epoch == TPC_EPOCH_LAST;
   if (!bulk) {
-    if (threadIdx.x != 0) return;
-    if (gridDim.x > 1) {
-      if (op->ticket != gridDim.x - 1) return;
-      op->sig->blocks_arrived = 0;
+    const int last_arrived = gridDim.x == 1 || op->ticket == gridDim.x - 1;
+    if (threadIdx.x == 0 && last_arrived) {
+      if (gridDim.x > 1) op->sig->blocks_arrived = 0;
+      if (!wrap) *(volatile uint32_t *)&op->control->epoch = op->epoch;
     }
-    *(volatile uint32_t *)&op->sig->epoch = op->epoch;
-    return;
+    if (!wrap) return;
   }
-  __syncthreads();
+  /* Blocks count their completions and, in the high half of the same
+   * atomic, their failures: the last block learns whether any block failed
+   * without another load on the way to the release. */
+  const int block_failed = __syncthreads_or(op->failed);
   if (threadIdx.x != 0) return;
+  uint32_t failed = (uint32_t)block_failed;
   if (gridDim.x > 1) { /* one block needs no count: it is the last */
     __threadfence();
-    const uint32_t finished = atomicAdd(&op->sig->blocks_done, 1u);
-    if (finished != gridDim.x - 1) return;
+    const uint32_t before = atomicAdd(&op->sig->blocks_done, block_failed ? 0x10001u : 1u);
+    if ((before & 0xffffu) != gridDim.x - 1) return;
+    failed += before >> 16;
     op->sig->blocks_done = 0;
   }
-  *(volatile uint32_t *)&op->sig->epoch = op->epoch;
+  if (failed) return;
+  if (wrap) {
+    tpc_wrap(a, *op);
+    if (tpc_load_relaxed(&op->control->failed)) return;
+  }
+  *(volatile uint32_t *)&op->control->epoch = op->epoch;
+  if (!bulk) return;
   __threadfence();
   const uint32_t seq = op->sig->bulk_seq + 1u;
   op->sig->bulk_seq = seq;

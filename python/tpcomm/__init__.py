@@ -4,16 +4,22 @@
     y = comm.all_reduce(x)                    # custom kernel, or NCCL fallback
     z = comm.all_gather(x, dim=-1)
     with comm.capture(): ... CUDA graph capture ...
-    comm.close()
+    comm.close()                              # collective, bounded; comm.abort(): not collective
 
 The torch ops behind them, usable inside a model's forward under CUDA graphs
 and torch.compile: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo),
 custom_all_reduce_out(x, out, comm.handle, algo),
-custom_all_gather(x, dim, comm.handle, algo).
+custom_all_gather(x, dim, comm.handle, algo). comm.handle is the
+communicator's id (looked up on every call: a closed one raises).
+
+Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
+CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.
 """
-from ._lib import TpcommError, load
+from ._lib import load
 from .communicator import Communicator
+from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 from . import policy
 
-__all__ = ["Communicator", "TpcommError", "load", "policy"]
+__all__ = ["Communicator", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
+           "load", "policy"]
 __version__ = "0.1.0"

@@ -5,14 +5,18 @@ reports it as its disabled_reason."""
 import ctypes
 import glob
 import os
+import re
 
 import torch
+
+from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 
 IPC_HANDLE_BYTES = 64
 MAX_RANKS = 8
 
 # tpc_result codes (csrc/tpcomm.h)
-OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE = range(8)
+(OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE,
+ ERR_CLOSED) = range(9)
 # tpc_algo
 ALGO_AUTO, ALGO_PACKET, ALGO_BULK = 0, 1, 2
 
@@ -33,7 +37,11 @@ class AsyncError(ctypes.Structure):
         ("code", ctypes.c_int32),
         ("peer", ctypes.c_int32),
         ("epoch", ctypes.c_uint32),
-        ("detail", ctypes.c_uint32),
+        ("reported", ctypes.c_int32),
+        ("peer_bytes", ctypes.c_uint32),
+        ("peer_kind", ctypes.c_uint32),
+        ("own_bytes", ctypes.c_uint32),
+        ("own_kind", ctypes.c_uint32),
     ]
 
 
@@ -44,6 +52,10 @@ _SIGNATURES = {
     "tpc_comm_open_peer": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_char_p]),
     "tpc_comm_ready": (ctypes.c_int, [_P]),
     "tpc_comm_destroy": (ctypes.c_int, [_P]),
+    "tpc_comm_abort": (ctypes.c_int, [_P]),
+    "tpc_comm_id": (ctypes.c_uint64, [_P]),
+    "tpc_id_async_error": (ctypes.c_int, [ctypes.c_uint64, ctypes.POINTER(AsyncError)]),
+    "tpc_comm_debug_set_epoch": (ctypes.c_int, [_P, ctypes.c_uint32]),
     "tpc_comm_probe_write": (ctypes.c_int, [_P]),
     "tpc_comm_probe_read": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint32)]),
     "tpc_comm_set_cutover": (ctypes.c_int, [_P, ctypes.c_size_t, ctypes.c_size_t]),
@@ -93,16 +105,26 @@ def load():
     return lib
 
 
-class TpcommError(RuntimeError):
-    """An error reported by tpcomm's C core (the message says why)."""
+_CLASS_OF_CODE = {ERR_TIMEOUT: CollectiveTimeout, ERR_MISMATCH: CollectiveMismatch, ERR_CLOSED: CommunicatorClosed}
 
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
+
+def error_for(code, message):
+    """The tpcomm exception for a tpc_result code."""
+    return _CLASS_OF_CODE.get(code, TpcommError)(message, code)
 
 
 def check(lib, handle, code, what):
     if code != OK:
         reason = lib.tpc_comm_last_error(handle).decode(errors="replace")
         kind = lib.tpc_result_string(code).decode()
-        raise TpcommError(code, f"tpcomm: {what}: {kind}: {reason}")
+        raise error_for(code, f"tpcomm: {what}: {kind}: {reason}")
+
+
+_RESULT_TAG = re.compile(r"\[tpc_result (\d+)\]")
+
+
+def translated(exc):
+    """The tpcomm exception for a RuntimeError raised by a torch op of the
+    extension (its message ends with "[tpc_result N]"); other errors as they are."""
+    found = _RESULT_TAG.search(str(exc))
+    return error_for(int(found.group(1)), str(exc)) if found else exc

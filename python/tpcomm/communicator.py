@@ -1,21 +1,33 @@
 """Communicator: tpcomm's resources for one torch.distributed group on one GPU,
 and the per-call choice between tpcomm's kernels and NCCL."""
+import collections
 import contextlib
 import ctypes
 import itertools
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import _fake, _lib, policy, topology
+from .errors import CollectiveTimeout, CommunicatorClosed
 
 KiB = 1024
 MiB = 1024 * KiB
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ALGO = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
-_serial = itertools.count()
+# Communicators created so far on each group (keyed by the group's name):
+# every rank of a group must create them in the same order, whatever other
+# groups (TP inside PP, DP replicas) it also belongs to.
+_serials = collections.defaultdict(itertools.count)
+
+
+def group_key(group):
+    """A name for `group` that every member computes alike."""
+    name = getattr(group, "group_name", None)
+    return name if name else tuple(dist.get_process_group_ranks(group))
 
 
 class Communicator:
@@ -38,6 +50,11 @@ class Communicator:
         timeout_s: bound on every device-side wait for a peer (default: the
             TPCOMM_TIMEOUT_S environment variable, else 10 s).
         tables: routing tables (see tpcomm.policy); default: policy.TABLES.
+
+    Ops of one communicator must be issued from one thread at a time, in the
+    same order on every rank; an op from a second thread while another runs
+    raises. After a device-side failure every later op raises (its output is
+    NaN); see tpcomm.errors for the exception classes.
     """
 
     def __init__(self, group=None, device=None, max_bytes=16 * MiB, packet_max_bytes=1 * MiB,
@@ -58,11 +75,15 @@ class Communicator:
         self.packet_max_bytes = int(min(packet_max_bytes, max_bytes))
         self.timeout_s = float(timeout_s)
         self.tables = tables or policy.TABLES
-        self.handle = 0          # the C communicator, as the int the ops take
-        self._comm = None        # the same, as a ctypes pointer
+        self.handle = 0          # the communicator's id, the int the ops take; 0 once closed
+        self._id = 0             # the same, kept after close (check() reads its record)
+        self._comm = None        # the C communicator, as a ctypes pointer
         self._lib = None
         self._closed = False
         self.disabled_reason = None
+        self._calls = collections.Counter()  # (op, backend) -> calls
+        self._group_key = group_key(self.group)
+        self.serial = next(_serials[self._group_key])
         with self._on_device():
             self.disabled_reason = self._agree(self._local_reason())
             if self.disabled_reason is None:
@@ -93,11 +114,15 @@ class Communicator:
     def _agree(self, reason):
         """Every rank ends with the same verdict (a rank that cannot use the
         custom path turns it off for all, or peers would wait for it)."""
-        facts = self._gather({"rank": self.rank, "reason": reason,
+        facts = self._gather({"rank": self.rank, "reason": reason, "serial": self.serial,
                               **topology.local_facts(self.device)})
         for i, f in enumerate(facts):
             if f["rank"] != i:
                 return f"group rank {i} answered as rank {f['rank']}: groups out of step"
+        serials = [f["serial"] for f in facts]
+        if len(set(serials)) != 1:
+            return ("ranks created their communicators on this group in different orders "
+                    f"(creation numbers by rank: {serials})")
         for f in facts:
             if f["reason"]:
                 return f"rank {f['rank']}: {f['reason']}"
@@ -127,21 +152,16 @@ class Communicator:
             local_error = "create: " + lib.tpc_comm_last_error(None).decode()
         elif lib.tpc_comm_export(comm, handle) != _lib.OK:
             local_error = "export: " + lib.tpc_comm_last_error(comm).decode()
-        # Handles are keyed by rank and by a per-process serial number of the
-        # communicator: ranks that create communicators in different orders
-        # are told so instead of pairing the wrong buffers.
-        serial = next(_serial)
-        entries = self._gather({"rank": self.rank, "serial": serial, "error": local_error,
+        # Handles are gathered on this group, keyed by rank; _agree already
+        # checked that the ranks agree on which communicator of the group this is.
+        entries = self._gather({"rank": self.rank, "error": local_error,
                                 "handle": handle.raw if local_error is None else None})
         reason = _first_error(entries)
-        if reason is None and len({e["serial"] for e in entries}) != 1:
-            reason = ("ranks created their communicators in different orders "
-                      f"(serials {[e['serial'] for e in entries]})")
         if reason is None:
             reason = self._open_peers(comm, entries)
         if reason is None:
             self._comm = comm
-            self.handle = comm.value
+            self.handle = self._id = int(lib.tpc_comm_id(comm))
             _fake.WORLD_SIZES[self.handle] = self.world_size
             _lib.check(lib, comm, lib.tpc_comm_set_cutover(
                 comm, min(self.packet_max_bytes, policy.packet_cutover("all_reduce", self.world_size, self.tables)),
@@ -186,7 +206,9 @@ class Communicator:
         """Sum of x over the group. Returns a new tensor, or writes into `out`
         (which may be x itself) and returns it. fp32/fp16/bf16 of a byte size
         that is a multiple of 16, up to max_bytes, run on tpcomm's kernels;
-        anything else on NCCL (non-contiguous inputs are made contiguous)."""
+        anything else on NCCL (non-contiguous inputs are made contiguous).
+        The route depends only on what every rank shares (dtype, size,
+        configuration), never on where the tensor lies in memory."""
         self._check_input(x, "input")
         if out is not None:
             self._check_input(out, "out")
@@ -195,13 +217,15 @@ class Communicator:
         if not x.is_contiguous():
             x = x.contiguous()
         backend = self.route_all_reduce(x)
-        if out is not None and _misaligned(out, 16):
-            backend = "nccl"
+        self._calls["all_reduce", backend] += 1
         if backend == "nccl":
             return self._nccl_all_reduce(x, out)
-        if out is None:
-            return torch.ops.tpcomm.custom_all_reduce(x, self.handle, _ALGO[backend])
-        torch.ops.tpcomm.custom_all_reduce_out(x, out, self.handle, _ALGO[backend])
+        try:
+            if out is None:
+                return torch.ops.tpcomm.custom_all_reduce(x, self.handle, _ALGO[backend])
+            torch.ops.tpcomm.custom_all_reduce_out(x, out, self.handle, _ALGO[backend])
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
         return out
 
     def all_gather(self, x, dim=0):
@@ -215,15 +239,19 @@ class Communicator:
             raise IndexError(f"tpcomm: dim {dim} is out of range for {x.dim()} dimensions")
         dim = dim % x.dim()
         backend = self.route_all_gather(x, dim)
+        self._calls["all_gather", backend] += 1
         if backend == "nccl":
             return self._nccl_all_gather(x, dim)
-        return torch.ops.tpcomm.custom_all_gather(x, dim, self.handle, _ALGO[backend])
+        try:
+            return torch.ops.tpcomm.custom_all_gather(x, dim, self.handle, _ALGO[backend])
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
 
     def route_all_reduce(self, x):
         """The backend all_reduce(x) uses: "packet", "bulk" or "nccl"."""
         nbytes = x.numel() * x.element_size()
         if (not self.enabled or x.dtype not in REDUCE_DTYPES or nbytes == 0 or nbytes % 16
-                or nbytes > self.max_bytes or _misaligned(x, 16)):
+                or nbytes > self.max_bytes):
             return "nccl"
         backend = policy.choose("all_reduce", self.world_size, nbytes, self.tables)
         if backend == "packet" and nbytes > self.packet_max_bytes:
@@ -234,26 +262,34 @@ class Communicator:
         """The backend all_gather(x, dim) uses: "packet", "bulk" or "nccl"."""
         nbytes = x.numel() * x.element_size()
         row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
-        if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4 or _misaligned(x, 4):
+        if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4:
             return "nccl"
         backend = policy.choose("all_gather", self.world_size, nbytes, self.tables)
-        bulk_ok = (nbytes % 16 == 0 and row % 16 == 0 and nbytes * self.world_size <= self.max_bytes
-                   and not _misaligned(x, 16))
+        bulk_ok = nbytes % 16 == 0 and row % 16 == 0 and nbytes * self.world_size <= self.max_bytes
         if backend == "bulk" and not bulk_ok:
             backend = "packet"
         if backend == "packet" and nbytes > self.packet_max_bytes:
             backend = "bulk" if bulk_ok else "nccl"
         return backend
 
+    def stats(self):
+        """Calls so far per (op, backend), e.g. {("all_reduce", "packet"): 12}."""
+        return dict(self._calls)
+
     def check(self):
-        """Raises TpcommError if an earlier op failed on the device (a peer
-        that did not arrive within timeout_s, peers that disagreed on an op's
-        size). Reads host-mapped memory: no synchronisation."""
-        if self._comm is None:
-            return
-        err = _lib.AsyncError()
-        code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(err))
-        _lib.check(self._lib, self._comm, code, "device error")
+        """Raises the recorded error if an op failed on the device: a peer
+        that did not arrive within timeout_s (CollectiveTimeout), peers that
+        called different ops (CollectiveMismatch), or, after close(), a CUDA
+        graph captured on this communicator that was replayed
+        (CommunicatorClosed). Reads host-mapped memory: no synchronisation."""
+        if self._comm is not None:
+            code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(_lib.AsyncError()))
+            _lib.check(self._lib, self._comm, code, "device error")
+        elif self._id:  # closed: the record outlives the communicator
+            record = _lib.AsyncError()
+            code = self._lib.tpc_id_async_error(self._id, ctypes.byref(record))
+            if record.code != _lib.OK:
+                _lib.check(self._lib, None, code, "device error")
 
     @contextlib.contextmanager
     def capture(self):
@@ -262,25 +298,74 @@ class Communicator:
         The kernels read only their input and buffers registered at init, and
         take their sequence number from a counter on the device, so captured
         ops need no registration afterwards and replay correctly in any order
-        and interleaved with eager calls. The context only checks, on entry,
-        that the communicator is open and no earlier op failed on the device
-        (an error found inside a capture would abort it)."""
+        and interleaved with eager calls. A graph replayed after close() finds
+        the communicator closed on the device, writes NaN into its outputs and
+        nothing else, and check() reports it. The context only checks, on
+        entry, that the communicator is open and no earlier op failed on the
+        device (an error found inside a capture would abort it)."""
         self._check_open()
         self.check()
         yield self
 
-    def close(self):
-        """Frees the registered buffers. Collective: every rank calls it."""
+    def close(self, timeout_s=None):
+        """Frees the registered buffers. Collective: every rank calls it. Waits
+        at most `timeout_s` (default: this communicator's timeout_s + 5 s) for
+        the peers to arrive; if one does not (it died, or never calls close),
+        the communicator is aborted instead (see abort()) and
+        CollectiveTimeout names the missing ranks."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._comm is None:
+            return
+        timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
+        # Our own kernels end within timeout_s (every wait is bounded).
+        torch.cuda.synchronize(self.device)
+        missing = self._meet_peers(timeout_s)
+        if missing:
+            self._release(self._lib.tpc_comm_abort, "abort")
+            raise CollectiveTimeout(
+                f"tpcomm: close: ranks {missing} did not arrive within {timeout_s:.1f} s; the communicator "
+                "was aborted (its GPU memory is released when the process exits)")
+        self._release(self._lib.tpc_comm_destroy, "destroy")
+
+    def abort(self):
+        """Stops this communicator now, on this rank only: never blocks, needs
+        no peer. Ops queued on the GPU and graph replays exit (outputs NaN),
+        peers' waits for this rank end at once with an error, and the id is
+        retired. The registered GPU memory stays allocated until the process
+        exits, since a kernel may still be running on it. Use it when a peer
+        died; close() is the orderly, collective way."""
         if self._closed:
             return
         self._closed = True
         if self._comm is not None:
-            torch.cuda.synchronize(self.device)
-            with self._on_device():
-                dist.barrier(group=self.group)  # no peer still uses our buffer
-            _fake.WORLD_SIZES.pop(self.handle, None)
-            comm, self._comm, self.handle = self._comm, None, 0
-            _lib.check(self._lib, comm, self._lib.tpc_comm_destroy(comm), "destroy")
+            self._release(self._lib.tpc_comm_abort, "abort")
+
+    def _release(self, fn, what):
+        _fake.WORLD_SIZES.pop(self.handle, None)
+        comm, self._comm, self.handle = self._comm, None, 0
+        _lib.check(self._lib, comm, fn(comm), what)
+
+    def _meet_peers(self, timeout_s):
+        """Host-side barrier through the group's store, bounded: the ranks
+        that did not arrive within timeout_s (empty when all did). No peer may
+        still write into our buffer once every rank has arrived here."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"tpcomm/close/{self._group_key}/{self.serial}"
+            ranks = dist.get_process_group_ranks(self.group)
+            store.set(f"{prefix}/{ranks[self.rank]}", b"1")
+            deadline = time.monotonic() + timeout_s
+            pause = 1e-4
+            while True:
+                missing = [i for i, r in enumerate(ranks) if not store.check([f"{prefix}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        except Exception as e:  # noqa: BLE001 - a store whose host died: the peers are gone
+            return [f"unknown ({type(e).__name__}: {e})"]
 
     def __repr__(self):
         state = "closed" if self._closed else ("custom" if self.enabled else f"NCCL only ({self.disabled_reason})")
@@ -290,7 +375,7 @@ class Communicator:
     # -------------------------------------------------------------- helpers
     def _check_open(self):
         if self._closed:
-            raise RuntimeError("tpcomm: the communicator is closed")
+            raise CommunicatorClosed(f"tpcomm: the communicator (id {self._id}) is closed")
 
     def _check_input(self, x, what):
         self._check_open()
@@ -338,13 +423,6 @@ def _resolve_device(device):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _misaligned(t, alignment):
-    """Views at odd offsets go to NCCL (the kernels move 4- and 16-byte words).
-    Under torch.compile the address is unknown; torch's allocator returns
-    aligned tensors, and the op rejects a misaligned view with a clear error."""
-    return not torch.compiler.is_compiling() and t.data_ptr() % alignment != 0
 
 
 def _first_error(entries):

@@ -20,6 +20,18 @@ static void *live_host_device_view[FAKE_MAX_LIVE];
 static void *live_opens[FAKE_MAX_LIVE];
 static void *zombie; /* a block the fake pretends to have freed */
 
+/* Control chunks: never freed (like the real pool), kept reachable here so
+ * LeakSanitizer does not report them, and kept apart from the per-communicator
+ * allocations above so "everything freed after destroy" still holds. */
+#define FAKE_MAX_CHUNKS 64
+static struct {
+  tpc_control *control;
+  tpc_async_error *records;
+  tpc_async_error *records_device;
+  size_t n;
+} chunks[FAKE_MAX_CHUNKS];
+static int n_chunks;
+
 static const char handle_magic[8] = {'t', 'p', 'c', 'f', 'a', 'k', 'e', 0};
 
 static int track_add(void **table, void *ptr) {
@@ -56,10 +68,59 @@ void fake_fail_nth(fake_entry entry, int nth, int code) {
   fake.fail_code[entry] = code;
 }
 
-/* Counts the call; returns the planned error code for it, or 0. */
-static int enter(fake_entry entry) {
+/* Counts and logs the call; returns the planned error code for it, or 0. */
+static int enter_ptr(fake_entry entry, const void *ptr, size_t bytes) {
   fake.calls[entry]++;
-  if (fake.fail_at[entry] && fake.calls[entry] == fake.fail_at[entry]) return fake.fail_code[entry];
+  const int code =
+      (fake.fail_at[entry] && fake.calls[entry] == fake.fail_at[entry]) ? fake.fail_code[entry] : 0;
+  if (fake.n_events < FAKE_MAX_EVENTS) {
+    fake_event *ev = &fake.events[fake.n_events];
+    ev->entry = entry;
+    ev->ptr = ptr;
+    ev->bytes = bytes;
+    ev->failed = code != 0;
+  }
+  fake.n_events++;
+  return code;
+}
+
+static int enter(fake_entry entry) { return enter_ptr(entry, NULL, 0); }
+
+int fake_event_index(fake_entry entry, const void *ptr, int from) {
+  const int n = fake.n_events < FAKE_MAX_EVENTS ? fake.n_events : FAKE_MAX_EVENTS;
+  for (int i = from < 0 ? 0 : from; i < n; ++i)
+    if (fake.events[i].entry == entry && fake.events[i].ptr == ptr) return i;
+  return -1;
+}
+
+int fake_release_leftovers(void) {
+  int released = 0;
+  for (int i = 0; i < FAKE_MAX_LIVE; ++i) {
+    if (live_device[i]) {
+      free(live_device[i]);
+      live_device[i] = NULL;
+      fake.device_frees++;
+      fake.live_device--;
+      released++;
+    }
+    if (live_opens[i]) {
+      live_opens[i] = NULL;
+      fake.ipc_closes++;
+      fake.live_opens--;
+      released++;
+    }
+  }
+  return released;
+}
+
+int fake_control_chunk_total(void) { return n_chunks; }
+
+int fake_is_control_memory(const void *ptr) {
+  const char *p = ptr;
+  for (int i = 0; i < n_chunks; ++i) {
+    const char *lo = (const char *)chunks[i].control;
+    if (p >= lo && p < lo + chunks[i].n * sizeof(tpc_control)) return 1;
+  }
   return 0;
 }
 
@@ -68,7 +129,8 @@ const char *fake_entry_name(fake_entry entry) {
       "set_device",         "get_device",         "device_malloc",      "device_free",     "device_memset",
       "memcpy_any",         "host_alloc_mapped",  "host_free",       "ipc_export",
       "ipc_open",           "ipc_close",          "device_synchronize", "stream_synchronize",
-      "stream_is_capturing", "launch_all_reduce", "launch_all_gather",
+      "stream_is_capturing", "alloc_control_chunk", "write_async", "launch_all_reduce",
+      "launch_all_gather",
   };
   return (unsigned)entry < FK_COUNT ? names[entry] : "?";
 }
@@ -115,7 +177,7 @@ static int f_device_malloc(void **ptr, size_t bytes) {
 }
 
 static int f_device_free(void *ptr) {
-  int code = enter(FK_DEVICE_FREE);
+  int code = enter_ptr(FK_DEVICE_FREE, ptr, 0);
   if (code) return code;
   int i = track_find(live_device, ptr);
   if (i < 0) {
@@ -130,14 +192,14 @@ static int f_device_free(void *ptr) {
 }
 
 static int f_device_memset(void *ptr, int value, size_t bytes) {
-  int code = enter(FK_DEVICE_MEMSET);
+  int code = enter_ptr(FK_DEVICE_MEMSET, ptr, bytes);
   if (code) return code;
   memset(ptr, value, bytes);
   return 0;
 }
 
 static int f_memcpy_any(void *dst, const void *src, size_t bytes) {
-  int code = enter(FK_MEMCPY_ANY);
+  int code = enter_ptr(FK_MEMCPY_ANY, dst, bytes);
   if (code) return code;
   memcpy(dst, src, bytes);
   return 0;
@@ -216,7 +278,7 @@ static int f_ipc_open(void **ptr, const void *handle) {
 }
 
 static int f_ipc_close(void *ptr) {
-  int code = enter(FK_IPC_CLOSE);
+  int code = enter_ptr(FK_IPC_CLOSE, ptr, 0);
   if (code) return code;
   int i = track_find(live_opens, ptr);
   if (i < 0) {
@@ -248,6 +310,62 @@ static int f_stream_is_capturing(void *stream, int *capturing) {
   int code = enter(FK_STREAM_IS_CAPTURING);
   if (code) return code;
   *capturing = fake.capturing;
+  return 0;
+}
+
+/* Like runtime_gpu.c: n zeroed control slots and n zeroed records, with a
+ * device view of the records at another address (a separate block filled
+ * with garbage, never read by the core: passing it where the host view
+ * belongs is noticed). Never freed. */
+static int f_alloc_control_chunk(void **control, void **records, void **records_device, size_t n) {
+  int code = enter(FK_ALLOC_CONTROL_CHUNK);
+  if (code) return code;
+  if (n_chunks == FAKE_MAX_CHUNKS) {
+    fprintf(stderr, "fake runtime: more than %d control chunks\n", FAKE_MAX_CHUNKS);
+    abort();
+  }
+  tpc_control *ctl = aligned_alloc(256, tpc_round_up(n * sizeof(tpc_control), 256));
+  tpc_async_error *rec = malloc(n * sizeof(tpc_async_error));
+  tpc_async_error *rec_dev = malloc(n * sizeof(tpc_async_error));
+  if (!ctl || !rec || !rec_dev) {
+    free(ctl);
+    free(rec);
+    free(rec_dev);
+    return 2;
+  }
+  memset(ctl, 0, n * sizeof(tpc_control));
+  memset(rec, 0, n * sizeof(tpc_async_error));
+  memset(rec_dev, FAKE_GARBAGE, n * sizeof(tpc_async_error));
+  chunks[n_chunks].control = ctl;
+  chunks[n_chunks].records = rec;
+  chunks[n_chunks].records_device = rec_dev;
+  chunks[n_chunks].n = n;
+  n_chunks++;
+  fake.control_chunks++;
+  fake.last_control = ctl;
+  fake.last_records = rec;
+  fake.last_records_device = rec_dev;
+  fake.last_chunk_n = n;
+  *control = ctl;
+  *records = rec;
+  *records_device = rec_dev;
+  return 0;
+}
+
+/* Performs the copy at once (the test reads the result) and logs it. */
+static int f_write_async(void *dst, const void *src, size_t bytes) {
+  int code = enter_ptr(FK_WRITE_ASYNC, dst, bytes);
+  if (code) return code;
+  memcpy(dst, src, bytes);
+  if (fake.n_writes < FAKE_MAX_WRITES) {
+    fake_write *w = &fake.writes[fake.n_writes];
+    w->dst = dst;
+    w->bytes = bytes;
+    w->value = 0;
+    if (bytes >= sizeof w->value) memcpy(&w->value, src, sizeof w->value);
+    w->device = fake.current_device;
+  }
+  fake.n_writes++;
   return 0;
 }
 
@@ -293,6 +411,8 @@ static const tpc_runtime fake_runtime = {
     .stream_synchronize = f_stream_synchronize,
     .stream_is_capturing = f_stream_is_capturing,
     .error_string = f_error_string,
+    .alloc_control_chunk = f_alloc_control_chunk,
+    .write_async = f_write_async,
     .launch_all_reduce = f_launch_all_reduce,
     .launch_all_gather = f_launch_all_gather,
 };

@@ -11,6 +11,7 @@
 #define TPCOMM_TEST_FAKE_RUNTIME_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "runtime.h"
 
@@ -29,6 +30,8 @@ typedef enum {
   FK_DEVICE_SYNCHRONIZE,
   FK_STREAM_SYNCHRONIZE,
   FK_STREAM_IS_CAPTURING,
+  FK_ALLOC_CONTROL_CHUNK,
+  FK_WRITE_ASYNC,
   FK_LAUNCH_ALL_REDUCE,
   FK_LAUNCH_ALL_GATHER,
   FK_COUNT
@@ -36,6 +39,26 @@ typedef enum {
 
 /* Byte the fake fills fresh allocations with, so "was it cleared" is testable. */
 #define FAKE_GARBAGE 0xA5
+
+/* One runtime call, in call order (failed calls included): the entry and the
+ * pointer it was given (the destination of copies, the block freed or
+ * closed; NULL for entries without one). */
+typedef struct {
+  fake_entry entry;
+  const void *ptr;
+  size_t bytes;
+  int failed;
+} fake_event;
+#define FAKE_MAX_EVENTS 1024
+
+/* What one write_async call copied (successful calls only). */
+typedef struct {
+  void *dst;
+  size_t bytes;
+  uint32_t value;            /* the first 4 bytes written (0 if fewer) */
+  int device;                /* the current device when it was issued */
+} fake_write;
+#define FAKE_MAX_WRITES 64
 
 typedef struct {
   int calls[FK_COUNT];       /* every call of every entry, failed ones included */
@@ -64,6 +87,23 @@ typedef struct {
   void *last_mapped_host;    /* the two views of the last host_alloc_mapped */
   void *last_mapped_device;
 
+  /* alloc_control_chunk: chunks handed out since the last fake_reset (the
+   * chunks themselves are never freed and survive fake_reset), and the last
+   * one's three views. */
+  int control_chunks;
+  void *last_control;
+  void *last_records;          /* host view of the records */
+  void *last_records_device;   /* device view: a separate block, never dereferenced */
+  size_t last_chunk_n;
+
+  /* write_async calls (successful ones; calls[FK_WRITE_ASYNC] counts all). */
+  int n_writes;
+  fake_write writes[FAKE_MAX_WRITES];
+
+  /* Every call in order (up to FAKE_MAX_EVENTS; n_events keeps counting). */
+  int n_events;
+  fake_event events[FAKE_MAX_EVENTS];
+
   /* Streams. */
   int capturing;             /* what stream_is_capturing reports */
   void *last_synced_stream;
@@ -90,6 +130,23 @@ void fake_fail_nth(fake_entry entry, int nth, int code);
 void *fake_handle_pointer(const void *handle);
 
 const char *fake_entry_name(fake_entry entry);
+
+/* Index in fake.events of the first call of `entry` at or after `from` whose
+ * pointer is `ptr`, or -1. */
+int fake_event_index(fake_entry entry, const void *ptr, int from);
+
+/* Releases what tpc_comm_abort deliberately leaves behind: frees every live
+ * device allocation and forgets every open handle, counted as a successful
+ * device_free / ipc_close (no runtime call is counted). Tests call it after
+ * an abort, once the other ranks are destroyed, so the "everything released"
+ * checks hold again. Returns how many allocations plus handles it released. */
+int fake_release_leftovers(void);
+
+/* Every control chunk alloc_control_chunk ever handed out in this process
+ * (never freed: the registry keeps its slots forever). */
+int fake_control_chunk_total(void);
+/* Whether ptr lies inside one of those chunks' control slots. */
+int fake_is_control_memory(const void *ptr);
 
 /* Index of the first tpc_runtime entry the fake leaves NULL (runtime.h grew
  * and the fake was not updated), or -1. */

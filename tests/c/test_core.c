@@ -1,5 +1,6 @@
 /*
- * Tests of the C core (csrc/core/comm.c) over the fake runtime: no CUDA, no GPU.
+ * Tests of the C core (csrc/core/comm.c, registry.c) over the fake runtime: no
+ * CUDA, no GPU.
  * Several fake ranks live in this one process and open each other's buffers.
  *
  * Prints every failed check as file:line, then exactly one line
@@ -7,6 +8,8 @@
 
  */
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +18,7 @@
 #include "../../csrc/tpcomm.h"
 #include "fake_runtime.h"
 #include "layout.h"
+#include "registry.h"
 
 /* ------------------------------------------------------------ checking */
 
@@ -115,10 +119,20 @@ typedef struct {
   int n;
   tpc_comm *comm[TPC_MAX_RANKS];
   char *buf[TPC_MAX_RANKS];                /* each rank's registered buffer */
+  uint64_t id[TPC_MAX_RANKS];
+  tpc_control *control[TPC_MAX_RANKS];     /* each rank's control slot */
   tpc_async_error *err_host[TPC_MAX_RANKS];
   void *err_device[TPC_MAX_RANKS];
   unsigned char handle[TPC_MAX_RANKS][TPC_IPC_HANDLE_BYTES];
 } world;
+
+/* The registry entry of an id (never moves once handed out), or NULL. */
+static tpc_entry *entry_of(uint64_t id) {
+  tpc_registry_lock();
+  tpc_entry *e = tpc_registry_find(id);
+  tpc_registry_unlock();
+  return e;
+}
 
 /* Creates and exports n ranks; opens peers and readies them when `connect`. */
 static int quiet_make_world; /* failures are expected: do not print them */
@@ -133,8 +147,12 @@ static int make_world(world *w, int n, int connect) {
         fprintf(stderr, "make_world: create of rank %d failed: %s\n", r, tpc_comm_last_error(NULL));
       return 0;
     }
-    w->err_host[r] = fake.last_mapped_host;
-    w->err_device[r] = fake.last_mapped_device;
+    w->id[r] = tpc_comm_id(w->comm[r]);
+    const tpc_entry *e = entry_of(w->id[r]);
+    if (!e) return 0;
+    w->control[r] = e->control;
+    w->err_host[r] = e->record;
+    w->err_device[r] = e->record_device;
     if (tpc_comm_export(w->comm[r], w->handle[r]) != TPC_OK) return 0;
     w->buf[r] = fake_handle_pointer(w->handle[r]);
   }
@@ -183,8 +201,8 @@ static unsigned char *scratch_in, *scratch_out;
 /* ---------------------------------------------------------------- tests */
 
 static void test_result_strings(void) {
-  const char *seen[8];
-  for (int code = 0; code < 8; ++code) {
+  const char *seen[9];
+  for (int code = 0; code <= TPC_ERR_CLOSED; ++code) {
     const char *s = tpc_result_string((tpc_result)code);
     CHECK(s != NULL && s[0] != '\0');
     for (int j = 0; j < code; ++j) CHECK(s && strcmp(s, seen[j]) != 0);
@@ -192,6 +210,8 @@ static void test_result_strings(void) {
   }
   CHECK(strstr(tpc_result_string((tpc_result)99), "unknown") != NULL);
   CHECK(strstr(tpc_result_string(TPC_ERR_TIMEOUT), "time") != NULL);
+  CHECK_EQ(TPC_ERR_CLOSED, 8);
+  CHECK(strstr(tpc_result_string(TPC_ERR_CLOSED), "closed") != NULL);
 }
 
 static void test_layout(void) {
@@ -243,7 +263,9 @@ static void test_config_validation(void) {
     CHECK_PTR(comm, NULL);
     CHECK_MSG(NULL, bad[i].needle);
     /* validation happens before the runtime is touched */
-    CHECK_EQ(fake.calls[FK_SET_DEVICE] + fake.calls[FK_DEVICE_MALLOC] + fake.calls[FK_HOST_ALLOC_MAPPED], 0);
+    CHECK_EQ(fake.calls[FK_SET_DEVICE] + fake.calls[FK_DEVICE_MALLOC] + fake.calls[FK_HOST_ALLOC_MAPPED] +
+                 fake.calls[FK_ALLOC_CONTROL_CHUNK] + fake.calls[FK_MEMCPY_ANY],
+             0);
   }
 
   tpc_comm *comm = NULL;
@@ -291,8 +313,32 @@ static void test_create_destroy(void) {
   CHECK_EQ(tpc_comm_buffer_bytes(comm), l.total_bytes);
   CHECK_EQ(fake.last_malloc_bytes, l.total_bytes);
   CHECK_EQ(fake.device_allocs, 1);
-  CHECK_EQ(fake.host_allocs, 1);
+  /* the error record comes from the never-freed pool, not a per-communicator
+   * host-mapped allocation */
+  CHECK_EQ(fake.host_allocs, 0);
+  CHECK_EQ(fake.calls[FK_HOST_ALLOC_MAPPED], 0);
   CHECK_EQ(tpc_comm_open_peer_count(comm), 0);
+  /* an id, and a control slot in pool memory holding alive = id, epoch 0, failed 0 */
+  const uint64_t id = tpc_comm_id(comm);
+  CHECK(id != 0);
+  const tpc_entry *entry = entry_of(id);
+  CHECK(entry != NULL);
+  if (!entry) return;
+  CHECK_EQ(entry->id, id);
+  CHECK_PTR(entry->comm, comm);
+  CHECK_EQ(entry->state, TPC_ENTRY_OPEN);
+  CHECK_EQ(entry->in_use, 0);
+  CHECK_EQ(entry->rank, 1);
+  CHECK_EQ(entry->timeout_ns, TIMEOUT_NS);
+  tpc_control *slot = entry->control;
+  CHECK(fake_is_control_memory(slot));
+  CHECK_EQ(slot->alive, (uint32_t)id);
+  CHECK_EQ(slot->epoch, 0);
+  CHECK_EQ(slot->failed, 0);
+  /* initialised with one memcpy_any of the whole slot */
+  CHECK(fake_event_index(FK_MEMCPY_ANY, slot, 0) >= 0);
+  CHECK(entry->record != NULL && entry->record_device != NULL);
+  CHECK(entry->record != entry->record_device);
   /* the whole buffer was cleared (the fake fills fresh memory with garbage) */
   const unsigned char *buf = fake.last_malloc;
   size_t nonzero = 0;
@@ -317,9 +363,15 @@ static void test_create_destroy(void) {
   CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
   CHECK(fake.calls[FK_DEVICE_SYNCHRONIZE] > syncs); /* waits before freeing */
   CHECK_EQ(fake.device_frees, 1);
-  CHECK_EQ(fake.host_frees, 1);
+  CHECK_EQ(fake.host_frees, 0);
   CHECK_ALL_RELEASED();
   CHECK_RC(NULL, tpc_comm_destroy(NULL), TPC_OK);
+  /* the entry outlives the communicator, closed; the slot is dead */
+  CHECK_EQ(entry->state, TPC_ENTRY_CLOSED);
+  CHECK_PTR(entry->comm, NULL);
+  CHECK_EQ(slot->alive, 0);
+  CHECK_RC(NULL, tpc_comm_abort(NULL), TPC_OK);
+  CHECK_EQ(tpc_comm_id(NULL), 0);
 
   /* getters on NULL */
   CHECK_EQ(tpc_comm_world_size(NULL), 0);
@@ -331,21 +383,35 @@ static void test_create_destroy(void) {
 
 /* Every runtime call of create failing in turn: the error names the step and
  * the runtime's message, and nothing leaks. */
+#define FRESH_POOL_DEVICE 50 /* no other test creates on it: its pool is not allocated yet */
 static void test_create_failures(void) {
   static const struct {
     fake_entry entry;
     const char *step;
+    int device;
+    int consumes_id; /* the failure comes after the id was handed out */
   } steps[] = {
-      {FK_SET_DEVICE, "selecting the device failed"},
-      {FK_DEVICE_MALLOC, "allocating the registered buffer failed"},
-      {FK_DEVICE_MEMSET, "clearing the registered buffer failed"},
-      {FK_HOST_ALLOC_MAPPED, "allocating the host-mapped error record failed"},
-      {FK_DEVICE_SYNCHRONIZE, "synchronising after set-up failed"},
+      {FK_SET_DEVICE, "selecting the device failed", 0, 0},
+      {FK_DEVICE_MALLOC, "allocating the registered buffer failed", 0, 0},
+      {FK_DEVICE_MEMSET, "clearing the registered buffer failed", 0, 0},
+      {FK_DEVICE_SYNCHRONIZE, "synchronising after set-up failed", 0, 0},
+      /* the pool of a device is allocated by its first communicator */
+      {FK_ALLOC_CONTROL_CHUNK, "allocating the control pool failed", FRESH_POOL_DEVICE, 0},
+      {FK_MEMCPY_ANY, "initialising the control slot failed", 0, 1},
   };
   for (size_t i = 0; i < sizeof steps / sizeof steps[0]; ++i) {
     fake_reset();
-    fake_fail_nth(steps[i].entry, 1, 700 + (int)i);
+    /* the id the next successful create gets, before this failure */
     tpc_config c = config(0, 2);
+    tpc_comm *probe = NULL;
+    CHECK_RC(NULL, tpc_comm_create(&c, &probe), TPC_OK);
+    const uint64_t before = tpc_comm_id(probe);
+    CHECK_RC(NULL, tpc_comm_destroy(probe), TPC_OK);
+    const int chunks = fake_control_chunk_total();
+
+    const int calls_before = fake.calls[steps[i].entry];
+    fake_fail_nth(steps[i].entry, 1, 700 + (int)i);
+    c.device = steps[i].device;
     tpc_comm *comm = (tpc_comm *)&c;
     CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_ERR_RUNTIME);
     CHECK_PTR(comm, NULL);
@@ -353,7 +419,31 @@ static void test_create_failures(void) {
     char code_text[32];
     snprintf(code_text, sizeof code_text, "fake error %d", 700 + (int)i);
     CHECK_MSG(NULL, code_text);
-    CHECK_EQ(fake.calls[steps[i].entry], 1);
+    CHECK_EQ(fake.calls[steps[i].entry], calls_before + 1);
+    CHECK_EQ(fake.calls[FK_HOST_ALLOC_MAPPED], 0);
+    CHECK_EQ(fake_control_chunk_total(), chunks); /* a failed chunk is not kept */
+    CHECK_ALL_RELEASED();
+
+    /* ids: one taken by a create that failed after getting it is retired
+     * (closed, never handed out again); earlier failures take none */
+    CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_OK);
+    const uint64_t next = tpc_comm_id(comm);
+    CHECK_EQ(next, before + 1 + (uint64_t)steps[i].consumes_id);
+    if (steps[i].consumes_id) {
+      tpc_comm *got = (tpc_comm *)&c;
+      CHECK_RC(NULL, tpc_comm_acquire(before + 1, &got), TPC_ERR_CLOSED);
+      CHECK_PTR(got, NULL);
+      CHECK_MSG(NULL, "closed");
+      CHECK_RC(NULL, tpc_id_async_error(before + 1, NULL), TPC_ERR_CLOSED);
+      const tpc_entry *e = entry_of(before + 1);
+      CHECK(e != NULL && e->comm == NULL && e->state == TPC_ENTRY_CLOSED && e->control->alive == 0);
+    }
+    if (steps[i].entry == FK_ALLOC_CONTROL_CHUNK) {
+      /* the retry allocated the device's pool */
+      CHECK_EQ(fake.calls[FK_ALLOC_CONTROL_CHUNK], calls_before + 2);
+      CHECK_EQ(fake_control_chunk_total(), chunks + 1);
+    }
+    CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
     CHECK_ALL_RELEASED();
   }
 
@@ -361,24 +451,26 @@ static void test_create_failures(void) {
    * one stays until the next failure. */
   fake_reset();
   tpc_config c = config(0, 2);
+  fake_fail_nth(FK_DEVICE_MALLOC, 1, 44);
   tpc_comm *comm = NULL;
+  CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_ERR_RUNTIME);
   CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_OK);
+  CHECK_MSG(NULL, "fake error 44");
   CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
+  CHECK_MSG(NULL, "fake error 44");
   CHECK_ALL_RELEASED();
 
-  /* runtime_gpu.c's host_alloc_mapped: cudaHostAlloc succeeds,
-   * cudaHostGetDevicePointer fails; it frees the block and returns the error
-   * with *host still set. create's clean-up must not free it a second time. */
+  /* The pool covers devices 0..63: a higher ordinal is refused with the
+   * reason (no id, nothing allocated) instead of indexing past the pool. */
   fake_reset();
-  fake.host_alloc_fails_after_alloc = 1;
-  fake_fail_nth(FK_HOST_ALLOC_MAPPED, 1, 46);
-  comm = NULL;
-  CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_ERR_RUNTIME);
+  c = config(0, 2);
+  c.device = 64;
+  comm = (tpc_comm *)&c;
+  CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(NULL, "device 64 is outside 0..63");
   CHECK_PTR(comm, NULL);
-  CHECK_EQ(fake.live_device, 0);
-  /* tpc_comm_create frees the error record a second time when host_alloc_mapped fails after allocating (comm.c trusts *host of a failed call) */
-  CHECK(fake.bad_host_frees == 0);
-  fake.host_alloc_fails_after_alloc = 0;
+  CHECK_EQ(fake.calls[FK_ALLOC_CONTROL_CHUNK], 0);
+  CHECK_ALL_RELEASED();
 }
 
 static void test_open_peer(void) {
@@ -460,6 +552,7 @@ static void test_destroy_failures(void) {
   } steps[] = {
       {FK_DEVICE_SYNCHRONIZE, "synchronising before destroy failed"},
       {FK_IPC_CLOSE, "closing a peer handle failed"},
+      {FK_MEMCPY_ANY, "marking the control slot closed"},
   };
   for (size_t i = 0; i < sizeof steps / sizeof steps[0]; ++i) {
     fake_reset();
@@ -472,11 +565,22 @@ static void test_destroy_failures(void) {
     w.comm[0] = NULL;
     CHECK_RC(NULL, tpc_comm_destroy(w.comm[1]), TPC_OK);
     CHECK_RC(NULL, tpc_comm_destroy(w.comm[2]), TPC_OK);
-    /* the failed close is the one handle not closed; everything else is */
-    CHECK_EQ(fake.live_device, 0);
+    /* the failed close is the one handle not closed; everything else is,
+     * except when the slot could not be marked dead: a replayed graph would
+     * still run, so the buffer and both peer mappings are kept */
+    const int kept = steps[i].entry == FK_MEMCPY_ANY;
+    CHECK_EQ(fake.live_device, kept ? 1 : 0);
     CHECK_EQ(fake.live_host, 0);
-    CHECK_EQ(fake.live_opens, steps[i].entry == FK_IPC_CLOSE ? 1 : 0);
+    CHECK_EQ(fake.live_opens, steps[i].entry == FK_IPC_CLOSE ? 1 : kept ? 2 : 0);
     CHECK_EQ(fake.bad_device_frees + fake.bad_host_frees + fake.bad_closes, 0);
+    if (kept) CHECK_MSG(NULL, "the GPU memory is kept");
+    if (kept) fake_release_leftovers();
+    /* the id is retired whatever failed; the slot is dead unless writing it
+     * was the step that failed */
+    tpc_comm *got = NULL;
+    CHECK_RC(NULL, tpc_comm_acquire(w.id[0], &got), TPC_ERR_CLOSED);
+    CHECK_MSG(NULL, "closed");
+    CHECK_EQ(w.control[0]->alive, steps[i].entry == FK_MEMCPY_ANY ? (uint32_t)w.id[0] : 0u);
   }
 }
 
@@ -547,14 +651,30 @@ static void test_probe(void) {
   CHECK_ALL_RELEASED();
 }
 
-/* The recorded launch got this world's buffers, keyed by rank, and the layout. */
+/* NaN patterns of the all-reduce dtypes, 8 bytes each. */
+#define NAN_F32 0x7fc000007fc00000ull
+#define NAN_F16 0x7e007e007e007e00ull
+#define NAN_BF16 0x7fc07fc07fc07fc0ull
+
+/* The recorded launch got this world's buffers, keyed by rank, the layout,
+ * the rank's control slot and id, the op's kind word and its NaN pattern. */
 static void check_args(const world *w, int rank, const void *in, void *out, size_t nbytes,
-                       size_t row_bytes, int dtype, int op) {
+                       size_t row_bytes, int dtype, int op, int algo, uint64_t poison) {
   const tpc_kernel_args *a = &fake.last_args;
   const tpc_layout l = tpc_layout_for(w->n, MAX_BYTES, PACKET_MAX);
   for (int p = 0; p < TPC_MAX_RANKS; ++p) CHECK_PTR(a->bufs[p], p < w->n ? w->buf[p] : NULL);
   CHECK_PTR(a->err, w->err_device[rank]); /* the device view, not the host one */
   CHECK(a->err != (void *)w->err_host[rank]);
+  CHECK_PTR(a->control, w->control[rank]);
+  CHECK_EQ(a->alive_id, (uint32_t)w->id[rank]);
+  CHECK_EQ(a->alive_id, w->control[rank]->alive); /* the open slot matches */
+  CHECK_EQ(fake.last_algo, algo);
+  CHECK_EQ(a->kind, tpc_kind_word(op, algo, dtype, row_bytes));
+  CHECK_EQ(a->kind & 0xffu, (uint32_t)op);
+  CHECK_EQ((a->kind >> 8) & 0xffu, (uint32_t)algo);
+  CHECK_EQ(a->poison, poison);
+  CHECK_EQ(a->poison_out, poison != 0);
+  CHECK_EQ(a->out_bytes, op == TPC_OP_ALL_REDUCE ? nbytes : nbytes * (size_t)w->n);
   CHECK_PTR(a->in, in);
   CHECK_PTR(a->out, out);
   CHECK_EQ(a->nbytes, nbytes);
@@ -681,13 +801,17 @@ static void test_all_reduce_algo_and_args(void) {
   CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_REDUCE);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
   CHECK_PTR(fake.last_stream, STREAM_A);
-  check_args(&w, r, in + 32, out + 64, 96, 96, TPC_BFLOAT16, TPC_OP_ALL_REDUCE);
+  check_args(&w, r, in + 32, out + 64, 96, 96, TPC_BFLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_BF16);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 2048, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  check_args(&w, r, in, out, 2048, 2048, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, NAN_F32);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 48, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  check_args(&w, r, in, out, 48, 48, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F16);
 
   /* every rank gets the same table of buffers, and its own rank */
   for (int q = 0; q < 4; ++q) {
     CHECK_RC(w.comm[q], tpc_all_reduce(w.comm[q], in, out, 4096, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
     CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-    check_args(&w, q, in, out, 4096, 4096, TPC_FLOAT16, TPC_OP_ALL_REDUCE);
+    check_args(&w, q, in, out, 4096, 4096, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, NAN_F16);
   }
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -699,7 +823,7 @@ static void test_all_gather(void) {
   CHECK(make_world(&w, 2, 0));
   tpc_comm *c = w.comm[1];
   unsigned char *in = scratch_in, *out = scratch_out;
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_STATE);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_STATE);
   destroy_world(&w);
 
   CHECK(make_world(&w, 2, 1));
@@ -722,8 +846,8 @@ static void test_all_gather(void) {
       /* bulk needs 16-byte sizes, rows and pointers */
       {20, 20, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
       {64, 8, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
-      {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
-      {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
+      {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned"},
+      {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned"},
       /* caps: bulk on the output (world * nbytes), packet on the input */
       {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 4128 bytes is over the cap of 4096"},
       {PACKET_MAX + 4, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "1028 bytes per rank is over the packet cap of 1024"},
@@ -734,15 +858,15 @@ static void test_all_gather(void) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_all_gather(c, in + cases[i].in_off, out + cases[i].out_off, cases[i].nbytes,
-                               cases[i].row, (tpc_algo)cases[i].algo, STREAM_A),
+                               cases[i].row, (tpc_algo)cases[i].algo, 0, STREAM_A),
              cases[i].want);
     CHECK_MSG(c, cases[i].needle);
   }
-  CHECK_RC(c, tpc_all_gather(c, NULL, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_all_gather(c, NULL, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_EQ(fake.launches, 0);
 
-  /* AUTO: packet up to the all-gather cutover, bulk above when possible,
-   * packet when bulk is impossible */
+  /* AUTO: packet up to the all-gather cutover, bulk above when the sizes
+   * allow it, packet when they do not; pointers never decide */
   CHECK_RC(c, tpc_comm_set_cutover(c, 16, 64), TPC_OK);
   struct {
     size_t nbytes, row, in_off, out_off;
@@ -754,14 +878,16 @@ static void test_all_gather(void) {
       {MAX_BYTES / 2, MAX_BYTES / 2, 0, 0, TPC_ALGO_BULK}, /* output exactly max_bytes */
       {128, 8, 0, 0, TPC_ALGO_PACKET},   /* row not a multiple of 16 */
       {132, 132, 0, 0, TPC_ALGO_PACKET}, /* size not a multiple of 16 */
-      {128, 128, 4, 0, TPC_ALGO_PACKET}, /* input only 4-byte aligned */
-      {128, 128, 0, 4, TPC_ALGO_PACKET}, /* output only 4-byte aligned */
+      {64, 64, 4, 0, TPC_ALGO_PACKET},   /* at the cutover: misaligned is fine */
+      {64, 64, 0, 4, TPC_ALGO_PACKET},
+      {132, 132, 4, 4, TPC_ALGO_PACKET}, /* bulk impossible by size: misaligned is fine */
+      {128, 8, 4, 0, TPC_ALGO_PACKET},
       {PACKET_MAX, 4, 0, 0, TPC_ALGO_PACKET},
   };
   for (size_t i = 0; i < sizeof autos / sizeof autos[0]; ++i) {
     const int before = fake.launches;
     CHECK_RC(c, tpc_all_gather(c, in + autos[i].in_off, out + autos[i].out_off, autos[i].nbytes,
-                               autos[i].row, TPC_ALGO_AUTO, STREAM_A),
+                               autos[i].row, TPC_ALGO_AUTO, 0, STREAM_A),
              TPC_OK);
     CHECK_EQ(fake.launches, before + 1);
     CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_GATHER);
@@ -769,26 +895,49 @@ static void test_all_gather(void) {
     CHECK_EQ(fake.last_args.nbytes, autos[i].nbytes);
     CHECK_EQ(fake.last_args.row_bytes, autos[i].row);
   }
+  /* AUTO picks bulk by size alone, so a misaligned pointer where the sizes
+   * say bulk is an error, not a silent switch to packet (ranks whose
+   * pointers differ would otherwise run different kernels) */
+  static const struct {
+    size_t in_off, out_off;
+  } misaligned_autos[] = {{4, 0}, {0, 4}, {8, 8}};
+  for (size_t i = 0; i < sizeof misaligned_autos / sizeof misaligned_autos[0]; ++i) {
+    const int before = fake.launches;
+    CHECK_RC(c, tpc_all_gather(c, in + misaligned_autos[i].in_off, out + misaligned_autos[i].out_off,
+                               128, 128, TPC_ALGO_AUTO, 0, STREAM_A),
+             TPC_ERR_INVALID_ARG);
+    CHECK_MSG(c, "bulk all_gather input and output must be 16-byte aligned");
+    CHECK_EQ(fake.launches, before);
+  }
   CHECK_RC(c, tpc_comm_set_cutover(c, 16, 16), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 32, 32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 32, 32, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
 
   /* the all-reduce cutover does not move the all-gather one */
   CHECK_RC(c, tpc_comm_set_cutover(c, PACKET_MAX, 0), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 16, 16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 16, 16, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
 
   /* arguments */
-  CHECK_RC(c, tpc_all_gather(c, in + 4, out + 8, 120, 12, TPC_ALGO_PACKET, STREAM_C), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in + 4, out + 8, 120, 12, TPC_ALGO_PACKET, 0, STREAM_C), TPC_OK);
   CHECK_PTR(fake.last_stream, STREAM_C);
-  check_args(&w, 1, in + 4, out + 8, 120, 12, 0, TPC_OP_ALL_GATHER);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 2048, 2048, TPC_ALGO_BULK, STREAM_C), TPC_OK);
-  check_args(&w, 1, in, out, 2048, 2048, 0, TPC_OP_ALL_GATHER);
+  check_args(&w, 1, in + 4, out + 8, 120, 12, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 2048, 2048, TPC_ALGO_BULK, 0, STREAM_C), TPC_OK);
+  check_args(&w, 1, in, out, 2048, 2048, 0, TPC_OP_ALL_GATHER, TPC_ALGO_BULK, 0);
+  /* the caller's NaN pattern is passed through as given (all_gather has no dtype) */
+  CHECK_RC(c, tpc_all_gather(c, in, out, 2048, 512, TPC_ALGO_BULK, NAN_BF16, STREAM_C), TPC_OK);
+  check_args(&w, 1, in, out, 2048, 512, 0, TPC_OP_ALL_GATHER, TPC_ALGO_BULK, NAN_BF16);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 16, TPC_ALGO_PACKET, NAN_F16, STREAM_C), TPC_OK);
+  check_args(&w, 1, in, out, 64, 16, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, NAN_F16);
+  /* the row length is folded into the kind word: another row, another kind */
+  const uint32_t kind_row16 = fake.last_args.kind;
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 32, TPC_ALGO_PACKET, 0, STREAM_C), TPC_OK);
+  CHECK(fake.last_args.kind != kind_row16);
 
   fake_fail_nth(FK_LAUNCH_ALL_GATHER, 1, 97);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_C), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_C), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching all_gather failed: fake error 97");
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -799,12 +948,12 @@ static void test_all_gather(void) {
   CHECK(make_world(&w, 8, 1));
   c = w.comm[5];
   CHECK_RC(c, tpc_comm_set_cutover(c, 16, 16), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 512, 512, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 512, 512, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK); /* 4096 bytes out: fits */
-  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  check_args(&w, 5, in, out, 1024, 1024, 0, TPC_OP_ALL_GATHER);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_BULK, STREAM_A), TPC_ERR_TOO_LARGE);
+  check_args(&w, 5, in, out, 1024, 1024, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_BULK, 0, STREAM_A), TPC_ERR_TOO_LARGE);
   CHECK_MSG(c, "output of 8192 bytes");
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -822,7 +971,7 @@ static void test_async_error(void) {
   volatile tpc_async_error *rec = w.err_host[0];
   rec->peer = 1;
   rec->epoch = 7;
-  rec->detail = 0;
+  rec->reported = 0;
   rec->code = TPC_ERR_TIMEOUT;
   tpc_async_error e;
   memset(&e, 0, sizeof e);
@@ -830,6 +979,7 @@ static void test_async_error(void) {
   CHECK_EQ(e.code, TPC_ERR_TIMEOUT);
   CHECK_EQ(e.peer, 1);
   CHECK_EQ(e.epoch, 7);
+  CHECK_EQ(e.reported, 0);
   CHECK_MSG(c, "peer 1");
   CHECK_MSG(c, "rank 0");
   CHECK_MSG(c, "2.000 s");
@@ -840,7 +990,7 @@ static void test_async_error(void) {
   const int launches = fake.launches;
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_TIMEOUT);
   CHECK_MSG(c, "peer 1");
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_TIMEOUT);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_TIMEOUT);
   CHECK_EQ(fake.launches, launches);
   /* and keeps refusing even if the record is cleared: the failure is sticky */
   rec->code = TPC_OK;
@@ -857,14 +1007,21 @@ static void test_async_error(void) {
   rec = w.err_host[1];
   rec->peer = 0;
   rec->epoch = 3;
-  rec->detail = 96;
+  rec->peer_bytes = 96;
+  rec->own_bytes = 64;
+  rec->peer_kind = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 96);
+  rec->own_kind = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
   rec->code = TPC_ERR_MISMATCH;
-  CHECK_RC(w.comm[1], tpc_all_gather(w.comm[1], in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_MISMATCH);
+  CHECK_RC(w.comm[1], tpc_all_gather(w.comm[1], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_MISMATCH);
   CHECK_MSG(w.comm[1], "peer 0");
   CHECK_MSG(w.comm[1], "96 bytes");
   CHECK_MSG(w.comm[1], "op #3");
+  CHECK_MSG(w.comm[1], "the size differs");
   CHECK_RC(w.comm[1], tpc_comm_async_error(w.comm[1], &e), TPC_ERR_MISMATCH);
-  CHECK_EQ(e.detail, 96);
+  CHECK_EQ(e.peer_bytes, 96);
+  CHECK_EQ(e.own_bytes, 64);
+  CHECK_EQ(e.peer_kind, tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 96));
+  CHECK_EQ(e.own_kind, tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64));
   CHECK_RC(NULL, tpc_comm_async_error(NULL, &e), TPC_ERR_INVALID_ARG);
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -875,9 +1032,121 @@ static void test_async_error(void) {
   rec->peer = 0;
   rec->code = TPC_ERR_PEER;
   CHECK_RC(w.comm[1], tpc_comm_async_error(w.comm[1], &e), TPC_ERR_PEER);
-  CHECK_MSG(w.comm[1], "device error 3 from peer 0");
+  CHECK_MSG(w.comm[1], "device error 3 involving peer 0");
   destroy_world(&w);
   CHECK_ALL_RELEASED();
+}
+
+/* describe(): the message of every kind of device record, read through the
+ * communicator (tpc_comm_async_error) and through its id (tpc_id_async_error,
+ * message in tpc_comm_last_error(NULL)). */
+static void fill_record(volatile tpc_async_error *rec, int code, int peer, uint32_t epoch,
+                        int reported, uint32_t peer_bytes, uint32_t peer_kind, uint32_t own_bytes,
+                        uint32_t own_kind) {
+  rec->peer = peer;
+  rec->epoch = epoch;
+  rec->reported = reported;
+  rec->peer_bytes = peer_bytes;
+  rec->peer_kind = peer_kind;
+  rec->own_bytes = own_bytes;
+  rec->own_kind = own_kind;
+  rec->code = code; /* last, like the device */
+}
+
+static void test_describe(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 3, 1));
+  const int r = 2;
+  tpc_comm *c = w.comm[r];
+  volatile tpc_async_error *rec = w.err_host[r];
+  char id_text[64];
+  snprintf(id_text, sizeof id_text, "communicator %" PRIu64, w.id[r]);
+  const uint32_t ar_pk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_FLOAT32, 256);
+  const uint32_t ar_bk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, TPC_FLOAT32, 256);
+  const uint32_t ar_pk_bf16 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
+  const uint32_t ag_pk_256 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 256);
+  const uint32_t ag_pk_64 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
+
+  static const struct {
+    int code, peer, reported;
+    uint32_t epoch;
+    int peer_bytes_, own_bytes_;
+    int kinds; /* which pair of kind words, see below */
+    const char *needles[4];
+  } cases[] = {
+      /* this rank waited for peer 1 */
+      {TPC_ERR_TIMEOUT, 1, 0, 11, 0, 0, 0, {"rank 2: peer 1 did not arrive within 2.000 s", "op #11", "abort() or close()", NULL}},
+      /* peer 0 gave up and told this rank */
+      {TPC_ERR_TIMEOUT, 0, 1, 12, 0, 0, 0, {"peer 0 gave up op #12", "2.000 s", "NaN", NULL}},
+      /* mismatches name the first differing field */
+      {TPC_ERR_MISMATCH, 1, 0, 13, 256, 256, 1, {"the op differs", "peer: all_gather packet of 256 bytes", "this rank: all_reduce packet of 256 bytes", "op #13"}},
+      {TPC_ERR_MISMATCH, 1, 0, 14, 512, 256, 2, {"the size differs", "of 512 bytes", "of 256 bytes", NULL}},
+      {TPC_ERR_MISMATCH, 0, 0, 15, 256, 256, 3, {"the algorithm differs", "peer: all_reduce bulk", "this rank: all_reduce packet", NULL}},
+      {TPC_ERR_MISMATCH, 0, 0, 16, 256, 256, 4, {"the dtype differs", "peer 0", NULL, NULL}},
+      {TPC_ERR_MISMATCH, 0, 0, 17, 256, 256, 5, {"the layout (all_gather dim) differs", NULL, NULL, NULL}},
+      /* a peer found the mismatch and told this rank */
+      {TPC_ERR_MISMATCH, 1, 1, 18, 0, 0, 0, {"peer 1 found that the ranks called different ops at op #18", NULL, NULL, NULL}},
+      /* a peer aborted */
+      {TPC_ERR_CLOSED, 0, 1, 19, 0, 0, 0, {"peer 0 aborted", "noticed at op #19", NULL, NULL}},
+      /* an op (a replayed graph) ran after close */
+      {TPC_ERR_CLOSED, 0, 0, 20, 0, 0, 0, {"ran after it was closed", "CUDA graph", "NaN", NULL}},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    uint32_t peer_kind = 0, own_kind = 0;
+    switch (cases[i].kinds) {
+      case 1: peer_kind = ag_pk_256; own_kind = ar_pk_f32; break;
+      case 2: peer_kind = ar_pk_f32; own_kind = ar_pk_f32; break;
+      case 3: peer_kind = ar_bk_f32; own_kind = ar_pk_f32; break;
+      case 4: peer_kind = ar_pk_bf16; own_kind = ar_pk_f32; break;
+      case 5: peer_kind = ag_pk_64; own_kind = ag_pk_256; break;
+    }
+    fill_record(rec, cases[i].code, cases[i].peer, cases[i].epoch, cases[i].reported,
+                (uint32_t)cases[i].peer_bytes_, peer_kind, (uint32_t)cases[i].own_bytes_, own_kind);
+    tpc_async_error e;
+    memset(&e, 0, sizeof e);
+    CHECK_RC(c, tpc_comm_async_error(c, &e), (tpc_result)cases[i].code);
+    CHECK_EQ(e.code, cases[i].code);
+    CHECK_EQ(e.epoch, cases[i].epoch);
+    CHECK_EQ(e.reported, cases[i].reported);
+    CHECK_EQ(e.peer_kind, peer_kind);
+    CHECK_EQ(e.own_kind, own_kind);
+    CHECK_MSG(c, id_text);
+    for (int k = 0; k < 4 && cases[i].needles[k]; ++k) CHECK_MSG(c, cases[i].needles[k]);
+    /* the same message through the id */
+    memset(&e, 0, sizeof e);
+    CHECK_RC(NULL, tpc_id_async_error(w.id[r], &e), (tpc_result)cases[i].code);
+    CHECK_EQ(e.code, cases[i].code);
+    CHECK_EQ(e.peer, cases[i].peer);
+    CHECK_EQ(strcmp(tpc_comm_last_error(NULL), tpc_comm_last_error(c)), 0);
+  }
+  /* the layout field is reached only when op, size, algorithm and dtype agree,
+   * and the row fold really differs for those two rows */
+  CHECK(ag_pk_64 != ag_pk_256);
+  CHECK_EQ(ag_pk_64 & 0xffffffu, ag_pk_256 & 0xffffffu);
+
+  /* a closed communicator's record is still read through its id: a graph
+   * replayed after close records TPC_ERR_CLOSED there */
+  const uint64_t id = w.id[r];
+  volatile tpc_async_error *closed_rec = rec;
+  memset((void *)closed_rec, 0, sizeof *closed_rec);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+  tpc_async_error e;
+  memset(&e, 0x5a, sizeof e);
+  CHECK_RC(NULL, tpc_id_async_error(id, &e), TPC_ERR_CLOSED);
+  CHECK_EQ(e.code, TPC_OK); /* a clean record */
+  CHECK_MSG(NULL, "is closed");
+  fill_record(closed_rec, TPC_ERR_CLOSED, 0, 21, 0, 0, 0, 0, 0);
+  CHECK_RC(NULL, tpc_id_async_error(id, &e), TPC_ERR_CLOSED);
+  CHECK_EQ(e.code, TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, "after it was closed");
+  CHECK_MSG(NULL, "rank 2"); /* the rank is remembered past the communicator */
+  CHECK_MSG(NULL, id_text);
+  /* a timeout recorded before close is still told as a timeout */
+  fill_record(closed_rec, TPC_ERR_TIMEOUT, 1, 22, 0, 0, 0, 0, 0);
+  CHECK_RC(NULL, tpc_id_async_error(id, NULL), TPC_ERR_TIMEOUT);
+  CHECK_MSG(NULL, "peer 1 did not arrive within 2.000 s");
 }
 
 static void test_stream_switch(void) {
@@ -888,21 +1157,21 @@ static void test_stream_switch(void) {
   unsigned char *in = scratch_in, *out = scratch_out;
 
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 0); /* same stream: nothing to wait for */
 
   /* a new stream: the previous stream's op must finish first */
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
   CHECK_PTR(fake.last_synced_stream, STREAM_A);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
 
   /* while capturing: no synchronisation (illegal during capture), and the
    * captured stream does not become the eager one */
   fake.capturing = 1;
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_C), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
   fake.capturing = 0;
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
@@ -917,7 +1186,7 @@ static void test_stream_switch(void) {
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "waiting for the previous stream failed: fake error 81");
   fake_fail_nth(FK_STREAM_IS_CAPTURING, 1, 82);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "capture state failed: fake error 82");
   CHECK_EQ(fake.launches, launches);
   destroy_world(&w);
@@ -931,7 +1200,8 @@ static void test_stream_switch(void) {
   c = w.comm[0];
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, NULL), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  /* an op on the NULL (default) stream followed by one on another stream does not synchronise the NULL stream (comm.c uses last_stream == NULL as 'no previous op') */
+  /* the NULL stream is synchronised too: "no previous op" is have_last_stream,
+   * not last_stream == NULL */
   CHECK(fake.calls[FK_STREAM_SYNCHRONIZE] == 1 && fake.last_synced_stream == NULL);
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, NULL), TPC_OK);
   CHECK_PTR(fake.last_synced_stream, STREAM_A); /* the other direction works */
@@ -954,7 +1224,7 @@ static void test_launch_device(void) {
   CHECK_EQ(fake.launch_device, 1);
   CHECK_EQ(fake.current_device, 6);
   CHECK_EQ(fake.calls[FK_SET_DEVICE] - set_calls, 2);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launch_device, 1);
   CHECK_EQ(fake.current_device, 6);
 
@@ -977,7 +1247,7 @@ static void test_launch_device(void) {
   CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "fake error 61");
   fake_fail_nth(FK_SET_DEVICE, 1, 62);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "fake error 62");
   CHECK_EQ(fake.launches, launches);
   CHECK_EQ(fake.current_device, 4);
@@ -993,8 +1263,8 @@ static void test_launch_device(void) {
 /* Many communicators created and destroyed in a loop, with failures injected
  * at every runtime call of the set-up in turn: never a leak. */
 static void test_no_leaks_under_failures(void) {
-  static const fake_entry entries[] = {FK_SET_DEVICE, FK_DEVICE_MALLOC, FK_DEVICE_MEMSET,
-                                       FK_HOST_ALLOC_MAPPED, FK_DEVICE_SYNCHRONIZE, FK_IPC_EXPORT,
+  static const fake_entry entries[] = {FK_SET_DEVICE,         FK_DEVICE_MALLOC, FK_DEVICE_MEMSET,
+                                       FK_DEVICE_SYNCHRONIZE, FK_MEMCPY_ANY,    FK_IPC_EXPORT,
                                        FK_IPC_OPEN};
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
     for (int nth = 1; nth <= 3; ++nth) {
@@ -1012,6 +1282,537 @@ static void test_no_leaks_under_failures(void) {
       CHECK_ALL_RELEASED();
     }
   }
+}
+
+/* ------------------------------------------- ids, registry, abort, control */
+
+/* Ids are 1, 2, 3, ... across create/destroy cycles, never reused, and each
+ * has its own control slot that is never handed out again. */
+static void test_ids(void) {
+  fake_reset();
+  tpc_config c = config(0, 2);
+  enum { CYCLES = 6 };
+  uint64_t ids[CYCLES * 2];
+  tpc_control *slots[CYCLES * 2];
+  int n = 0;
+  for (int cycle = 0; cycle < CYCLES; ++cycle) {
+    /* two alive at once, then both destroyed: the next ones still get new ids */
+    tpc_comm *a = NULL, *b = NULL;
+    CHECK_RC(NULL, tpc_comm_create(&c, &a), TPC_OK);
+    CHECK_RC(NULL, tpc_comm_create(&c, &b), TPC_OK);
+    if (!a || !b) return;
+    ids[n] = tpc_comm_id(a);
+    slots[n++] = entry_of(tpc_comm_id(a))->control;
+    ids[n] = tpc_comm_id(b);
+    slots[n++] = entry_of(tpc_comm_id(b))->control;
+    CHECK_RC(NULL, tpc_comm_destroy(cycle % 2 ? a : b), TPC_OK);
+    CHECK_RC(NULL, tpc_comm_destroy(cycle % 2 ? b : a), TPC_OK);
+  }
+  CHECK(ids[0] != 0);
+  for (int i = 1; i < n; ++i) CHECK_EQ(ids[i], ids[i - 1] + 1);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < i; ++j) CHECK(slots[i] != slots[j]);
+  /* every retired slot stays dead, and says which id it was never again */
+  for (int i = 0; i < n; ++i) {
+    CHECK_EQ(slots[i]->alive, 0);
+    const tpc_entry *e = entry_of(ids[i]);
+    CHECK(e != NULL && e->id == ids[i] && e->state == TPC_ENTRY_CLOSED && e->comm == NULL);
+  }
+  CHECK(entry_of(0) == NULL);
+  CHECK(entry_of(ids[n - 1] + 1) == NULL); /* not handed out yet */
+  CHECK_ALL_RELEASED();
+  /* a communicator made on another device gets the next id too (one id space) */
+  c = config(1, 2);
+  tpc_comm *d = NULL;
+  CHECK_RC(NULL, tpc_comm_create(&c, &d), TPC_OK);
+  CHECK_EQ(tpc_comm_id(d), ids[n - 1] + 1);
+  CHECK_RC(NULL, tpc_comm_destroy(d), TPC_OK);
+  CHECK_ALL_RELEASED();
+}
+
+/* A chunk holds 256 slots; the 257th communicator of a device gets a new
+ * chunk, the old one is kept (never freed), and a failed chunk allocation
+ * fails create cleanly and is retried by the next create. */
+#define CHUNK_DEVICE 60
+static void test_pool_chunks(void) {
+  fake_reset();
+  tpc_config c = config(0, 2);
+  c.device = CHUNK_DEVICE;
+  const int total = fake_control_chunk_total();
+  tpc_control *first = NULL, *prev = NULL;
+  int contiguous = 1;
+  for (int i = 0; i < 256; ++i) {
+    tpc_comm *comm = NULL;
+    if (tpc_comm_create(&c, &comm) != TPC_OK) {
+      CHECK(0);
+      return;
+    }
+    tpc_control *slot = entry_of(tpc_comm_id(comm))->control;
+    if (i == 0) first = slot;
+    else contiguous &= slot == prev + 1;
+    prev = slot;
+    tpc_comm_destroy(comm);
+  }
+  CHECK(contiguous);
+  CHECK_EQ(fake.calls[FK_ALLOC_CONTROL_CHUNK], 1);
+  CHECK_EQ(fake_control_chunk_total(), total + 1);
+  CHECK_PTR(first, fake.last_control);
+  CHECK_EQ(fake.last_chunk_n, 256);
+
+  /* the chunk is full: the next create needs a new one; make it fail */
+  fake_fail_nth(FK_ALLOC_CONTROL_CHUNK, 1, 88);
+  tpc_comm *comm = (tpc_comm *)&c;
+  CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_ERR_RUNTIME);
+  CHECK_PTR(comm, NULL);
+  CHECK_MSG(NULL, "allocating the control pool failed: fake error 88");
+  CHECK_ALL_RELEASED();
+  CHECK_RC(NULL, tpc_comm_create(&c, &comm), TPC_OK);
+  CHECK_EQ(fake.calls[FK_ALLOC_CONTROL_CHUNK], 3);
+  CHECK_EQ(fake_control_chunk_total(), total + 2);
+  const tpc_entry *e = comm ? entry_of(tpc_comm_id(comm)) : NULL;
+  CHECK(e != NULL && e->control == fake.last_control && e->record == fake.last_records &&
+        e->record_device == fake.last_records_device);
+  /* the old chunk's slots stay readable (graphs may still look at them) */
+  CHECK_EQ(first->alive, 0);
+  CHECK_EQ(prev->alive, 0);
+  CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
+  CHECK_ALL_RELEASED();
+}
+
+static void test_acquire(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  unsigned char *in = scratch_in, *out = scratch_out;
+  const uint64_t id = w.id[0];
+  char id_text[64];
+  snprintf(id_text, sizeof id_text, "id %" PRIu64, id);
+
+  /* an open id: the communicator, marked in use */
+  tpc_comm *got = NULL;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_OK);
+  CHECK_PTR(got, w.comm[0]);
+  CHECK_EQ(entry_of(id)->in_use, 1);
+  CHECK_EQ(entry_of(w.id[1])->in_use, 0); /* only that one */
+  /* it runs ops while held */
+  CHECK_RC(got, tpc_all_reduce(got, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+
+  /* a second acquire before release: TPC_ERR_STATE naming the id */
+  tpc_comm *again = (tpc_comm *)&w;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &again), TPC_ERR_STATE);
+  CHECK_PTR(again, NULL);
+  CHECK_MSG(NULL, id_text);
+  CHECK_MSG(NULL, "running an op (from another thread?)");
+  CHECK_EQ(entry_of(id)->in_use, 1);
+  /* the other rank's id is independent */
+  tpc_comm *other = NULL;
+  CHECK_RC(NULL, tpc_comm_acquire(w.id[1], &other), TPC_OK);
+  CHECK_PTR(other, w.comm[1]);
+  tpc_comm_release(other);
+
+  /* destroy and abort while held: refused, and the communicator stays usable */
+  CHECK_RC(w.comm[0], tpc_comm_destroy(w.comm[0]), TPC_ERR_STATE);
+  CHECK_MSG(w.comm[0], "running an op (from another thread?)");
+  CHECK_EQ(entry_of(id)->state, TPC_ENTRY_OPEN);
+  CHECK_PTR(entry_of(id)->comm, w.comm[0]);
+  CHECK_EQ(w.control[0]->alive, (uint32_t)id);
+  CHECK_EQ(fake.live_device, 2);
+  const int writes = fake.calls[FK_WRITE_ASYNC];
+  CHECK_RC(w.comm[0], tpc_comm_abort(w.comm[0]), TPC_ERR_STATE);
+  CHECK_EQ(fake.calls[FK_WRITE_ASYNC], writes); /* nothing written */
+  CHECK_EQ(w.control[0]->alive, (uint32_t)id);
+  CHECK_EQ(w.control[0]->failed, 0);
+  CHECK_RC(w.comm[0], tpc_all_gather(w.comm[0], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_args.alive_id, (uint32_t)id);
+  CHECK_RC(NULL, tpc_id_async_error(id, NULL), TPC_OK);
+
+  /* release, then acquire works again */
+  tpc_comm_release(got);
+  CHECK_EQ(entry_of(id)->in_use, 0);
+  CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_OK);
+  CHECK_PTR(got, w.comm[0]);
+  tpc_comm_release(got);
+  tpc_comm_release(NULL); /* harmless */
+  CHECK_RC(NULL, tpc_comm_acquire(id, NULL), TPC_ERR_INVALID_ARG);
+
+  /* unknown ids: 0 and one never issued */
+  got = (tpc_comm *)&w;
+  CHECK_RC(NULL, tpc_comm_acquire(0, &got), TPC_ERR_CLOSED);
+  CHECK_PTR(got, NULL);
+  CHECK_MSG(NULL, "id 0 is unknown");
+  const uint64_t never = w.id[1] + 1000;
+  char never_text[64];
+  snprintf(never_text, sizeof never_text, "id %" PRIu64 " is unknown", never);
+  CHECK_RC(NULL, tpc_comm_acquire(never, &got), TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, never_text);
+  CHECK_RC(NULL, tpc_comm_acquire(UINT64_MAX, &got), TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, "unknown");
+
+  /* a destroyed id: closed, naming it */
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+  got = (tpc_comm *)&w;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_ERR_CLOSED);
+  CHECK_PTR(got, NULL);
+  CHECK_MSG(NULL, id_text);
+  CHECK_MSG(NULL, "closed");
+
+  /* tpc_id_async_error on open, closed and unknown ids */
+  CHECK(make_world(&w, 2, 1));
+  tpc_async_error e;
+  memset(&e, 0x5a, sizeof e);
+  CHECK_RC(NULL, tpc_id_async_error(w.id[0], &e), TPC_OK);
+  CHECK_EQ(e.code, TPC_OK);
+  CHECK_EQ(e.peer, 0);
+  CHECK_EQ(e.peer_kind, 0);
+  memset(&e, 0x5a, sizeof e);
+  CHECK_RC(NULL, tpc_id_async_error(id, &e), TPC_ERR_CLOSED);
+  CHECK_EQ(e.code, TPC_OK);
+  CHECK_MSG(NULL, id_text);
+  CHECK_MSG(NULL, "is closed");
+  memset(&e, 0x5a, sizeof e);
+  CHECK_RC(NULL, tpc_id_async_error(0, &e), TPC_ERR_INVALID_ARG);
+  CHECK_EQ(e.code, TPC_OK); /* zeroed */
+  CHECK_MSG(NULL, "unknown");
+  CHECK_RC(NULL, tpc_id_async_error(never, NULL), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(NULL, never_text);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* destroy: retires the id, synchronises, writes alive = 0 (and nothing else)
+ * into the control slot before any handle is closed or the buffer freed. */
+static void test_destroy_control_slot(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 3, 1));
+  tpc_control *slot = w.control[1];
+  /* the device recorded a failure and advanced the epoch */
+  slot->failed = TPC_ERR_TIMEOUT;
+  slot->epoch = 41;
+  const int from = fake.n_events;
+  CHECK_RC(NULL, tpc_comm_destroy(w.comm[1]), TPC_OK);
+  w.comm[1] = NULL;
+  CHECK_EQ(slot->alive, 0);
+  CHECK_EQ(slot->failed, TPC_ERR_TIMEOUT); /* kept */
+  CHECK_EQ(slot->epoch, 41);
+  CHECK(fake.n_events <= FAKE_MAX_EVENTS);
+  const int sync = fake_event_index(FK_DEVICE_SYNCHRONIZE, NULL, from);
+  const int dead = fake_event_index(FK_MEMCPY_ANY, &slot->alive, from);
+  const int freed = fake_event_index(FK_DEVICE_FREE, w.buf[1], from);
+  const int close0 = fake_event_index(FK_IPC_CLOSE, w.buf[0], from);
+  const int close2 = fake_event_index(FK_IPC_CLOSE, w.buf[2], from);
+  CHECK(sync >= 0 && dead >= 0 && freed >= 0 && close0 >= 0 && close2 >= 0);
+  CHECK(sync < dead);
+  CHECK(dead < freed);
+  CHECK(dead < close0 && dead < close2);
+  if (dead >= 0) CHECK_EQ(fake.events[dead].bytes, sizeof slot->alive);
+  /* one write into the slot, the alive word only */
+  int slot_writes = 0;
+  for (int i = from; i < fake.n_events && i < FAKE_MAX_EVENTS; ++i)
+    if (fake.events[i].entry == FK_MEMCPY_ANY || fake.events[i].entry == FK_WRITE_ASYNC)
+      slot_writes += fake_is_control_memory(fake.events[i].ptr);
+  CHECK_EQ(slot_writes, 1);
+  CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 0); /* destroy blocks: no async writes */
+  /* the other ranks' slots are untouched */
+  CHECK_EQ(w.control[0]->alive, (uint32_t)w.id[0]);
+  CHECK_EQ(w.control[2]->alive, (uint32_t)w.id[2]);
+  /* the device's failure is still readable by id after close */
+  CHECK_RC(NULL, tpc_id_async_error(w.id[1], NULL), TPC_ERR_CLOSED);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* abort: never blocks; marks the slot failed and dead, tells every open peer,
+ * retires the id and frees the host state, but leaves the buffer allocated
+ * and the peers' handles open. */
+static void test_abort(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 4, 1));
+  unsigned char *in = scratch_in, *out = scratch_out;
+  const int r = 2;
+  const uint64_t id = w.id[r];
+  tpc_control *slot = w.control[r];
+  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  slot->epoch = 9;
+
+  fake.current_device = 5; /* the caller is on another device */
+  const int syncs = fake.calls[FK_DEVICE_SYNCHRONIZE];
+  const int stream_syncs = fake.calls[FK_STREAM_SYNCHRONIZE];
+  const int memcpys = fake.calls[FK_MEMCPY_ANY];
+  const int live_device = fake.live_device, live_opens = fake.live_opens;
+  const int frees = fake.calls[FK_DEVICE_FREE], closes = fake.calls[FK_IPC_CLOSE];
+  CHECK_RC(NULL, tpc_comm_abort(w.comm[r]), TPC_OK);
+  w.comm[r] = NULL;
+  /* nothing that waits */
+  CHECK_EQ(fake.calls[FK_DEVICE_SYNCHRONIZE], syncs);
+  CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], stream_syncs);
+  CHECK_EQ(fake.calls[FK_MEMCPY_ANY], memcpys);
+  /* nothing freed or closed */
+  CHECK_EQ(fake.calls[FK_DEVICE_FREE], frees);
+  CHECK_EQ(fake.calls[FK_IPC_CLOSE], closes);
+  CHECK_EQ(fake.live_device, live_device);
+  CHECK_EQ(fake.live_opens, live_opens);
+  /* the slot: failed = TPC_ERR_CLOSED, alive = 0, epoch kept */
+  CHECK_EQ(slot->failed, TPC_ERR_CLOSED);
+  CHECK_EQ(slot->alive, 0);
+  CHECK_EQ(slot->epoch, 9);
+  /* every other rank's stop word: (TPC_ERR_CLOSED << 8) | (rank + 1) */
+  const uint32_t stop = ((uint32_t)TPC_ERR_CLOSED << 8) | (uint32_t)(r + 1);
+  for (int p = 0; p < 4; ++p) {
+    const tpc_signals *s = (const tpc_signals *)w.buf[p];
+    CHECK_EQ(s->stopped, p == r ? 0u : stop);
+  }
+  /* all of it by write_async, on the communicator's device, failed before alive */
+  CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 2 + 3);
+  CHECK_EQ(fake.n_writes, 5);
+  int failed_at = -1, alive_at = -1;
+  for (int i = 0; i < fake.n_writes && i < FAKE_MAX_WRITES; ++i) {
+    CHECK_EQ(fake.writes[i].device, r);
+    CHECK_EQ(fake.writes[i].bytes, 4);
+    if (fake.writes[i].dst == &slot->failed) {
+      failed_at = i;
+      CHECK_EQ(fake.writes[i].value, TPC_ERR_CLOSED);
+    }
+    if (fake.writes[i].dst == &slot->alive) {
+      alive_at = i;
+      CHECK_EQ(fake.writes[i].value, 0);
+    }
+  }
+  CHECK(failed_at >= 0 && alive_at >= 0);
+  CHECK(failed_at < alive_at);
+  /* the caller's device is put back */
+  CHECK_EQ(fake.current_device, 5);
+
+  /* the id is aborted */
+  char id_text[64];
+  snprintf(id_text, sizeof id_text, "id %" PRIu64, id);
+  tpc_comm *got = (tpc_comm *)&w;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_ERR_CLOSED);
+  CHECK_PTR(got, NULL);
+  CHECK_MSG(NULL, "aborted");
+  CHECK_MSG(NULL, id_text);
+  tpc_async_error e;
+  memset(&e, 0x5a, sizeof e);
+  CHECK_RC(NULL, tpc_id_async_error(id, &e), TPC_ERR_CLOSED);
+  CHECK_EQ(e.code, TPC_OK);
+  CHECK_MSG(NULL, "aborted");
+  CHECK_EQ(entry_of(id)->state, TPC_ENTRY_ABORTED);
+  CHECK_PTR(entry_of(id)->comm, NULL);
+  /* the other ranks still work, and close normally */
+  for (int p = 0; p < 4; ++p)
+    if (p != r) CHECK_RC(NULL, tpc_id_async_error(w.id[p], NULL), TPC_OK);
+  CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  destroy_world(&w); /* comm[r] is NULL: a no-op for it */
+  /* what abort left: its own buffer and its three handles */
+  CHECK_EQ(fake.live_device, 1);
+  CHECK_EQ(fake.live_opens, 3);
+  CHECK_EQ(fake_release_leftovers(), 4);
+  CHECK_ALL_RELEASED();
+
+  /* a rank that opened only some peers tells only those; before any op, on
+   * its own device (no set_device needed) */
+  fake_reset();
+  CHECK(make_world(&w, 3, 0));
+  CHECK_RC(w.comm[0], tpc_comm_open_peer(w.comm[0], 2, w.handle[2]), TPC_OK);
+  fake.current_device = 0;
+  const int set_calls = fake.calls[FK_SET_DEVICE];
+  CHECK_RC(NULL, tpc_comm_abort(w.comm[0]), TPC_OK);
+  w.comm[0] = NULL;
+  CHECK_EQ(fake.calls[FK_SET_DEVICE], set_calls);
+  CHECK_EQ(((const tpc_signals *)w.buf[1])->stopped, 0);
+  CHECK_EQ(((const tpc_signals *)w.buf[2])->stopped, ((uint32_t)TPC_ERR_CLOSED << 8) | 1u);
+  CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 3);
+  destroy_world(&w);
+  CHECK_EQ(fake_release_leftovers(), 2);
+  CHECK_ALL_RELEASED();
+
+  /* the slot write refused: TPC_ERR_RUNTIME naming the step (message through
+   * NULL, the communicator is gone), the id is still retired */
+  fake_reset();
+  CHECK(make_world(&w, 2, 1));
+  fake_fail_nth(FK_WRITE_ASYNC, 1, 71);
+  CHECK_RC(NULL, tpc_comm_abort(w.comm[1]), TPC_ERR_RUNTIME);
+  w.comm[1] = NULL;
+  CHECK_MSG(NULL, "marking the communicator aborted on the device failed: fake error 71");
+  CHECK_RC(NULL, tpc_comm_acquire(w.id[1], &got), TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, "aborted");
+  /* a peer that refuses its stop word is not an error */
+  fake_fail_nth(FK_WRITE_ASYNC, 3, 72);
+  CHECK_RC(NULL, tpc_comm_abort(w.comm[0]), TPC_OK);
+  w.comm[0] = NULL;
+  CHECK_EQ(w.control[0]->failed, TPC_ERR_CLOSED);
+  CHECK_EQ(w.control[0]->alive, 0);
+  CHECK_EQ(fake_release_leftovers(), 4);
+  CHECK_ALL_RELEASED();
+}
+
+/* The kernel arguments name the control slot and its id; a slot that is dead
+ * (after close) no longer matches them. */
+static void test_args_control(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  unsigned char *in = scratch_in, *out = scratch_out;
+  for (int r = 0; r < 2; ++r) {
+    CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 32, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+    check_args(&w, r, in, out, 32, 32, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F16);
+    CHECK_RC(w.comm[r], tpc_all_gather(w.comm[r], in, out, 256, 64, TPC_ALGO_BULK, NAN_F32, STREAM_A), TPC_OK);
+    check_args(&w, r, in, out, 256, 64, 0, TPC_OP_ALL_GATHER, TPC_ALGO_BULK, NAN_F32);
+  }
+  CHECK(w.control[0] != w.control[1]);
+  CHECK(w.err_device[0] != w.err_device[1]);
+  const tpc_kernel_args saved = fake.last_args; /* rank 1's, as a captured graph keeps them */
+  destroy_world(&w);
+  CHECK_EQ(saved.control->alive, 0);
+  CHECK(saved.control->alive != saved.alive_id);
+  CHECK_ALL_RELEASED();
+}
+
+/* tpc_comm_debug_set_epoch synchronises, then writes the slot's epoch. */
+static void test_debug_set_epoch(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  tpc_comm *c = w.comm[1];
+  tpc_control *slot = w.control[1];
+  const int syncs = fake.calls[FK_DEVICE_SYNCHRONIZE];
+  const int from = fake.n_events;
+  CHECK_RC(c, tpc_comm_debug_set_epoch(c, TPC_EPOCH_LAST - 2), TPC_OK);
+  CHECK_EQ(slot->epoch, TPC_EPOCH_LAST - 2);
+  CHECK_EQ(slot->alive, (uint32_t)w.id[1]);
+  CHECK_EQ(slot->failed, 0);
+  CHECK_EQ(w.control[0]->epoch, 0);
+  CHECK_EQ(fake.calls[FK_DEVICE_SYNCHRONIZE], syncs + 1);
+  const int sync = fake_event_index(FK_DEVICE_SYNCHRONIZE, NULL, from);
+  const int write = fake_event_index(FK_MEMCPY_ANY, &slot->epoch, from);
+  CHECK(sync >= 0 && write > sync);
+  CHECK_RC(c, tpc_comm_debug_set_epoch(c, 0), TPC_OK);
+  CHECK_EQ(slot->epoch, 0);
+  /* failures: the epoch is left as it was */
+  fake_fail_nth(FK_DEVICE_SYNCHRONIZE, 1, 51);
+  CHECK_RC(c, tpc_comm_debug_set_epoch(c, 77), TPC_ERR_RUNTIME);
+  CHECK_MSG(c, "setting the epoch failed: fake error 51");
+  CHECK_EQ(slot->epoch, 0);
+  fake_fail_nth(FK_MEMCPY_ANY, 1, 52);
+  CHECK_RC(c, tpc_comm_debug_set_epoch(c, 78), TPC_ERR_RUNTIME);
+  CHECK_MSG(c, "fake error 52");
+  CHECK_EQ(slot->epoch, 0);
+  CHECK_RC(NULL, tpc_comm_debug_set_epoch(NULL, 1), TPC_ERR_INVALID_ARG);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* ------------------------------------------------------------- threads */
+
+typedef struct {
+  uint64_t id;
+  int do_acquire, do_release;
+  tpc_comm *release_this;
+  tpc_result rc;
+  tpc_comm *got;
+  char msg[512];
+} thread_job;
+
+static void *thread_run(void *arg) {
+  thread_job *j = arg;
+  if (j->do_acquire) {
+    j->rc = tpc_comm_acquire(j->id, &j->got);
+    /* the message of a failed acquire is this thread's own */
+    snprintf(j->msg, sizeof j->msg, "%s", tpc_comm_last_error(NULL));
+  }
+  if (j->do_release) tpc_comm_release(j->release_this);
+  return NULL;
+}
+
+static void run_thread(thread_job *j) {
+  pthread_t t;
+  if (pthread_create(&t, NULL, thread_run, j) != 0) {
+    CHECK(0);
+    return;
+  }
+  pthread_join(t, NULL);
+}
+
+static atomic_int holders, max_holders, total_ok, total_busy;
+typedef struct {
+  uint64_t id;
+  int rounds;
+} hammer_job;
+
+static void *hammer(void *arg) {
+  const hammer_job *j = arg;
+  for (int i = 0; i < j->rounds; ++i) {
+    tpc_comm *c = NULL;
+    const tpc_result r = tpc_comm_acquire(j->id, &c);
+    if (r == TPC_OK) {
+      const int h = atomic_fetch_add(&holders, 1) + 1;
+      int m = atomic_load(&max_holders);
+      while (h > m && !atomic_compare_exchange_weak(&max_holders, &m, h)) {
+      }
+      atomic_fetch_add(&total_ok, 1);
+      atomic_fetch_sub(&holders, 1);
+      tpc_comm_release(c);
+    } else if (r == TPC_ERR_STATE) {
+      atomic_fetch_add(&total_busy, 1);
+    }
+  }
+  return NULL;
+}
+
+/* Acquire across threads, in a fixed order (each step joins before the
+ * next), then a free-for-all that checks no two threads ever hold it. */
+static void test_acquire_threads(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  const uint64_t id = w.id[0];
+  char id_text[64];
+  snprintf(id_text, sizeof id_text, "id %" PRIu64, id);
+
+  tpc_comm *mine = NULL;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_OK);
+  /* another thread while this one holds it */
+  thread_job a = {.id = id, .do_acquire = 1};
+  run_thread(&a);
+  CHECK_EQ(a.rc, TPC_ERR_STATE);
+  CHECK_PTR(a.got, NULL);
+  CHECK(strstr(a.msg, id_text) != NULL && strstr(a.msg, "another thread") != NULL);
+  /* released here: the other thread gets it and keeps it */
+  tpc_comm_release(mine);
+  thread_job b = {.id = id, .do_acquire = 1};
+  run_thread(&b);
+  CHECK_EQ(b.rc, TPC_OK);
+  CHECK_PTR(b.got, w.comm[0]);
+  /* now this thread is refused, and cannot destroy it */
+  CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_ERR_STATE);
+  CHECK_RC(w.comm[0], tpc_comm_destroy(w.comm[0]), TPC_ERR_STATE);
+  /* the holder releases from its thread */
+  thread_job c = {.id = id, .do_release = 1, .release_this = b.got};
+  run_thread(&c);
+  CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_OK);
+  tpc_comm_release(mine);
+
+  /* contention */
+  enum { THREADS = 4, ROUNDS = 2000 };
+  atomic_store(&holders, 0);
+  atomic_store(&max_holders, 0);
+  atomic_store(&total_ok, 0);
+  atomic_store(&total_busy, 0);
+  pthread_t t[THREADS];
+  hammer_job hj = {id, ROUNDS};
+  int started = 0;
+  for (int i = 0; i < THREADS; ++i) started += pthread_create(&t[i], NULL, hammer, &hj) == 0;
+  CHECK_EQ(started, THREADS);
+  for (int i = 0; i < started; ++i) pthread_join(t[i], NULL);
+  CHECK_EQ(atomic_load(&max_holders), 1);
+  CHECK_EQ(atomic_load(&total_ok) + atomic_load(&total_busy), started * ROUNDS);
+  CHECK(atomic_load(&total_ok) > 0);
+  CHECK_EQ(entry_of(id)->in_use, 0);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
 }
 
 /* ----------------------------------------------------------------- main */
@@ -1047,6 +1848,15 @@ int main(void) {
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);
   RUN(test_async_error);
+  RUN(test_describe);
+  RUN(test_ids);
+  RUN(test_pool_chunks);
+  RUN(test_acquire);
+  RUN(test_destroy_control_slot);
+  RUN(test_abort);
+  RUN(test_args_control);
+  RUN(test_debug_set_epoch);
+  RUN(test_acquire_threads);
   RUN(test_stream_switch);
   RUN(test_launch_device);
   RUN(test_no_leaks_under_failures);

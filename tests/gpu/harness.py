@@ -1,16 +1,21 @@
-"""Runs a test body in one process per GPU, with NCCL initialised, and fails
-the calling test with the child's traceback. Bounded: a child that is still
-running after `timeout_s` is killed and the test fails."""
+"""Runs a test body in one process per rank, with torch.distributed
+initialised, and fails the calling test with the child's traceback. Bounded:
+a child that is still running after `timeout_s` is killed and the test fails.
+
+By default rank r runs on GPU r over NCCL. `devices` places ranks on GPUs
+(several ranks may share one), `backend="gloo"` keeps NCCL out (for tests
+where a rank dies and NCCL's own teardown would wait for it), and
+`expect_killed` names ranks that are meant to die by a signal."""
+import os
 import socket
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 from tpcomm.topology import force_multicast_off
-
 
 
 def _free_port():
@@ -19,14 +24,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, fn, args, errors):
+def _child(rank, world, port, fn, args, errors, backend, device):
     import faulthandler
 
     faulthandler.enable()  # a crash prints the Python stack instead of vanishing
     force_multicast_off()
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    torch.cuda.set_device(device)
+    extra = {"device_id": torch.device("cuda", device)} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
     try:
         fn(rank, world, *args)
         torch.cuda.synchronize()
@@ -40,29 +45,37 @@ def _child(rank, world, port, fn, args, errors):
             pass
 
 
-def run(fn, *args, world=None, timeout_s=150):
+def run(fn, *args, world=None, timeout_s=150, devices=None, backend="nccl", expect_killed=()):
     force_multicast_off()
     world = world or torch.cuda.device_count()
+    devices = list(devices) if devices is not None else list(range(world))
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_child, args=(world, _free_port(), fn, args, errors), nprocs=world,
-                               join=False, start_method="spawn")
-    import time
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, errors, backend, devices[r]), daemon=False)
+             for r in range(world)]
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout_s
     failure = None
     try:
-        while not procs.join(timeout=1.0):
+        while any(p.is_alive() for p in procs):
             if time.monotonic() > deadline:
                 failure = f"GPU test still running after {timeout_s} s (killed)"
                 break
-    except ProcessException as e:  # raised in a child, or a child crashed
-        failure = str(e)
+            time.sleep(0.2)
     finally:
-        for p in procs.processes:
+        for p in procs:
             if p.is_alive():
                 p.kill()
+            p.join(10)
+    bad_exits = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs)
+                 if p.exitcode != 0 and not (r in expect_killed and p.exitcode is not None and p.exitcode < 0)]
+    missing_kills = [f"rank {r} was meant to be killed but exited with {procs[r].exitcode}"
+                     for r in expect_killed if procs[r].exitcode is None or procs[r].exitcode >= 0]
     reports = []
     while not errors.empty():
         reports.append(errors.get())
-    if reports or failure:
-        raise AssertionError("\n".join([failure or ""] + [f"--- rank {r} ---\n{tb}" for r, tb in reports]))
+    if reports or failure or bad_exits or missing_kills:
+        raise AssertionError("\n".join([failure or ""] + bad_exits + missing_kills
+                                       + [f"--- rank {r} ---\n{tb}" for r, tb in reports]))

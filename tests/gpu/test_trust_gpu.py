@@ -1,0 +1,450 @@
+"""Trust: after a fault, misuse or skew tpcomm raises; it never returns a
+silent wrong answer, touches freed memory, or hangs.
+
+Every body asserts that the custom path ran (comm.enabled, and stats() shows
+tpcomm's kernels and no NCCL fallback), so a silent fallback cannot pass.
+Skew: one rank, drawn at random (the same draw on every rank), sleeps on the
+GPU before an op, and inputs are overwritten right after each op. Timings of
+the error paths are printed as "TIMING ..." lines (run pytest with -s)."""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import tpcomm
+from test_all_reduce_gpu import _assert_bits_equal, _int_valued, _nccl
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1024, 1024 * 1024
+CYCLES_PER_US = 1980  # torch.cuda._sleep counts SM cycles; an H200 runs at about 1.98 GHz
+
+
+def _sleep_us(us):
+    if us > 0:
+        torch.cuda._sleep(int(us * CYCLES_PER_US))
+
+
+def _skew(rank, world, rng, max_us=60):
+    """Delays one rank, drawn from the shared rng, by 0..max_us on the GPU."""
+    who, us = rng.randrange(world), rng.uniform(0, max_us)
+    if who == rank:
+        _sleep_us(us)
+
+
+def _assert_custom_only(comm, want=("packet", "bulk")):
+    stats = comm.stats()
+    backends = {b for _, b in stats}
+    assert comm.enabled, comm.disabled_reason
+    assert "nccl" not in backends, f"an op fell back to NCCL: {stats}"
+    assert set(want) <= backends, f"expected {want} to run: {stats}"
+
+
+def _nccl_gather(x, dim):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def _timing(what, seconds):
+    print(f"TIMING rank {dist.get_rank()}: {what}: {seconds:.3f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------
+def body_stale_handle_and_replay_after_close(rank, world):
+    comm = tpcomm.Communicator(timeout_s=5.0)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(3 + rank)
+    xs = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in (512, 64 * KiB, 1 * MiB)]  # packet, packet, bulk
+    g_in = torch.zeros(8, 256, dtype=torch.float16, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        outs = [comm.all_reduce(x) for x in xs]
+        g_out = comm.all_gather(g_in, dim=1)
+    _assert_custom_only(comm)
+    for x in xs:
+        x.copy_(_int_valued(x.numel(), x.dtype, gen))
+    g_in.copy_(_int_valued(g_in.numel(), g_in.dtype, gen).view(8, 256))
+    graph.replay()
+    for x, y in zip(xs, outs):
+        _assert_bits_equal(y, _nccl(x), f"replay before close, {x.numel()} elements")
+    _assert_bits_equal(g_out, _nccl_gather(g_in, 1), "all_gather replay before close")
+
+    stale = comm.handle
+    comm.close()
+    x = torch.ones(64, device="cuda")
+    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+        torch.ops.tpcomm.custom_all_reduce(x, stale, 0)
+    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+        torch.ops.tpcomm.custom_all_gather(x, 0, stale, 0)
+    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+        torch.ops.tpcomm.custom_all_reduce_out(x, torch.empty_like(x), stale, 0)
+    with pytest.raises(RuntimeError, match="unknown"):
+        torch.ops.tpcomm.custom_all_reduce(x, stale + 100000, 0)
+    with pytest.raises(RuntimeError, match="not a communicator"):
+        torch.ops.tpcomm.custom_all_reduce(x, 0, 0)
+    with pytest.raises(tpcomm.CommunicatorClosed, match="closed"):
+        comm.all_reduce(x)
+    comm.check()  # closed, but nothing ran after close yet
+
+    fresh = tpcomm.Communicator(timeout_s=5.0)  # created between close and the stale replay
+    assert fresh.enabled and fresh.handle not in (0, stale)
+    for y in outs + [g_out]:
+        y.zero_()
+    graph.replay()  # its kernels find the slot dead: NaN out, nothing else touched
+    torch.cuda.synchronize()
+    for y in outs + [g_out]:
+        assert torch.isnan(y).all(), "a graph replayed after close() must write NaN, not data"
+    with pytest.raises(tpcomm.CommunicatorClosed, match="ran after it was closed"):
+        comm.check()
+
+    fresh.check()
+    for n in (256, 48 * KiB, 3 * MiB // 2):
+        v = _int_valued(n, torch.bfloat16, gen)
+        _assert_bits_equal(fresh.all_reduce(v), _nccl(v), f"fresh communicator, {n} elements")
+    g = _int_valued(8 * 256, torch.float16, gen).view(8, 256)
+    _assert_bits_equal(fresh.all_gather(g, dim=1), _nccl_gather(g, 1), "fresh all_gather")
+    _assert_custom_only(fresh)
+    fresh.close()
+
+
+# ----------------------------------------------------------------------------
+# (op, bf16 elements or gather shape, dim): packet and bulk sizes of both ops
+SKEW_OPS = [("ar", 128), ("ar", 2048), ("ar", 24 * KiB), ("ar", 320 * KiB), ("ar", 1 * MiB), ("ar", 5 * MiB // 2 + 8),
+            ("ag", (1, 1024), 0), ("ag", (48, 1024), 1), ("ag", (768, 1024), 0), ("ag", (6, 40), -1)]
+
+
+def _run_op(comm, spec, x):
+    return comm.all_reduce(x) if spec[0] == "ar" else comm.all_gather(x, dim=spec[2])
+
+
+def _make_input(spec, gen):
+    if spec[0] == "ar":
+        return _int_valued(spec[1], torch.bfloat16, gen)
+    rows, cols = spec[1]
+    return _int_valued(rows * cols, torch.bfloat16, gen).view(rows, cols)
+
+
+def _reference(spec, x):
+    return _nccl(x) if spec[0] == "ar" else _nccl_gather(x, spec[2])
+
+
+def body_skew(rank, world):
+    """>= 2,000 mixed ops, eager and graph replays, a random rank 0-60 us late
+    before each, inputs overwritten right after: every result bitwise equal
+    to NCCL's."""
+    comm = tpcomm.Communicator(timeout_s=10.0)
+    assert comm.enabled, comm.disabled_reason
+    rng = random.Random(77)  # the same draws on every rank
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    checked = 0
+    for batch in range(40):  # eager: 40 x 40 ops
+        pending = []
+        for _ in range(40):
+            spec = rng.choice(SKEW_OPS)
+            x = _make_input(spec, gen)
+            kept = x.clone()
+            _skew(rank, world, rng)
+            y = _run_op(comm, spec, x)
+            x.fill_(float("nan"))  # the op must not read its input after it returns... on the stream
+            pending.append((spec, kept, y))
+        for i, (spec, kept, y) in enumerate(pending):
+            _assert_bits_equal(y, _reference(spec, kept), f"eager batch {batch} op {i} {spec}")
+            checked += 1
+    # graph: 20 ops with their skew captured, replayed 25 times with new inputs
+    specs = [rng.choice(SKEW_OPS) for _ in range(20)]
+    delays = [(rng.randrange(world), rng.uniform(0, 60)) for _ in specs]
+    static_in = [torch.zeros_like(_make_input(s, gen)) for s in specs]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        static_out = []
+        for spec, x, (who, us) in zip(specs, static_in, delays):
+            if who == rank:
+                _sleep_us(us)
+            static_out.append(_run_op(comm, spec, x))
+    for replay in range(25):
+        kept = []
+        for spec, x in zip(specs, static_in):
+            x.copy_(_make_input(spec, gen))
+            kept.append(x.clone())
+        graph.replay()
+        for x in static_in:
+            x.fill_(float("nan"))  # overwritten right after the replay, on the stream
+        if replay % 5 == 0:  # eager ops between replays share the device epoch
+            spec = rng.choice(SKEW_OPS)
+            e = _make_input(spec, gen)
+            _assert_bits_equal(_run_op(comm, spec, e), _reference(spec, e), f"eager between replays {replay}")
+            checked += 1
+        for i, (spec, k, y) in enumerate(zip(specs, kept, static_out)):
+            _assert_bits_equal(y, _reference(spec, k), f"replay {replay} op {i} {spec}")
+            checked += 1
+    assert checked >= 2000, checked
+    comm.check()
+    _assert_custom_only(comm)
+    comm.close()
+
+
+# ----------------------------------------------------------------------------
+def body_epoch_wrap(rank, world):
+    """The device epoch seeded just below 2^32: ops run across the wrap, and
+    the flags that ops 1-3 left in the packet slots (epochs 2 and 3 come back
+    after the wrap) are never taken for fresh data, even when the peer is late."""
+    comm = tpcomm.Communicator(timeout_s=5.0)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(300 + rank)
+    packet = tpcomm._lib.ALGO_PACKET
+    big = 256 * KiB  # bf16 elements: 512 KiB of packets per peer
+
+    def run(n, late=None, gather=False):
+        x = _int_valued(n, torch.bfloat16, gen)
+        if late == rank:
+            _sleep_us(300)  # the peer reads its slots before this rank's packets land
+        if gather:
+            return ("ag", x, torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, packet))
+        return ("ar", x, torch.ops.tpcomm.custom_all_reduce(x, comm.handle, packet))
+
+    def verify(done, what):
+        for i, (kind, x, y) in enumerate(done):
+            ref = _nccl(x) if kind == "ar" else _nccl_gather(x, 0)
+            _assert_bits_equal(y, ref, f"{what} op {i}")
+
+    verify([run(big) for _ in range(3)], "epochs 1-3")  # flags 1, 2, 3 across 512 KiB
+    assert comm._lib.tpc_comm_debug_set_epoch(comm._comm, 2**32 - 16) == tpcomm._lib.OK
+    dist.barrier()  # every rank seeded before any runs the next op
+    done = [run(64) for _ in range(14)]        # epochs 2^32-15 .. 2^32-2
+    done.append(run(64, gather=True))          # epoch 2^32-1: clears every flag
+    done += [run(big, late=i % world, gather=i % 3 == 2) for i in range(8)]  # epochs 2..9: flags reused
+    verify(done, "across the wrap")
+    x = _int_valued(3 * MiB // 2, torch.bfloat16, gen)  # bulk after the wrap
+    _assert_bits_equal(comm.all_reduce(x), _nccl(x), "bulk after the wrap")
+    comm.check()
+    comm.close()
+
+
+# ----------------------------------------------------------------------------
+SOAK_AR = [64, 512, 4 * KiB, 24 * KiB, 160 * KiB, 640 * KiB]        # bf16 elements, the last one bulk
+SOAK_AG = [(1, 256), (16, 512), (300, 1024)]                          # the last one bulk (600 KiB per rank)
+
+
+def body_soak(rank, world):
+    """>= 100,000 mixed ops with skew, inside CUDA graphs: each op's input is
+    computed on the GPU from a replay counter (so it changes every replay),
+    compared in the graph with an exact reference every rank computes for
+    itself, and overwritten right after the op. The mismatch count must be 0."""
+    comm = tpcomm.Communicator(timeout_s=10.0)
+    assert comm.enabled, comm.disabled_reason
+    rng = random.Random(4242)
+    counter = torch.zeros((), dtype=torch.int64, device="cuda")
+    mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
+    ops_per_graph, replays_per_graph = 50, 1000
+    graphs = []
+    static = []  # keeps every tensor the graphs use alive
+    for g in range(2):  # two graphs with different skew patterns, alternated
+        slots = []
+        for i in range(ops_per_graph):
+            kind = rng.choice(["ar", "ar", "ag"])
+            shape = (rng.choice(SOAK_AR),) if kind == "ar" else rng.choice(SOAK_AG)
+            cpu = torch.Generator().manual_seed(1000 * g + i)
+            bases = [torch.randint(0, 17, shape, generator=cpu).cuda() for _ in range(world)]
+            steps = [rng.randrange(1, 17) for _ in range(world)]
+            slots.append((kind, shape, bases, steps, rng.randrange(world), rng.uniform(0, 60)))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with comm.capture(), torch.cuda.graph(graph):
+            counter.add_(1)
+            for kind, shape, bases, steps, who, us in slots:
+                vals = [(b + counter * s) % 17 - 8 for b, s in zip(bases, steps)]  # int64, exact
+                x = vals[rank].to(torch.bfloat16)
+                if who == rank:
+                    _sleep_us(us)
+                if kind == "ar":
+                    y = comm.all_reduce(x)
+                    ref = torch.stack(vals).sum(0).to(torch.bfloat16)
+                else:
+                    y = comm.all_gather(x, dim=0)
+                    ref = torch.cat(vals, 0).to(torch.bfloat16)
+                x.fill_(float("nan"))  # overwritten right after the op
+                mismatches.add_((y.view(torch.int16) != ref.view(torch.int16)).sum())
+                static.append((x, y, ref))
+        graphs.append(graph)
+    start = time.monotonic()
+    for r in range(replays_per_graph):
+        for graph in graphs:
+            graph.replay()
+        if r % 100 == 99:
+            comm.check()
+    torch.cuda.synchronize()
+    _timing(f"soak of {2 * ops_per_graph * replays_per_graph} ops", time.monotonic() - start)
+    assert int(counter) == 2 * replays_per_graph
+    assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
+    comm.check()
+    _assert_custom_only(comm)
+    comm.close()
+
+
+# ----------------------------------------------------------------------------
+def body_timeout_queue_and_late_peer(rank, world):
+    """Rank 0 issues an op and 10 more behind it; the others are absent. All 11
+    fail within timeout + 2 s in total (NaN outputs, CollectiveTimeout). Then
+    the late ranks run the op rank 0 gave up: they raise too, and return NaN,
+    never a result rank 0 does not have."""
+    timeout = 1.0
+    comm = tpcomm.Communicator(timeout_s=timeout)
+    assert comm.enabled, comm.disabled_reason
+    xs = [torch.ones(n, dtype=torch.bfloat16, device="cuda") for n in (256, 4 * KiB, 400 * KiB, 2 * MiB)]
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        outs = [comm.all_reduce(xs[i % len(xs)]) for i in range(11)]
+        torch.cuda.synchronize()
+        elapsed = time.monotonic() - start
+        _timing("timeout with 10 ops queued behind it", elapsed)
+        assert elapsed < timeout + 2.0, f"11 failing ops took {elapsed:.2f} s"
+        for i, y in enumerate(outs):
+            assert torch.isnan(y).all(), f"op {i} after the timeout returned data"
+        with pytest.raises(tpcomm.CollectiveTimeout, match=r"did not arrive within 1\.000 s"):
+            comm.check()
+        start = time.monotonic()
+        with pytest.raises(tpcomm.CollectiveTimeout):
+            comm.all_reduce(xs[0])  # refused at the call, at once
+        assert time.monotonic() - start < 0.5
+    dist.barrier()  # the others wait here until rank 0 gave up
+    if rank != 0:
+        y = comm.all_reduce(xs[0])  # the op rank 0 gave up
+        torch.cuda.synchronize()
+        assert torch.isnan(y).all(), "a late rank returned data its peer gave up on"
+        with pytest.raises(tpcomm.CollectiveTimeout, match="peer 0 gave up"):
+            comm.check()
+        with pytest.raises(tpcomm.CollectiveTimeout):
+            comm.all_gather(xs[1])
+    dist.barrier()
+    start = time.monotonic()
+    comm.close()
+    _timing("close after a timeout", time.monotonic() - start)
+
+
+# ----------------------------------------------------------------------------
+def body_sigkill(rank, world):
+    """Rank 1 is killed with SIGKILL in the middle of a run: the survivor
+    raises CollectiveTimeout within timeout + 5 s, and abort() returns within
+    5 s. Runs on a gloo group, so no NCCL communicator waits for the dead rank."""
+    timeout = 2.0
+    comm = tpcomm.Communicator(timeout_s=timeout)
+    assert comm.enabled, comm.disabled_reason
+    x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    big = torch.ones(1 * MiB, dtype=torch.bfloat16, device="cuda")
+    for i in range(200):
+        if rank == 1 and i == 100:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            y = comm.all_reduce(x if i % 2 else big)
+            torch.cuda.synchronize()
+            comm.check()
+        except tpcomm.CollectiveTimeout as e:
+            waited = time.monotonic() - start
+            _timing("survivor's CollectiveTimeout after the peer's SIGKILL", waited)
+            assert i == 100, f"op {i} failed: {e}"
+            assert waited < timeout + 5.0, waited
+            assert "peer 1" in str(e), str(e)
+            break
+        assert torch.equal(y, torch.full_like(y, world)), f"op {i}"
+    else:
+        raise AssertionError("the survivor never noticed the dead peer")
+    start = time.monotonic()
+    comm.abort()
+    took = time.monotonic() - start
+    _timing("abort() after the peer died", took)
+    assert took < 5.0, took
+    with pytest.raises(tpcomm.CommunicatorClosed):
+        comm.all_reduce(x)
+    torch.cuda.synchronize()
+    os._exit(0)  # the gloo group's teardown would wait for the dead rank
+
+
+# ----------------------------------------------------------------------------
+def body_misaligned_one_rank(rank, world):
+    """A view at an odd offset on rank 0 only: every rank takes the same route
+    (the custom kernel), and the answers equal NCCL's bit for bit."""
+    comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(500 + rank)
+    for dtype, offset in ((torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1), (torch.float16, 5),
+                          (torch.bfloat16, 7)):
+        for n in (4096, 600 * KiB):  # packet and bulk
+            data = _int_valued(n, dtype, gen)
+            ref = _nccl(data)
+
+            def view(odd):
+                base = torch.empty(n + 16, dtype=dtype, device="cuda")
+                t = base[offset:offset + n] if odd else base[:n]
+                return t.copy_(data)
+
+            x = view(rank == 0)
+            route = comm.route_all_reduce(x)
+            routes = [None] * world
+            dist.all_gather_object(routes, route)
+            assert len(set(routes)) == 1 and route != "nccl", routes
+            _assert_bits_equal(comm.all_reduce(x), ref, f"{dtype} {n} input misaligned on rank 0")
+            out = view(rank == world - 1)
+            assert comm.all_reduce(x, out=out) is out
+            _assert_bits_equal(out, ref, f"{dtype} {n} out= misaligned on rank {world - 1}")
+            z = view(rank == 0)
+            comm.all_reduce(z, out=z)
+            _assert_bits_equal(z, ref, f"{dtype} {n} in place, misaligned on rank 0")
+            g = x.view(-1, 64)
+            for dim in (0, 1):
+                _assert_bits_equal(comm.all_gather(g, dim=dim), _nccl_gather(data.view(-1, 64), dim),
+                                   f"{dtype} {n} all_gather dim {dim}, misaligned on rank 0")
+    _assert_custom_only(comm)
+    comm.close()
+
+
+# ----------------------------------------------------------------------------
+def body_groups_in_different_orders(rank, world):
+    """Four processes on two GPUs: TP groups {0,1} and {2,3}, and a group
+    {0,3} across them. Ranks 0 and 3 create the cross-group communicator
+    first; 1 and 2 never do. Every communicator keeps the custom path
+    (creation numbers are counted per group, not per process)."""
+    groups = {"a": dist.new_group([0, 1]), "b": dist.new_group([2, 3]), "c": dist.new_group([0, 3])}
+    order = {0: "ca", 1: "a", 2: "b", 3: "cb"}[rank]
+    device = torch.device("cuda", rank % 2)
+    comms = [(name, tpcomm.Communicator(groups[name], device=device)) for name in order]
+    members = {"a": [0, 1], "b": [2, 3], "c": [0, 3]}
+    for name, comm in comms:
+        assert comm.enabled, f"group {name}: {comm.disabled_reason}"
+        for seed in range(5):
+            mine = torch.Generator().manual_seed(seed * 10 + rank)
+            x = torch.randint(-8, 9, (4096,), generator=mine).to(torch.bfloat16)
+            expected = sum(torch.randint(-8, 9, (4096,), generator=torch.Generator().manual_seed(seed * 10 + r))
+                           for r in members[name]).to(torch.bfloat16)
+            y = comm.all_reduce(x.to(device))
+            assert torch.equal(y.cpu(), expected), f"group {name} seed {seed}"
+        _assert_custom_only(comm, want=("packet",))
+    for _, comm in comms:
+        comm.close()
+
+
+@pytest.mark.parametrize("body", [body_stale_handle_and_replay_after_close, body_skew, body_epoch_wrap, body_soak,
+                                  body_timeout_queue_and_late_peer, body_misaligned_one_rank],
+                         ids=lambda f: f.__name__[5:])
+def test_trust(body):
+    harness.run(body, timeout_s=300)
+
+
+def test_sigkill_survivor_raises_and_aborts():
+    harness.run(body_sigkill, world=2, backend="gloo", expect_killed={1}, timeout_s=120)
+
+
+def test_groups_created_in_different_orders():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    harness.run(body_groups_in_different_orders, world=4, devices=[0, 1, 0, 1], backend="gloo", timeout_s=120)
