@@ -5,7 +5,8 @@
  *
  *   tpc_comm_create      allocate this rank's registered buffer (signals, packet
  *                        slots, bulk data slots) and its host-mapped error record
- *   tpc_comm_export      write the IPC handle of that buffer (TPC_IPC_HANDLE_BYTES)
+ *   tpc_comm_export      write the IPC handles of that buffer and of the control
+ *                        slot peers write their stop word into (TPC_IPC_HANDLE_BYTES)
  *   tpc_comm_open_peer   open a peer's handle, once for every other rank, in any order
  *   tpc_comm_ready       check every peer is open and upload the peer table
  *   tpc_all_reduce / tpc_all_gather   enqueue collectives on a stream
@@ -45,7 +46,9 @@ extern "C" {
 #endif
 
 #define TPC_MAX_RANKS 8
-#define TPC_IPC_HANDLE_BYTES 64
+/* What tpc_comm_export writes: the IPC handles of this rank's buffer and of
+ * its control slot's pool chunk, and the slot's offset in that chunk. */
+#define TPC_IPC_HANDLE_BYTES 144
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
 

@@ -446,18 +446,24 @@ def _with_examples(test, cases):
     return test
 
 
-def _all_reduce_property(comm, rank, world_size, max_examples):
+def _run_property(comm, rank, world_size, max_examples, cases, explicit, check):
+    """Runs check(comm, case, rank, world_size) in step on every rank over
+    `explicit` and then max_examples cases drawn from the `cases` strategy."""
     ran = []
 
     @_settings(max_examples)
-    @given(case=_all_reduce_cases())
+    @given(case=cases)
     def prop(case):
-        _in_step(repr(case), lambda: _check_all_reduce(comm, case, rank, world_size))
+        _in_step(repr(case), lambda: check(comm, case, rank, world_size))
         ran.append(case)
 
-    explicit = _all_reduce_examples()
     _with_examples(prop, explicit)()
     _assert_ran(ran, len(explicit) + max_examples)
+
+
+def _all_reduce_property(comm, rank, world_size, max_examples):
+    _run_property(comm, rank, world_size, max_examples, _all_reduce_cases(), _all_reduce_examples(),
+                  _check_all_reduce)
 
 
 # -------------------------------------------------------------- all_gather
@@ -532,17 +538,8 @@ def _all_gather_examples():
 
 
 def _all_gather_property(comm, rank, world_size, max_examples):
-    ran = []
-
-    @_settings(max_examples)
-    @given(case=_all_gather_cases())
-    def prop(case):
-        _in_step(repr(case), lambda: _check_all_gather(comm, case, rank, world_size))
-        ran.append(case)
-
-    explicit = _all_gather_examples()
-    _with_examples(prop, explicit)()
-    _assert_ran(ran, len(explicit) + max_examples)
+    _run_property(comm, rank, world_size, max_examples, _all_gather_cases(), _all_gather_examples(),
+                  _check_all_gather)
 
 
 # ------------------------------------------------------ closed communicator

@@ -21,7 +21,9 @@ struct tpc_comm {
   const tpc_runtime *rt;
   tpc_layout layout;
   char *bufs[TPC_MAX_RANKS];    /* own buffer at [rank], peers' opened handles */
-  uint32_t opened_mask;         /* peers whose handle is open */
+  uint32_t opened_mask;         /* peers whose handles are open (buffer and control chunk) */
+  char *peer_chunks[TPC_MAX_RANKS];        /* peers' control pool chunks, as opened */
+  tpc_control *peer_control[TPC_MAX_RANKS]; /* peers' control slots inside them */
   tpc_entry *entry;             /* id, control slot, error record (registry.c) */
   int ready;
   int failed;
@@ -167,10 +169,22 @@ undo:
 
 uint64_t tpc_comm_id(const tpc_comm *comm) { return comm ? comm->entry->id : 0; }
 
+/* The exported blob: [0, 64) the buffer's handle, [64, 128) the control
+ * chunk's handle, [128, 136) the control slot's offset in that chunk. */
+#define TPC_CHUNK_HANDLE_AT TPC_ALLOC_HANDLE_BYTES
+#define TPC_CONTROL_OFFSET_AT (2 * TPC_ALLOC_HANDLE_BYTES)
+
 tpc_result tpc_comm_export(tpc_comm *comm, void *handle_out) {
   if (!comm || !handle_out) return fail(comm, TPC_ERR_INVALID_ARG, "NULL argument");
-  int code = comm->rt->ipc_export(handle_out, comm->bufs[comm->cfg.rank]);
-  return code ? runtime_fail(comm, comm->rt, code, "exporting the IPC handle") : TPC_OK;
+  unsigned char *out = handle_out;
+  memset(out, 0, TPC_IPC_HANDLE_BYTES);
+  int code = comm->rt->ipc_export(out, comm->bufs[comm->cfg.rank]);
+  if (code) return runtime_fail(comm, comm->rt, code, "exporting the IPC handle");
+  code = comm->rt->ipc_export(out + TPC_CHUNK_HANDLE_AT, comm->entry->control_chunk);
+  if (code) return runtime_fail(comm, comm->rt, code, "exporting the control slot's IPC handle");
+  const uint64_t offset = (uint64_t)((char *)comm->entry->control - (char *)comm->entry->control_chunk);
+  memcpy(out + TPC_CONTROL_OFFSET_AT, &offset, sizeof offset);
+  return TPC_OK;
 }
 
 tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle) {
@@ -183,12 +197,28 @@ tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle) {
     return fail(comm, TPC_ERR_INVALID_ARG, "peer %d is this rank itself", peer);
   if (comm->opened_mask & (1u << peer))
     return fail(comm, TPC_ERR_STATE, "peer %d is already open", peer);
-  void *ptr = NULL;
-  int code = comm->rt->ipc_open(&ptr, handle);
+  const unsigned char *in = handle;
+  uint64_t offset;
+  memcpy(&offset, in + TPC_CONTROL_OFFSET_AT, sizeof offset);
+  if (offset % sizeof(tpc_control) || offset > TPC_CONTROL_CHUNK_BYTES - sizeof(tpc_control))
+    return fail(comm, TPC_ERR_PEER, "peer %d sent a control slot offset of %llu", peer,
+                (unsigned long long)offset);
+  void *ptr = NULL, *chunk = NULL;
+  int code = comm->rt->ipc_open(&ptr, in);
   if (code)
     return fail(comm, TPC_ERR_PEER, "opening the IPC handle of peer %d failed: %s", peer,
                 comm->rt->error_string(code));
+  /* The same chunk may already be open for another communicator: the
+   * runtime counts the opens and returns the same address. */
+  code = comm->rt->ipc_open(&chunk, in + TPC_CHUNK_HANDLE_AT);
+  if (code) {
+    comm->rt->ipc_close(ptr);
+    return fail(comm, TPC_ERR_PEER, "opening the control slot of peer %d failed: %s", peer,
+                comm->rt->error_string(code));
+  }
   comm->bufs[peer] = ptr;
+  comm->peer_chunks[peer] = chunk;
+  comm->peer_control[peer] = (tpc_control *)((char *)chunk + offset);
   comm->opened_mask |= 1u << peer;
   return TPC_OK;
 }
@@ -241,6 +271,8 @@ tpc_result tpc_comm_destroy(tpc_comm *comm) {
     if (!(comm->opened_mask & (1u << p))) continue;
     code = rt->ipc_close(comm->bufs[p]);
     if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "closing a peer handle");
+    code = rt->ipc_close(comm->peer_chunks[p]);
+    if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "closing a peer's control slot");
   }
   code = rt->device_free(comm->bufs[comm->cfg.rank]);
   if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "freeing the registered buffer");
@@ -271,8 +303,8 @@ tpc_result tpc_comm_abort(tpc_comm *comm) {
     r = runtime_fail(comm, rt, code ? code : dead_code, "marking the communicator aborted on the device");
   for (int p = 0; p < comm->cfg.world_size; ++p) {
     if (p == me || !(comm->opened_mask & (1u << p))) continue;
-    tpc_signals *peer = (tpc_signals *)comm->bufs[p];
-    rt->write_async(&peer->stopped, &stop_words[me], sizeof stop_words[me]); /* a dead peer may refuse */
+    /* a dead peer may refuse */
+    rt->write_async(&comm->peer_control[p]->stopped, &stop_words[me], sizeof stop_words[me]);
   }
   if (current >= 0 && current != comm->cfg.device) rt->set_device(current);
   if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
@@ -497,6 +529,8 @@ static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, 
   memset(a, 0, sizeof *a);
   for (int p = 0; p < comm->cfg.world_size; ++p) a->bufs[p] = comm->bufs[p];
   a->control = comm->entry->control;
+  for (int p = 0; p < comm->cfg.world_size; ++p)
+    if (p != comm->cfg.rank) a->peer_control[p] = comm->peer_control[p];
   a->err = comm->entry->record_device;
   a->alive_id = (uint32_t)comm->entry->id;
   a->kind = tpc_kind_word(op, algo, dtype, row_bytes);

@@ -3,14 +3,15 @@
  * slot that outlives it, and the argument block every kernel receives. Shared
  * by the C core and the CUDA kernels, so it is plain C.
  *
- *   [0, TPC_SIGNALS_BYTES)     tpc_signals: barrier flags, headers, stop word
+ *   [0, TPC_SIGNALS_BYTES)     tpc_signals: barrier flags, headers
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
  *   [data_off, +data_bytes)    bulk slots, written by peers between barriers
  *
  * The words a kernel must read before it may touch that buffer (is the
- * communicator still open, has it failed, which op is next) live apart from
- * it, in a tpc_control slot from a pool that is never freed (control_pool.c):
- * a CUDA graph replayed after close() reads them safely and stops there.
+ * communicator still open, has it or a peer failed, which op is next) live
+ * apart from it, in a tpc_control slot from a pool that is never freed
+ * (registry.c): a CUDA graph replayed after close() reads them safely and
+ * stops there.
  */
 #ifndef TPCOMM_LAYOUT_H
 #define TPCOMM_LAYOUT_H
@@ -29,13 +30,17 @@
 #define TPC_EPOCH_LAST 0xffffffffu
 
 /* Device memory, 16 bytes, one per communicator ever created in the process;
- * never freed, never reused (control_pool.c). Read by thread 0 of every block
+ * never freed, never reused (registry.c). Read by thread 0 of every block
  * in one 16-byte load before anything else. */
 typedef struct {
   uint32_t alive;   /* the communicator's id (low 32 bits) while open; 0 once closed */
   uint32_t epoch;   /* the last op's number; advanced by the device */
   uint32_t failed;  /* 0, or the first error's tpc_result: later ops exit at once */
-  uint32_t pad_;
+  /* Written by peers (the pool chunk is IPC-mapped by every peer): nonzero
+   * once a peer failed, (its tpc_result << 8) | (its rank + 1). Read in the
+   * same load as the rest, so a rank that arrives after its peer gave up an
+   * op refuses it instead of returning a result its peer does not have. */
+  uint32_t stopped;
 } tpc_control;
 
 /* Lives at offset 0 of every registered buffer. Fields marked "local" are
@@ -45,10 +50,7 @@ typedef struct {
   uint32_t blocks_arrived;   /* local: blocks of the current packet op that started */
   uint32_t bulk_seq;         /* local: bulk ops completed */
   uint32_t wraps;            /* local: epoch wraps completed */
-  /* peers: nonzero once a peer failed: (its tpc_result << 8) | (its rank + 1).
-   * Read by every op here, so a late rank does not finish an op its peer gave up. */
-  uint32_t stopped;
-  uint32_t pad_[3];
+  uint32_t pad_[4];
   uint32_t probe[TPC_MAX_RANKS];     /* peers: P2P probe tokens */
   uint32_t released[TPC_MAX_RANKS];  /* peers: bulk op they finished reading */
   uint32_t wrap_in[TPC_MAX_RANKS];   /* peers: done with the last epoch before the wrap */
@@ -96,6 +98,7 @@ static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_b
 typedef struct {
   char *bufs[TPC_MAX_RANKS];  /* every rank's registered buffer, own included */
   tpc_control *control;       /* this communicator's control slot (never freed) */
+  tpc_control *peer_control[TPC_MAX_RANKS]; /* the peers' slots, mapped: their stop words */
   tpc_async_error *err;       /* its host-mapped error record (device address, never freed) */
   const void *in;
   void *out;

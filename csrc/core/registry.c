@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* Entries and control slots come in chunks, so their addresses never move. */
-#define TPC_CHUNK 256
+#define TPC_CHUNK TPC_CHUNK_SLOTS
 #define TPC_MAX_CHUNKS 4096  /* ids up to 2^20: far beyond any process */
 
 typedef struct {
@@ -35,7 +35,7 @@ tpc_entry *tpc_registry_find(uint64_t id) {
 /* A device's current chunk, or a new one once it is full. A full chunk is
  * simply dropped: its slots stay allocated for the communicators that hold
  * them (graphs may still read them), and it is never freed. */
-static int pool_slot(const tpc_runtime *rt, int device, tpc_control **control,
+static int pool_slot(const tpc_runtime *rt, int device, tpc_control **control, void **chunk,
                      tpc_async_error **record, tpc_async_error **record_device) {
   if (device < 0 || device >= TPC_MAX_DEVICES) return -1;
   tpc_pool_chunk *pool = &pools[device];
@@ -50,6 +50,7 @@ static int pool_slot(const tpc_runtime *rt, int device, tpc_control **control,
   }
   const int i = pool->used++;
   *control = pool->control + i;
+  *chunk = pool->control;
   *record = pool->records + i;
   *record_device = pool->records_device + i;
   return 0;
@@ -72,7 +73,7 @@ int tpc_registry_add(const tpc_runtime *rt, int device, tpc_entry **entry_out) {
   }
   tpc_entry *e = &entry_chunks[index / TPC_CHUNK][index % TPC_CHUNK];
   memset(e, 0, sizeof *e);
-  code = pool_slot(rt, device, &e->control, &e->record, &e->record_device);
+  code = pool_slot(rt, device, &e->control, &e->control_chunk, &e->record, &e->record_device);
   if (code) goto out;
   entries_used++;
   e->id = index + 1;

@@ -18,6 +18,9 @@
 
 /* Devices the control pool covers (tpc_config.device must be below). */
 #define TPC_MAX_DEVICES 64
+/* Control slots per pool chunk, and the bytes of one chunk (what peers map). */
+#define TPC_CHUNK_SLOTS 256
+#define TPC_CONTROL_CHUNK_BYTES (TPC_CHUNK_SLOTS * sizeof(tpc_control))
 
 typedef enum { TPC_ENTRY_OPEN = 0, TPC_ENTRY_CLOSED = 1, TPC_ENTRY_ABORTED = 2 } tpc_entry_state;
 
@@ -29,6 +32,7 @@ typedef struct {
   int rank;                         /* for messages about a closed id */
   uint64_t timeout_ns;
   tpc_control *control;             /* device memory */
+  void *control_chunk;              /* the pool chunk holding it (what peers map) */
   tpc_async_error *record;          /* host view of the error record */
   tpc_async_error *record_device;   /* the kernels' view of it */
 } tpc_entry;

@@ -12,6 +12,9 @@
 
 #include "layout.h"
 
+/* Bytes of one allocation's IPC handle (the C API's handle carries two). */
+#define TPC_ALLOC_HANDLE_BYTES 64
+
 typedef struct {
   int (*set_device)(int device);
   int (*get_device)(int *device);

@@ -25,7 +25,7 @@ typedef cudaStream_t gpu_stream;
 static int alloc_shared(void **ptr, size_t bytes) { return (int)cudaMalloc(ptr, bytes); }
 #endif
 
-_Static_assert(sizeof(gpu_ipc_handle) <= TPC_IPC_HANDLE_BYTES, "IPC handle larger than the API's");
+_Static_assert(sizeof(gpu_ipc_handle) <= TPC_ALLOC_HANDLE_BYTES, "IPC handle larger than the API's");
 
 int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream);
 int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream);
@@ -84,7 +84,7 @@ static int ipc_export(void *handle_out, void *ptr) {
   if (code) return code;
   unsigned char *dst = handle_out;
   const unsigned char *src = (const unsigned char *)&h;
-  for (size_t i = 0; i < TPC_IPC_HANDLE_BYTES; ++i) dst[i] = i < sizeof h ? src[i] : 0;
+  for (size_t i = 0; i < TPC_ALLOC_HANDLE_BYTES; ++i) dst[i] = i < sizeof h ? src[i] : 0;
   return 0;
 }
 static int ipc_open(void **ptr, const void *handle) {

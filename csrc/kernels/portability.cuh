@@ -79,13 +79,14 @@ TPC_DEVICE uint32_t tpc_load_acquire(const uint32_t *addr) {
   return value;
 }
 
-/* Words other agents write and this GPU polls (the stop word, the failed
- * word the host may set): a volatile read, never served from a stale L1 line. */
+/* Words other agents write and this GPU polls: a volatile read, never served
+ * from a stale L1 line. */
 TPC_DEVICE uint32_t tpc_load_relaxed(const uint32_t *addr) {
   return *(const volatile uint32_t *)addr;
 }
 
-/* The 16-byte control slot in one load (see layout.h: alive, epoch, failed). */
+/* The 16-byte control slot in one load (see layout.h: alive, epoch, failed,
+ * stopped), past the L1: peers, the host and other blocks write it. */
 TPC_DEVICE uint4 tpc_load_control(const void *p) {
   uint4 v;
 #ifdef TPC_HIP
@@ -150,19 +151,6 @@ TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {
   asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
 #endif
   return z;
-}
-
-/* v, through an instruction the compiler cannot move or look through: a
- * check written after the packet waits stays there, instead of being hoisted
- * to the top of the kernel where it would stall on a load still in flight. */
-TPC_DEVICE uint32_t tpc_opaque(uint32_t v) {
-  uint32_t r;
-#ifdef TPC_HIP
-  asm volatile("v_mov_b32 %0, %1" : "=v"(r) : "v"(v));
-#else
-  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
-#endif
-  return r;
 }
 
 TPC_DEVICE uint64_t tpc_clock_ns(void) {

@@ -51,9 +51,10 @@ typedef struct {
   uint32_t epoch;         /* this op's number; packet flag value */
   uint32_t ticket;        /* thread 0: order in which this block arrived */
   uint32_t refused;       /* the op must not run: TPC_ERR_CLOSED, or the earlier error's code */
-  uint32_t peer_stop;     /* the stop word as this thread first read it: a peer gave up */
   int failed;             /* this thread gave up, or learned that a peer did */
 } tpc_op;
+
+TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
 
 /* Thread 0 of every block reads the control slot (one 16-byte load, from
  * memory that is never freed) and shares it with its block:
@@ -61,6 +62,9 @@ typedef struct {
  *    buffers are gone (a graph replayed after close), and the op is refused;
  *  - failed must be 0: once an error is recorded every later op is refused,
  *    so it exits at once instead of waiting out its own timeout;
+ *  - stopped must be 0: a peer that gave up an op told us so, and a rank that
+ *    arrives late for that op must not return a result its peer does not
+ *    have: the op is refused and the peer's error recorded here;
  *  - epoch is the previous op's number. One block advances it for the next op
  *    (tpc_op_end), so graph replays and eager calls, in any order, each get
  *    the next number without the host knowing it.
@@ -73,12 +77,7 @@ typedef struct {
  * behind the block's data work instead of adding a round trip at the end.
  * Bulk ops (and the op before the wrap) count *completions* instead
  * (tpc_op_end), because they also release their slots to the peers, which
- * needs every block done reading.
- *
- * Every thread also reads the stop word that peers set when they give up,
- * early and without waiting for it: it is checked before the thread writes
- * its output, so a rank that arrives after its peer gave up this op returns
- * NaN and an error, not a result its peer does not have. */
+ * needs every block done reading. */
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
   __shared__ uint32_t block_epoch, block_refused;
   tpc_grid_wait();    /* the previous kernel's writes (epoch, input) are visible */
@@ -91,11 +90,12 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
   op.ticket = 0;
   if (threadIdx.x == 0) {
     const uint4 c = tpc_load_control(a->control);
-    const uint32_t refused = c.x != a->alive_id ? (uint32_t)TPC_ERR_CLOSED : c.z;
     uint32_t epoch = c.y + 1u;
     /* 0 means "never written" in every slot; skipping to 2 keeps the parity
      * alternating across the wrap. */
     if (epoch == 0) epoch = 2;
+    uint32_t refused = c.x != a->alive_id ? (uint32_t)TPC_ERR_CLOSED : c.z;
+    if (!refused && c.w) refused = tpc_refuse_for_peer(a, epoch, c.w);
     block_epoch = epoch;
     block_refused = refused;
     if (!refused && count_arrival && gridDim.x > 1)
@@ -104,11 +104,6 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
   __syncthreads();
   op.epoch = block_epoch;
   op.refused = block_refused;
-  /* A plain load: the block's warps share one L1 line instead of sending
-   * thousands of requests to one L2 address (a 1 MiB op has ~2,000 warps).
-   * It is a snapshot at the op's start; peers that stop later are seen by the
-   * wait loops, which read the word past the caches. */
-  op.peer_stop = op.refused ? 0u : op.sig->stopped;
   op.deadline_ns = 0; /* set by the first slow wait: no clock read on the fast path */
   op.timeout_ns = a->timeout_ns;
   op.failed = 0;
@@ -153,8 +148,14 @@ TPC_COLD void tpc_record_cold(const tpc_kernel_args *a, uint32_t epoch, uint32_t
   tpc_fence_system();
   if (!touch_buffers) return;
   for (int p = 0; p < a->world; ++p)
-    if (p != a->rank)
-      tpc_store_release(&tpc_signals_of(a, p)->stopped, code << 8 | (uint32_t)(a->rank + 1));
+    if (p != a->rank) tpc_store_release(&a->peer_control[p]->stopped, code << 8 | (uint32_t)(a->rank + 1));
+}
+
+/* A peer's stop word was set before this op began: record the peer's error
+ * here (naming it) and refuse the op with its code. The peers already know. */
+TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop) {
+  tpc_record_cold(a, epoch, stop >> 8, (int)(stop & 0xffu) - 1, 1, 0, 0, 0);
+  return stop >> 8;
 }
 
 /* Everything but the flag is out of line: it takes scalars and the kernel
@@ -175,19 +176,9 @@ TPC_DEVICE void tpc_record_peer_stop(tpc_op *op, uint32_t stop) {
   tpc_record(op, stop >> 8, (int)(stop & 0xffu) - 1, 1, 0, 0, 1);
 }
 
-/* Nonzero once this thread must not produce output: it gave up a wait, or
- * a peer had given up before this thread started. Two register tests on the
- * fast path; the stop word's load was issued at the start and has landed by
- * the time the output is written (tpc_opaque keeps the test here). */
-TPC_DEVICE int tpc_op_broken(tpc_op *op) {
-  if (op->failed) return 1;
-  const uint32_t stop = tpc_opaque(op->peer_stop);
-  if (stop) {
-    tpc_record_peer_stop(op, stop);
-    return 1;
-  }
-  return 0;
-}
+/* Nonzero once this thread must not produce output: it gave up a wait (its
+ * own timeout, a mismatch, a peer's stop word or abort() seen while waiting). */
+TPC_DEVICE int tpc_op_broken(const tpc_op *op) { return op->failed; }
 
 /* The op was refused at its start (`refused`: the reason): record why (a
  * closed communicator's first refused op), fill a floating-point output with
@@ -204,19 +195,19 @@ TPC_COLD void tpc_op_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t
 }
 
 /* The one bound on waiting for a peer: called from every polling loop. Checks
- * the clock, this communicator's failed word and the peers' stop word only
- * every 64 spins to keep the loop tight. Returns nonzero when the wait must
+ * the clock and the control slot (this communicator's failed word, the
+ * peers' stop word) only every 64 spins to keep the loop tight. Returns nonzero when the wait must
  * stop. */
 TPC_DEVICE int tpc_wait_gives_up(tpc_op *op, int peer, uint32_t *spins) {
   if (op->failed) return 1;
   if ((++*spins & 63u) != 0) return 0;
-  if (tpc_load_relaxed(&op->control->failed) != 0) {
+  const uint4 c = tpc_load_control(op->control);
+  if (c.z != 0) {
     op->failed = 1; /* another thread recorded it, or abort() */
     return 1;
   }
-  const uint32_t stop = tpc_load_relaxed(&op->sig->stopped);
-  if (stop != 0) {
-    tpc_record_peer_stop(op, stop);
+  if (c.w != 0) {
+    tpc_record_peer_stop(op, c.w);
     return 1;
   }
   const uint64_t now = tpc_clock_ns();
@@ -328,26 +319,26 @@ TPC_DEVICE void tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op) {
  * word of its own buffer, and they meet again before anyone runs the next op.
  * Once in 2^32 ops, so one thread does it (milliseconds); the waits are
  * bounded like every other. */
+/* One meeting of the wrap: tell every peer `w`, wait until each told us. */
+TPC_DEVICE void tpc_wrap_meet(const tpc_kernel_args *a, tpc_op *op, uint32_t w, int second) {
+  for (int t = 0; t < a->world; ++t) {
+    if (t == a->rank) continue;
+    tpc_signals *peer = tpc_signals_of(a, t);
+    tpc_fence_system();
+    tpc_store_release(second ? &peer->wrap_out[a->rank] : &peer->wrap_in[a->rank], w);
+  }
+  for (int t = 0; t < a->world; ++t)
+    if (t != a->rank) tpc_flag_wait(op, second ? &op->sig->wrap_out[t] : &op->sig->wrap_in[t], w, t);
+}
+
 TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
   tpc_op *op = &op_copy;
   const uint32_t w = op->sig->wraps + 1u;
-  for (int t = 0; t < a->world; ++t) {
-    if (t == a->rank) continue;
-    tpc_fence_system();
-    tpc_store_release(&tpc_signals_of(a, t)->wrap_in[a->rank], w);
-  }
-  for (int t = 0; t < a->world; ++t)
-    if (t != a->rank) tpc_flag_wait(op, &op->sig->wrap_in[t], w, t);
+  tpc_wrap_meet(a, op, w, 0);
   char *begin = (char *)&op->sig->barrier_in[0][0];
   char *end = a->bufs[a->rank] + a->packet_off + 2 * (uint64_t)a->world * a->packet_slot_bytes;
   for (char *p = begin; p < end; p += 16) tpc_store16(p, make_uint4(0, 0, 0, 0));
-  for (int t = 0; t < a->world; ++t) {
-    if (t == a->rank) continue;
-    tpc_fence_system();
-    tpc_store_release(&tpc_signals_of(a, t)->wrap_out[a->rank], w);
-  }
-  for (int t = 0; t < a->world; ++t)
-    if (t != a->rank) tpc_flag_wait(op, &op->sig->wrap_out[t], w, t);
+  tpc_wrap_meet(a, op, w, 1);
   op->sig->wraps = w;
 }
 

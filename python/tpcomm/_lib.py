@@ -11,7 +11,7 @@ import torch
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 
-IPC_HANDLE_BYTES = 64
+IPC_HANDLE_BYTES = 144  # csrc/tpcomm.h: two allocation handles and an offset
 MAX_RANKS = 8
 
 # tpc_result codes (csrc/tpcomm.h)

@@ -251,22 +251,41 @@ static int f_host_free(void *host) {
   return 0;
 }
 
+/* Whether ptr is the base of a control chunk: the only part of one that can
+ * be exported (cudaIpcGetMemHandle takes an allocation's base). */
+static int chunk_index(const void *ptr) {
+  if (!ptr) return -1;
+  for (int i = 0; i < n_chunks; ++i)
+    if ((const void *)chunks[i].control == ptr) return i;
+  return -1;
+}
+
+int fake_is_control_chunk(const void *ptr) { return chunk_index(ptr) >= 0; }
+
+/* Exportable: a live device allocation, or a control chunk (device memory
+ * too, never freed), by its base address. Writes TPC_ALLOC_HANDLE_BYTES,
+ * like runtime_gpu.c: the core places two of them in its own blob. */
 static int f_ipc_export(void *handle_out, void *ptr) {
-  int code = enter(FK_IPC_EXPORT);
+  int code = enter_ptr(FK_IPC_EXPORT, ptr, 0);
   if (code) return code;
-  if (track_find(live_device, ptr) < 0) return 400; /* not a device allocation */
+  if (track_find(live_device, ptr) < 0 && chunk_index(ptr) < 0) return 400; /* not an allocation */
   unsigned char *h = handle_out;
-  memset(h, 0, TPC_IPC_HANDLE_BYTES);
+  memset(h, 0, TPC_ALLOC_HANDLE_BYTES);
   memcpy(h, handle_magic, sizeof handle_magic);
   memcpy(h + sizeof handle_magic, &ptr, sizeof ptr);
   return 0;
 }
 
+/* Reads TPC_ALLOC_HANDLE_BYTES. Like the CUDA runtime, a handle may be opened
+ * again while it is open: every open returns the same address and counts,
+ * and each needs its own close (control chunks are opened by every
+ * communicator of a peer whose slot lies in them). The event logs the
+ * address the handle carries (NULL if it is not a fake handle). */
 static int f_ipc_open(void **ptr, const void *handle) {
-  int code = enter(FK_IPC_OPEN);
-  if (code) return code;
   void *p = fake_handle_pointer(handle);
-  if (!p || track_find(live_device, p) < 0) {
+  int code = enter_ptr(FK_IPC_OPEN, p, 0);
+  if (code) return code;
+  if (!p || (track_find(live_device, p) < 0 && chunk_index(p) < 0)) {
     fake.bad_opens++;
     return 400;
   }
@@ -275,6 +294,12 @@ static int f_ipc_open(void **ptr, const void *handle) {
   fake.live_opens++;
   *ptr = p;
   return 0;
+}
+
+int fake_open_count(const void *ptr) {
+  int n = 0;
+  for (int i = 0; ptr && i < FAKE_MAX_LIVE; ++i) n += live_opens[i] == ptr;
+  return n;
 }
 
 static int f_ipc_close(void *ptr) {

@@ -1,11 +1,12 @@
 /*
  * A fake GPU runtime for testing the C core (csrc/core/comm.c) on the CPU.
  *
- * "Device" memory is host memory, the IPC handle of a buffer carries its
- * pointer (so several fake ranks in one process can open each other's buffers
- * and really move bytes between them), and every call is counted. A test can
- * make any entry fail on a chosen call, and reads back what the launch entries
- * were given.
+ * "Device" memory is host memory, the IPC handle of an allocation (a buffer
+ * or a control chunk; TPC_ALLOC_HANDLE_BYTES, a magic and the pointer)
+ * carries its pointer, so several fake ranks in one process can open each
+ * other's buffers and control slots and really move bytes between them, and
+ * every call is counted. A test can make any entry fail on a chosen call, and
+ * reads back what the launch entries were given.
  */
 #ifndef TPCOMM_TEST_FAKE_RUNTIME_H
 #define TPCOMM_TEST_FAKE_RUNTIME_H
@@ -41,8 +42,9 @@ typedef enum {
 #define FAKE_GARBAGE 0xA5
 
 /* One runtime call, in call order (failed calls included): the entry and the
- * pointer it was given (the destination of copies, the block freed or
- * closed; NULL for entries without one). */
+ * pointer it was given (the destination of copies, the block freed, exported
+ * or closed, the address an opened handle carries; NULL for entries without
+ * one). */
 typedef struct {
   fake_entry entry;
   const void *ptr;
@@ -125,9 +127,14 @@ void fake_reset(void);
 /* The nth call of `entry` from now on (1 = the next one) returns `code`. */
 void fake_fail_nth(fake_entry entry, int nth, int code);
 
-/* The device pointer carried by a handle that ipc_export wrote; NULL if the
- * bytes are not a fake handle. */
+/* The device pointer carried by a handle that ipc_export wrote (one
+ * allocation's TPC_ALLOC_HANDLE_BYTES); NULL if the bytes are not a fake
+ * handle. */
 void *fake_handle_pointer(const void *handle);
+
+/* How many times ptr is open now (ipc_open minus ipc_close; a handle may be
+ * open several times at once). */
+int fake_open_count(const void *ptr);
 
 const char *fake_entry_name(fake_entry entry);
 
@@ -147,6 +154,8 @@ int fake_release_leftovers(void);
 int fake_control_chunk_total(void);
 /* Whether ptr lies inside one of those chunks' control slots. */
 int fake_is_control_memory(const void *ptr);
+/* Whether ptr is the base of one of those chunks (what ipc_export takes). */
+int fake_is_control_chunk(const void *ptr);
 
 /* Index of the first tpc_runtime entry the fake leaves NULL (runtime.h grew
  * and the fake was not updated), or -1. */

@@ -121,6 +121,7 @@ typedef struct {
   char *buf[TPC_MAX_RANKS];                /* each rank's registered buffer */
   uint64_t id[TPC_MAX_RANKS];
   tpc_control *control[TPC_MAX_RANKS];     /* each rank's control slot */
+  void *chunk[TPC_MAX_RANKS];              /* the pool chunk it lies in */
   tpc_async_error *err_host[TPC_MAX_RANKS];
   void *err_device[TPC_MAX_RANKS];
   unsigned char handle[TPC_MAX_RANKS][TPC_IPC_HANDLE_BYTES];
@@ -134,14 +135,17 @@ static tpc_entry *entry_of(uint64_t id) {
   return e;
 }
 
-/* Creates and exports n ranks; opens peers and readies them when `connect`. */
+/* Creates and exports n ranks; opens peers and readies them when `connect`.
+ * Rank r is on device world_device_base + r. */
 static int quiet_make_world; /* failures are expected: do not print them */
+static int world_device_base;
 
 static int make_world(world *w, int n, int connect) {
   memset(w, 0, sizeof *w);
   w->n = n;
   for (int r = 0; r < n; ++r) {
     tpc_config c = config(r, n);
+    c.device = world_device_base + r;
     if (tpc_comm_create(&c, &w->comm[r]) != TPC_OK) {
       if (!quiet_make_world)
         fprintf(stderr, "make_world: create of rank %d failed: %s\n", r, tpc_comm_last_error(NULL));
@@ -151,6 +155,7 @@ static int make_world(world *w, int n, int connect) {
     const tpc_entry *e = entry_of(w->id[r]);
     if (!e) return 0;
     w->control[r] = e->control;
+    w->chunk[r] = e->control_chunk;
     w->err_host[r] = e->record;
     w->err_device[r] = e->record_device;
     if (tpc_comm_export(w->comm[r], w->handle[r]) != TPC_OK) return 0;
@@ -197,6 +202,24 @@ static void check_all_released(const char *file, int line) {
  * fake launches). */
 static unsigned char *scratch_in, *scratch_out;
 #define SCRATCH_BYTES (4 * MAX_BYTES)
+
+/* The blob tpc_comm_export writes (TPC_IPC_HANDLE_BYTES): [0, 64) the
+ * buffer's handle, [64, 128) the control chunk's, [128, 136) the control
+ * slot's byte offset in that chunk (uint64), the rest zero. */
+#define BLOB_CHUNK_AT TPC_ALLOC_HANDLE_BYTES
+#define BLOB_OFFSET_AT (2 * TPC_ALLOC_HANDLE_BYTES)
+#define BLOB_USED (BLOB_OFFSET_AT + 8)
+
+static void *blob_buffer(const unsigned char *blob) { return fake_handle_pointer(blob); }
+static void *blob_chunk(const unsigned char *blob) { return fake_handle_pointer(blob + BLOB_CHUNK_AT); }
+static uint64_t blob_offset(const unsigned char *blob) {
+  uint64_t offset;
+  memcpy(&offset, blob + BLOB_OFFSET_AT, sizeof offset);
+  return offset;
+}
+static void blob_set_offset(unsigned char *blob, uint64_t offset) {
+  memcpy(blob + BLOB_OFFSET_AT, &offset, sizeof offset);
+}
 
 /* ---------------------------------------------------------------- tests */
 
@@ -350,14 +373,27 @@ static void test_create_destroy(void) {
   CHECK_RC(comm, tpc_comm_async_error(comm, &e), TPC_OK);
   CHECK_EQ(e.code, TPC_OK);
   CHECK_EQ(e.peer, 0);
-  /* export writes a handle of the registered buffer */
+  /* export writes the handle of the registered buffer, then the handle of
+   * the control slot's pool chunk and the slot's offset in it (see
+   * test_export_blob for the layout in detail) */
+  CHECK_EQ(TPC_IPC_HANDLE_BYTES, 144);
+  CHECK_EQ(TPC_ALLOC_HANDLE_BYTES, 64);
   unsigned char handle[TPC_IPC_HANDLE_BYTES];
+  const int exports = fake.calls[FK_IPC_EXPORT];
   CHECK_RC(comm, tpc_comm_export(comm, handle), TPC_OK);
+  CHECK_EQ(fake.calls[FK_IPC_EXPORT], exports + 2);
   CHECK_PTR(fake_handle_pointer(handle), fake.last_malloc);
+  CHECK_PTR(blob_chunk(handle), entry->control_chunk);
+  CHECK_PTR((char *)entry->control_chunk + blob_offset(handle), slot);
   CHECK_RC(comm, tpc_comm_export(comm, NULL), TPC_ERR_INVALID_ARG);
+  CHECK_RC(NULL, tpc_comm_export(NULL, handle), TPC_ERR_INVALID_ARG);
   fake_fail_nth(FK_IPC_EXPORT, 1, 31);
   CHECK_RC(comm, tpc_comm_export(comm, handle), TPC_ERR_RUNTIME);
   CHECK_MSG(comm, "exporting the IPC handle failed: fake error 31");
+  /* the chunk's export failing: its own message */
+  fake_fail_nth(FK_IPC_EXPORT, 2, 32);
+  CHECK_RC(comm, tpc_comm_export(comm, handle), TPC_ERR_RUNTIME);
+  CHECK_MSG(comm, "exporting the control slot's IPC handle failed: fake error 32");
 
   const int syncs = fake.calls[FK_DEVICE_SYNCHRONIZE];
   CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
@@ -492,13 +528,20 @@ static void test_open_peer(void) {
   CHECK_RC(c0, tpc_comm_ready(c0), TPC_ERR_STATE);
   CHECK_MSG(c0, "peer 1 has not been opened");
 
-  /* peers in any order: 2 first */
+  /* peers in any order: 2 first; its buffer, then its control chunk */
+  int from = fake.n_events;
   CHECK_RC(c0, tpc_comm_open_peer(c0, 2, w.handle[2]), TPC_OK);
   CHECK_EQ(tpc_comm_open_peer_count(c0), 1);
+  const int open_buf = fake_event_index(FK_IPC_OPEN, w.buf[2], from);
+  const int open_chunk = fake_event_index(FK_IPC_OPEN, w.chunk[2], from);
+  CHECK(open_buf >= 0 && open_chunk > open_buf);
+  CHECK_EQ(fake_open_count(w.buf[2]), 1);
+  CHECK_EQ(fake_open_count(w.chunk[2]), 1);
   CHECK_RC(c0, tpc_comm_open_peer(c0, 2, w.handle[2]), TPC_ERR_STATE);
   CHECK_MSG(c0, "peer 2 is already open");
   CHECK_EQ(tpc_comm_open_peer_count(c0), 1);
-  CHECK_EQ(fake.ipc_opens, 1);
+  CHECK_EQ(fake.ipc_opens, 2);
+  CHECK_EQ(fake.live_opens, 2);
 
   CHECK_RC(c0, tpc_comm_ready(c0), TPC_ERR_STATE);
   CHECK_MSG(c0, "peer 1 has not been opened");
@@ -507,18 +550,64 @@ static void test_open_peer(void) {
    * runtime's message; the peer stays closed and can be retried */
   fake_fail_nth(FK_IPC_OPEN, 1, 217);
   CHECK_RC(c0, tpc_comm_open_peer(c0, 1, w.handle[1]), TPC_ERR_PEER);
-  CHECK_MSG(c0, "peer 1");
+  CHECK_MSG(c0, "opening the IPC handle of peer 1 failed");
   CHECK_MSG(c0, "fake error 217");
   CHECK_EQ(tpc_comm_open_peer_count(c0), 1);
-  /* a handle that is not one (garbage bytes) */
+  CHECK_EQ(fake.live_opens, 2);
+  CHECK_EQ(fake.calls[FK_IPC_CLOSE], 0); /* nothing was open to close */
+
+  /* the control chunk's open failing: the buffer, already open, is closed
+   * again (no open leaked), TPC_ERR_PEER names the peer and the step */
+  from = fake.n_events;
+  const int opens = fake.ipc_opens, closes = fake.ipc_closes;
+  fake_fail_nth(FK_IPC_OPEN, 2, 218);
+  CHECK_RC(c0, tpc_comm_open_peer(c0, 1, w.handle[1]), TPC_ERR_PEER);
+  CHECK_MSG(c0, "opening the control slot of peer 1 failed");
+  CHECK_MSG(c0, "fake error 218");
+  CHECK_EQ(tpc_comm_open_peer_count(c0), 1);
+  CHECK_EQ(fake.ipc_opens, opens + 1);
+  CHECK_EQ(fake.ipc_closes, closes + 1);
+  CHECK_EQ(fake.live_opens, 2);
+  CHECK_EQ(fake_open_count(w.buf[1]), 0);
+  CHECK_EQ(fake_open_count(w.chunk[1]), 0);
+  CHECK_EQ(fake.bad_closes, 0);
+  {
+    const int buf_open = fake_event_index(FK_IPC_OPEN, w.buf[1], from);
+    const int chunk_open = fake_event_index(FK_IPC_OPEN, w.chunk[1], from);
+    const int buf_close = fake_event_index(FK_IPC_CLOSE, w.buf[1], from);
+    CHECK(buf_open >= 0 && chunk_open > buf_open && buf_close > chunk_open);
+    if (chunk_open >= 0) CHECK(fake.events[chunk_open].failed);
+  }
+
+  /* a handle that is not one (garbage bytes): its offset (0x3c3c...) is not
+   * a multiple of 16, refused before the runtime is asked */
   unsigned char junk[TPC_IPC_HANDLE_BYTES];
   memset(junk, 0x3c, sizeof junk);
+  int open_calls = fake.calls[FK_IPC_OPEN];
   CHECK_RC(c0, tpc_comm_open_peer(c0, 1, junk), TPC_ERR_PEER);
+  CHECK_MSG(c0, "control slot offset");
+  CHECK_EQ(fake.calls[FK_IPC_OPEN], open_calls);
+  /* garbage with a plausible offset: the runtime refuses the buffer's handle */
+  blob_set_offset(junk, 0);
+  CHECK_RC(c0, tpc_comm_open_peer(c0, 1, junk), TPC_ERR_PEER);
+  CHECK_MSG(c0, "opening the IPC handle of peer 1 failed");
+  CHECK_EQ(fake.bad_opens, 1);
+  /* a good buffer handle with a garbage chunk handle: refused, the buffer
+   * closed again */
+  memcpy(junk, w.handle[1], BLOB_CHUNK_AT);
+  CHECK_RC(c0, tpc_comm_open_peer(c0, 1, junk), TPC_ERR_PEER);
+  CHECK_MSG(c0, "opening the control slot of peer 1 failed");
+  CHECK_EQ(fake.bad_opens, 2);
+  CHECK_EQ(fake_open_count(w.buf[1]), 0);
+  CHECK_EQ(fake.live_opens, 2);
   CHECK_EQ(tpc_comm_open_peer_count(c0), 1);
   fake.bad_opens = 0;
 
   CHECK_RC(c0, tpc_comm_open_peer(c0, 1, w.handle[1]), TPC_OK);
   CHECK_EQ(tpc_comm_open_peer_count(c0), 2);
+  CHECK_EQ(fake.live_opens, 4);
+  CHECK_EQ(fake_open_count(w.buf[1]), 1);
+  CHECK_EQ(fake_open_count(w.chunk[1]), 1);
   CHECK_RC(c0, tpc_comm_ready(c0), TPC_OK);
   CHECK_RC(c0, tpc_comm_ready(c0), TPC_OK); /* idempotent */
 
@@ -526,17 +615,20 @@ static void test_open_peer(void) {
   CHECK_MSG(c0, "ready was called");
   CHECK_EQ(tpc_comm_open_peer_count(c0), 2);
 
-  /* rank 1 opened only one peer before being destroyed: that one handle is
-   * closed, nothing else */
+  /* rank 1 opened only one peer before being destroyed: that peer's two
+   * handles are closed, nothing else */
   CHECK_RC(w.comm[1], tpc_comm_open_peer(w.comm[1], 0, w.handle[0]), TPC_OK);
   CHECK_RC(NULL, tpc_comm_ready(NULL), TPC_ERR_INVALID_ARG);
 
   const int closes_before = fake.ipc_closes;
+  from = fake.n_events;
   CHECK_RC(NULL, tpc_comm_destroy(w.comm[1]), TPC_OK);
-  CHECK_EQ(fake.ipc_closes - closes_before, 1);
+  CHECK_EQ(fake.ipc_closes - closes_before, 2);
+  CHECK(fake_event_index(FK_IPC_CLOSE, w.buf[0], from) >= 0);
+  CHECK(fake_event_index(FK_IPC_CLOSE, w.chunk[0], from) >= 0);
   w.comm[1] = NULL;
   CHECK_RC(NULL, tpc_comm_destroy(w.comm[0]), TPC_OK);
-  CHECK_EQ(fake.ipc_closes - closes_before, 3);
+  CHECK_EQ(fake.ipc_closes - closes_before, 6);
   w.comm[0] = NULL;
   CHECK_RC(NULL, tpc_comm_destroy(w.comm[2]), TPC_OK);
   w.comm[2] = NULL;
@@ -544,37 +636,85 @@ static void test_open_peer(void) {
   CHECK_ALL_RELEASED();
 }
 
+/* A control slot offset in the blob that is not a multiple of 16 (the size
+ * of a slot) or lies past the last slot of a chunk is refused with
+ * TPC_ERR_PEER before anything is opened; the peer can still be opened with a
+ * good blob. */
+static void test_open_peer_bad_offset(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 0));
+  tpc_comm *c = w.comm[0];
+  static const uint64_t bad[] = {1, 4, 8, 12, 15, 17, 24, TPC_CONTROL_CHUNK_BYTES, TPC_CONTROL_CHUNK_BYTES + 16,
+                                 0x8000000000000008ull, 0xfffffffffffffff0ull, UINT64_MAX};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+    unsigned char blob[TPC_IPC_HANDLE_BYTES];
+    memcpy(blob, w.handle[1], sizeof blob);
+    blob_set_offset(blob, bad[i]);
+    CHECK_RC(c, tpc_comm_open_peer(c, 1, blob), TPC_ERR_PEER);
+    CHECK_MSG(c, "peer 1 sent a control slot offset of");
+    char text[64];
+    snprintf(text, sizeof text, "offset of %" PRIu64, bad[i]);
+    CHECK_MSG(c, text);
+  }
+  CHECK_EQ(fake.calls[FK_IPC_OPEN], 0);
+  CHECK_EQ(fake.live_opens, 0);
+  CHECK_EQ(tpc_comm_open_peer_count(c), 0);
+  /* the refusals left nothing behind: the good blob opens */
+  CHECK_RC(c, tpc_comm_open_peer(c, 1, w.handle[1]), TPC_OK);
+  CHECK_EQ(tpc_comm_open_peer_count(c), 1);
+  CHECK_EQ(fake.live_opens, 2);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
 /* destroy keeps releasing after a failing call and reports the first failure. */
 static void test_destroy_failures(void) {
+  /* rank 0 of 3 closes, in order: peer 1's buffer, peer 1's control chunk,
+   * peer 2's buffer, peer 2's control chunk */
   static const struct {
     fake_entry entry;
+    int nth;
     const char *step;
+    int left_open; /* which handle stays open: 1 peer 1's buffer, 2 its chunk, 3 peer 2's buffer, 4 its chunk */
   } steps[] = {
-      {FK_DEVICE_SYNCHRONIZE, "synchronising before destroy failed"},
-      {FK_IPC_CLOSE, "closing a peer handle failed"},
-      {FK_MEMCPY_ANY, "marking the control slot closed"},
+      {FK_DEVICE_SYNCHRONIZE, 1, "synchronising before destroy failed", 0},
+      {FK_IPC_CLOSE, 1, "closing a peer handle failed", 1},
+      {FK_IPC_CLOSE, 2, "closing a peer's control slot failed", 2},
+      {FK_IPC_CLOSE, 3, "closing a peer handle failed", 3},
+      {FK_IPC_CLOSE, 4, "closing a peer's control slot failed", 4},
+      {FK_MEMCPY_ANY, 1, "marking the control slot closed", 0},
   };
   for (size_t i = 0; i < sizeof steps / sizeof steps[0]; ++i) {
     fake_reset();
     world w;
     CHECK(make_world(&w, 3, 1));
-    fake_fail_nth(steps[i].entry, 1, 90);
+    const int closes = fake.calls[FK_IPC_CLOSE];
+    fake_fail_nth(steps[i].entry, steps[i].nth, 90);
     CHECK_RC(NULL, tpc_comm_destroy(w.comm[0]), TPC_ERR_RUNTIME);
     CHECK_MSG(NULL, steps[i].step); /* the message outlives the communicator */
     CHECK_MSG(NULL, "fake error 90");
     w.comm[0] = NULL;
+    const int kept = steps[i].entry == FK_MEMCPY_ANY;
+    /* every close is still attempted after a failing one (none when kept) */
+    CHECK_EQ(fake.calls[FK_IPC_CLOSE] - closes, kept ? 0 : 4);
+    /* what rank 0 still holds open (each of these is also open once by the
+     * third rank) */
+    void *const handles[4] = {w.buf[1], w.chunk[1], w.buf[2], w.chunk[2]};
+    for (int h = 0; h < 4; ++h)
+      CHECK_EQ(fake_open_count(handles[h]), 1 + (kept || steps[i].left_open == h + 1));
     CHECK_RC(NULL, tpc_comm_destroy(w.comm[1]), TPC_OK);
     CHECK_RC(NULL, tpc_comm_destroy(w.comm[2]), TPC_OK);
     /* the failed close is the one handle not closed; everything else is,
      * except when the slot could not be marked dead: a replayed graph would
-     * still run, so the buffer and both peer mappings are kept */
-    const int kept = steps[i].entry == FK_MEMCPY_ANY;
+     * still run, so the buffer and both peers' mappings (buffer and control
+     * chunk each) are kept */
     CHECK_EQ(fake.live_device, kept ? 1 : 0);
     CHECK_EQ(fake.live_host, 0);
-    CHECK_EQ(fake.live_opens, steps[i].entry == FK_IPC_CLOSE ? 1 : kept ? 2 : 0);
+    CHECK_EQ(fake.live_opens, steps[i].left_open ? 1 : kept ? 4 : 0);
     CHECK_EQ(fake.bad_device_frees + fake.bad_host_frees + fake.bad_closes, 0);
     if (kept) CHECK_MSG(NULL, "the GPU memory is kept");
-    if (kept) fake_release_leftovers();
+    if (kept) CHECK_EQ(fake_release_leftovers(), 1 + 4);
     /* the id is retired whatever failed; the slot is dead unless writing it
      * was the step that failed */
     tpc_comm *got = NULL;
@@ -666,6 +806,10 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
   CHECK_PTR(a->err, w->err_device[rank]); /* the device view, not the host one */
   CHECK(a->err != (void *)w->err_host[rank]);
   CHECK_PTR(a->control, w->control[rank]);
+  /* every peer's control slot, as mapped here (the fake maps at the peer's
+   * own address); none for this rank or past the world */
+  for (int p = 0; p < TPC_MAX_RANKS; ++p)
+    CHECK_PTR(a->peer_control[p], p < w->n && p != rank ? w->control[p] : NULL);
   CHECK_EQ(a->alive_id, (uint32_t)w->id[rank]);
   CHECK_EQ(a->alive_id, w->control[rank]->alive); /* the open slot matches */
   CHECK_EQ(fake.last_algo, algo);
@@ -1263,22 +1407,30 @@ static void test_launch_device(void) {
 /* Many communicators created and destroyed in a loop, with failures injected
  * at every runtime call of the set-up in turn: never a leak. */
 static void test_no_leaks_under_failures(void) {
-  static const fake_entry entries[] = {FK_SET_DEVICE,         FK_DEVICE_MALLOC, FK_DEVICE_MEMSET,
-                                       FK_DEVICE_SYNCHRONIZE, FK_MEMCPY_ANY,    FK_IPC_EXPORT,
-                                       FK_IPC_OPEN};
+  /* each entry and how often the set-up of 3 connected ranks calls it */
+  static const struct {
+    fake_entry entry;
+    int calls;
+  } entries[] = {
+      {FK_SET_DEVICE, 3},         {FK_DEVICE_MALLOC, 3}, {FK_DEVICE_MEMSET, 3},
+      {FK_DEVICE_SYNCHRONIZE, 3}, {FK_MEMCPY_ANY, 3},
+      {FK_IPC_EXPORT, 3 * 2},     /* the buffer and the control chunk of each rank */
+      {FK_IPC_OPEN, 3 * 2 * 2},   /* both, of each peer of each rank */
+  };
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
-    for (int nth = 1; nth <= 3; ++nth) {
+    for (int nth = 1; nth <= entries[i].calls; ++nth) {
       fake_reset();
-      fake_fail_nth(entries[i], nth, 5);
+      fake_fail_nth(entries[i].entry, nth, 5);
       world w;
       quiet_make_world = 1;
       const int ok = make_world(&w, 3, 1);
       quiet_make_world = 0;
-      CHECK(!ok || fake.calls[entries[i]] < nth); /* either the failure hit, or it was never reached */
+      CHECK(!ok); /* every one of those calls is made, and its failure fails the set-up */
+      CHECK(fake.calls[entries[i].entry] >= nth);
       for (int r = 0; r < 3; ++r) tpc_comm_destroy(w.comm[r]);
       if (fake.live_device || fake.live_host || fake.live_opens || fake.bad_device_frees ||
           fake.bad_host_frees || fake.bad_closes)
-        fprintf(stderr, "  (failing %s, call %d)\n", fake_entry_name(entries[i]), nth);
+        fprintf(stderr, "  (failing %s, call %d)\n", fake_entry_name(entries[i].entry), nth);
       CHECK_ALL_RELEASED();
     }
   }
@@ -1340,20 +1492,28 @@ static void test_pool_chunks(void) {
   c.device = CHUNK_DEVICE;
   const int total = fake_control_chunk_total();
   tpc_control *first = NULL, *prev = NULL;
-  int contiguous = 1;
+  int contiguous = 1, in_first_chunk = 1, offsets_ok = 1;
   for (int i = 0; i < 256; ++i) {
     tpc_comm *comm = NULL;
     if (tpc_comm_create(&c, &comm) != TPC_OK) {
       CHECK(0);
       return;
     }
-    tpc_control *slot = entry_of(tpc_comm_id(comm))->control;
+    const tpc_entry *entry = entry_of(tpc_comm_id(comm));
+    tpc_control *slot = entry->control;
     if (i == 0) first = slot;
     else contiguous &= slot == prev + 1;
     prev = slot;
+    /* every slot records the chunk it is in; the export says where */
+    in_first_chunk &= entry->control_chunk == (void *)first;
+    unsigned char blob[TPC_IPC_HANDLE_BYTES];
+    offsets_ok &= tpc_comm_export(comm, blob) == TPC_OK && blob_chunk(blob) == (void *)first &&
+                  blob_offset(blob) == (uint64_t)i * sizeof(tpc_control);
     tpc_comm_destroy(comm);
   }
   CHECK(contiguous);
+  CHECK(in_first_chunk);
+  CHECK(offsets_ok);
   CHECK_EQ(fake.calls[FK_ALLOC_CONTROL_CHUNK], 1);
   CHECK_EQ(fake_control_chunk_total(), total + 1);
   CHECK_PTR(first, fake.last_control);
@@ -1372,6 +1532,12 @@ static void test_pool_chunks(void) {
   const tpc_entry *e = comm ? entry_of(tpc_comm_id(comm)) : NULL;
   CHECK(e != NULL && e->control == fake.last_control && e->record == fake.last_records &&
         e->record_device == fake.last_records_device);
+  /* the new slot is the first of the new chunk, and says so */
+  CHECK(e != NULL && e->control_chunk == fake.last_control && e->control_chunk != (void *)first);
+  unsigned char blob[TPC_IPC_HANDLE_BYTES];
+  CHECK_RC(comm, tpc_comm_export(comm, blob), TPC_OK);
+  CHECK_PTR(blob_chunk(blob), fake.last_control);
+  CHECK_EQ(blob_offset(blob), 0);
   /* the old chunk's slots stay readable (graphs may still look at them) */
   CHECK_EQ(first->alive, 0);
   CHECK_EQ(prev->alive, 0);
@@ -1502,7 +1668,11 @@ static void test_destroy_control_slot(void) {
   const int freed = fake_event_index(FK_DEVICE_FREE, w.buf[1], from);
   const int close0 = fake_event_index(FK_IPC_CLOSE, w.buf[0], from);
   const int close2 = fake_event_index(FK_IPC_CLOSE, w.buf[2], from);
+  /* the peers' control chunks are closed too, each after its buffer */
+  const int chunk0 = fake_event_index(FK_IPC_CLOSE, w.chunk[0], from);
+  const int chunk2 = fake_event_index(FK_IPC_CLOSE, w.chunk[2], from);
   CHECK(sync >= 0 && dead >= 0 && freed >= 0 && close0 >= 0 && close2 >= 0);
+  CHECK(chunk0 > close0 && chunk2 > close2);
   CHECK(sync < dead);
   CHECK(dead < freed);
   CHECK(dead < close0 && dead < close2);
@@ -1517,6 +1687,8 @@ static void test_destroy_control_slot(void) {
   /* the other ranks' slots are untouched */
   CHECK_EQ(w.control[0]->alive, (uint32_t)w.id[0]);
   CHECK_EQ(w.control[2]->alive, (uint32_t)w.id[2]);
+  CHECK_EQ(w.control[0]->stopped, 0);
+  CHECK_EQ(w.control[2]->stopped, 0);
   /* the device's failure is still readable by id after close */
   CHECK_RC(NULL, tpc_id_async_error(w.id[1], NULL), TPC_ERR_CLOSED);
   destroy_world(&w);
@@ -1544,6 +1716,10 @@ static void test_abort(void) {
   const int memcpys = fake.calls[FK_MEMCPY_ANY];
   const int live_device = fake.live_device, live_opens = fake.live_opens;
   const int frees = fake.calls[FK_DEVICE_FREE], closes = fake.calls[FK_IPC_CLOSE];
+  /* the registered buffers' signals, to see that abort leaves them alone */
+  static unsigned char signals_before[4][TPC_SIGNALS_BYTES];
+  for (int p = 0; p < 4; ++p) memcpy(signals_before[p], w.buf[p], TPC_SIGNALS_BYTES);
+  const tpc_control peer_slots_before[4] = {*w.control[0], *w.control[1], *w.control[2], *w.control[3]};
   CHECK_RC(NULL, tpc_comm_abort(w.comm[r]), TPC_OK);
   w.comm[r] = NULL;
   /* nothing that waits */
@@ -1559,19 +1735,34 @@ static void test_abort(void) {
   CHECK_EQ(slot->failed, TPC_ERR_CLOSED);
   CHECK_EQ(slot->alive, 0);
   CHECK_EQ(slot->epoch, 9);
-  /* every other rank's stop word: (TPC_ERR_CLOSED << 8) | (rank + 1) */
+  /* every other rank's stop word, in its control slot (as its own registry
+   * entry sees it, through the mapping of its chunk):
+   * (TPC_ERR_CLOSED << 8) | (rank + 1); the rest of those slots untouched */
   const uint32_t stop = ((uint32_t)TPC_ERR_CLOSED << 8) | (uint32_t)(r + 1);
   for (int p = 0; p < 4; ++p) {
-    const tpc_signals *s = (const tpc_signals *)w.buf[p];
-    CHECK_EQ(s->stopped, p == r ? 0u : stop);
+    CHECK_EQ(w.control[p]->stopped, p == r ? 0u : stop);
+    CHECK_PTR(entry_of(w.id[p])->control, w.control[p]);
+    if (p == r) continue;
+    CHECK_EQ(w.control[p]->alive, peer_slots_before[p].alive);
+    CHECK_EQ(w.control[p]->epoch, peer_slots_before[p].epoch);
+    CHECK_EQ(w.control[p]->failed, 0);
   }
-  /* all of it by write_async, on the communicator's device, failed before alive */
+  /* the registered buffers are not written (the stop word left them) */
+  for (int p = 0; p < 4; ++p) CHECK_EQ(memcmp(signals_before[p], w.buf[p], TPC_SIGNALS_BYTES), 0);
+  /* all of it by write_async, on the communicator's device, failed before
+   * alive, every write into control memory */
   CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 2 + 3);
   CHECK_EQ(fake.n_writes, 5);
-  int failed_at = -1, alive_at = -1;
+  int failed_at = -1, alive_at = -1, stop_writes = 0;
   for (int i = 0; i < fake.n_writes && i < FAKE_MAX_WRITES; ++i) {
     CHECK_EQ(fake.writes[i].device, r);
     CHECK_EQ(fake.writes[i].bytes, 4);
+    CHECK(fake_is_control_memory(fake.writes[i].dst));
+    for (int p = 0; p < 4; ++p)
+      if (p != r && fake.writes[i].dst == &w.control[p]->stopped) {
+        stop_writes++;
+        CHECK_EQ(fake.writes[i].value, stop);
+      }
     if (fake.writes[i].dst == &slot->failed) {
       failed_at = i;
       CHECK_EQ(fake.writes[i].value, TPC_ERR_CLOSED);
@@ -1583,6 +1774,7 @@ static void test_abort(void) {
   }
   CHECK(failed_at >= 0 && alive_at >= 0);
   CHECK(failed_at < alive_at);
+  CHECK_EQ(stop_writes, 3);
   /* the caller's device is put back */
   CHECK_EQ(fake.current_device, 5);
 
@@ -1606,10 +1798,15 @@ static void test_abort(void) {
     if (p != r) CHECK_RC(NULL, tpc_id_async_error(w.id[p], NULL), TPC_OK);
   CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
   destroy_world(&w); /* comm[r] is NULL: a no-op for it */
-  /* what abort left: its own buffer and its three handles */
+  /* what abort left: its own buffer and its three peers' handles (buffer and
+   * control chunk each) */
   CHECK_EQ(fake.live_device, 1);
-  CHECK_EQ(fake.live_opens, 3);
-  CHECK_EQ(fake_release_leftovers(), 4);
+  CHECK_EQ(fake.live_opens, 6);
+  for (int p = 0; p < 4; ++p) {
+    CHECK_EQ(fake_open_count(w.buf[p]), p == r ? 0 : 1);
+    CHECK_EQ(fake_open_count(w.chunk[p]), p == r ? 0 : 1);
+  }
+  CHECK_EQ(fake_release_leftovers(), 7);
   CHECK_ALL_RELEASED();
 
   /* a rank that opened only some peers tells only those; before any op, on
@@ -1622,11 +1819,11 @@ static void test_abort(void) {
   CHECK_RC(NULL, tpc_comm_abort(w.comm[0]), TPC_OK);
   w.comm[0] = NULL;
   CHECK_EQ(fake.calls[FK_SET_DEVICE], set_calls);
-  CHECK_EQ(((const tpc_signals *)w.buf[1])->stopped, 0);
-  CHECK_EQ(((const tpc_signals *)w.buf[2])->stopped, ((uint32_t)TPC_ERR_CLOSED << 8) | 1u);
+  CHECK_EQ(w.control[1]->stopped, 0);
+  CHECK_EQ(w.control[2]->stopped, ((uint32_t)TPC_ERR_CLOSED << 8) | 1u);
   CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 3);
   destroy_world(&w);
-  CHECK_EQ(fake_release_leftovers(), 2);
+  CHECK_EQ(fake_release_leftovers(), 1 + 2);
   CHECK_ALL_RELEASED();
 
   /* the slot write refused: TPC_ERR_RUNTIME naming the step (message through
@@ -1645,7 +1842,10 @@ static void test_abort(void) {
   w.comm[0] = NULL;
   CHECK_EQ(w.control[0]->failed, TPC_ERR_CLOSED);
   CHECK_EQ(w.control[0]->alive, 0);
-  CHECK_EQ(fake_release_leftovers(), 4);
+  /* rank 1's stop word reached rank 0's slot; rank 0's was refused */
+  CHECK_EQ(w.control[0]->stopped, ((uint32_t)TPC_ERR_CLOSED << 8) | 2u);
+  CHECK_EQ(w.control[1]->stopped, 0);
+  CHECK_EQ(fake_release_leftovers(), 2 * (1 + 2));
   CHECK_ALL_RELEASED();
 }
 
@@ -1702,6 +1902,199 @@ static void test_debug_set_epoch(void) {
   CHECK_EQ(slot->epoch, 0);
   CHECK_RC(NULL, tpc_comm_debug_set_epoch(NULL, 1), TPC_ERR_INVALID_ARG);
   destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* ------------------------------------------- export blob, peers' control slots */
+
+/* tpc_comm_export's blob: [0, 64) the buffer's handle, [64, 128) the handle of
+ * the control slot's pool chunk (its base: what the runtime can export),
+ * [128, 136) the slot's byte offset in the chunk, the rest zero. */
+#define EXPORT_DEVICE 40 /* no other test creates on it: a fresh chunk */
+static void test_export_blob(void) {
+  fake_reset();
+  CHECK(BLOB_USED <= TPC_IPC_HANDLE_BYTES);
+  tpc_config c = config(0, 2);
+  c.device = EXPORT_DEVICE;
+  enum { N = 3 };
+  tpc_comm *comm[N] = {NULL};
+  void *bufs[N];
+  unsigned char blob[N][TPC_IPC_HANDLE_BYTES];
+  for (int i = 0; i < N; ++i) {
+    CHECK_RC(NULL, tpc_comm_create(&c, &comm[i]), TPC_OK);
+    if (!comm[i]) return;
+    bufs[i] = fake.last_malloc;
+    const tpc_entry *e = entry_of(tpc_comm_id(comm[i]));
+    memset(blob[i], 0xee, sizeof blob[i]); /* what export does not write would show */
+    const int from = fake.n_events;
+    CHECK_RC(comm[i], tpc_comm_export(comm[i], blob[i]), TPC_OK);
+    /* two exports: the buffer, then the chunk by its base address */
+    const int ex_buf = fake_event_index(FK_IPC_EXPORT, bufs[i], from);
+    const int ex_chunk = fake_event_index(FK_IPC_EXPORT, e->control_chunk, from);
+    CHECK(ex_buf >= 0 && ex_chunk > ex_buf);
+    /* both handles decode: to the buffer, and to the chunk base */
+    CHECK_PTR(blob_buffer(blob[i]), bufs[i]);
+    CHECK_PTR(blob_chunk(blob[i]), e->control_chunk);
+    CHECK(fake_is_control_chunk(blob_chunk(blob[i])));
+    CHECK(blob_chunk(blob[i]) != (void *)bufs[i]);
+    /* the offset points at this communicator's slot */
+    const uint64_t offset = blob_offset(blob[i]);
+    CHECK_EQ(offset % sizeof(tpc_control), 0);
+    CHECK_PTR((char *)blob_chunk(blob[i]) + offset, e->control);
+    CHECK_EQ(offset, (uint64_t)i * sizeof(tpc_control)); /* a fresh chunk: slots 0, 1, 2 */
+    /* each handle fills its own 64 bytes (the fake's uses 16, the rest is
+     * zero) and the bytes after the offset are zero */
+    size_t nonzero = 0;
+    for (size_t b = 16; b < BLOB_CHUNK_AT; ++b) nonzero += blob[i][b] != 0;
+    for (size_t b = BLOB_CHUNK_AT + 16; b < BLOB_OFFSET_AT; ++b) nonzero += blob[i][b] != 0;
+    for (size_t b = BLOB_USED; b < TPC_IPC_HANDLE_BYTES; ++b) nonzero += blob[i][b] != 0;
+    CHECK_EQ(nonzero, 0);
+    /* exporting again writes the same bytes */
+    unsigned char again[TPC_IPC_HANDLE_BYTES];
+    memset(again, 0x11, sizeof again);
+    CHECK_RC(comm[i], tpc_comm_export(comm[i], again), TPC_OK);
+    CHECK_EQ(memcmp(again, blob[i], sizeof again), 0);
+  }
+  /* one chunk, three slots */
+  CHECK_PTR(blob_chunk(blob[0]), blob_chunk(blob[1]));
+  CHECK_PTR(blob_chunk(blob[1]), blob_chunk(blob[2]));
+  CHECK(memcmp(blob[0] + BLOB_CHUNK_AT, blob[2] + BLOB_CHUNK_AT, TPC_ALLOC_HANDLE_BYTES) == 0);
+  CHECK(memcmp(blob[0], blob[1], TPC_ALLOC_HANDLE_BYTES) != 0);
+  /* an export is never an open */
+  CHECK_EQ(fake.calls[FK_IPC_OPEN], 0);
+  for (int i = 0; i < N; ++i) CHECK_RC(NULL, tpc_comm_destroy(comm[i]), TPC_OK);
+  CHECK_ALL_RELEASED();
+  /* the slots outlive the communicators; a blob of a closed one still says
+   * where its (now dead) slot is */
+  CHECK_EQ(((tpc_control *)((char *)blob_chunk(blob[1]) + blob_offset(blob[1])))->alive, 0);
+}
+
+/* open_peer maps each peer's control slot: exactly the slot the peer's own
+ * registry entry holds (the fake's memory is shared host memory, mapped at
+ * the same address), so a stop word written through the mapping is what the
+ * peer reads in its own slot. The kernel arguments carry those slots for
+ * every peer, and this rank's own slot in `control`. */
+static void test_peer_control(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 4, 1));
+  unsigned char *in = scratch_in, *out = scratch_out;
+  for (int r = 0; r < 4; ++r) {
+    CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+    check_args(&w, r, in, out, 64, 64, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F32);
+    const tpc_kernel_args a = fake.last_args;
+    CHECK_PTR(a.control, w.control[r]);
+    CHECK_PTR(a.peer_control[r], NULL);
+    for (int p = 0; p < 4; ++p) {
+      if (p == r) continue;
+      /* chunk (as opened) + offset (from the blob) */
+      CHECK_EQ((char *)a.peer_control[p] - (char *)w.chunk[p], (long long)blob_offset(w.handle[p]));
+      CHECK_PTR(a.peer_control[p], entry_of(w.id[p])->control);
+      CHECK(a.peer_control[p] != a.control);
+      if (a.peer_control[p] != w.control[p]) continue; /* not a slot to write through */
+      /* a write through the mapping lands in the peer's own slot, and only
+       * in its stop word */
+      const uint32_t word = 0xab000000u | (uint32_t)(r << 8) | (uint32_t)(p + 1);
+      a.peer_control[p]->stopped = word;
+      CHECK_EQ(w.control[p]->stopped, word);
+      CHECK_EQ(entry_of(w.id[p])->control->stopped, word);
+      CHECK_EQ(w.control[p]->alive, (uint32_t)w.id[p]);
+      CHECK_EQ(w.control[p]->failed, 0);
+      for (int q = 0; q < 4; ++q)
+        if (q != p) CHECK_EQ(w.control[q]->stopped, 0);
+      a.peer_control[p]->stopped = 0;
+    }
+    /* the all-gather's arguments carry the same table */
+    CHECK_RC(w.comm[r], tpc_all_gather(w.comm[r], in, out, 64, 16, TPC_ALGO_BULK, 0, STREAM_A), TPC_OK);
+    for (int p = 0; p < TPC_MAX_RANKS; ++p) CHECK_PTR(fake.last_args.peer_control[p], a.peer_control[p]);
+  }
+  /* every rank mapped every other rank's chunk once, and its buffer once */
+  for (int p = 0; p < 4; ++p) {
+    CHECK_EQ(fake_open_count(w.buf[p]), 3);
+    CHECK_EQ(fake_open_count(w.chunk[p]), 3);
+  }
+  CHECK_EQ(fake.ipc_opens, 4 * 3 * 2);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+
+  /* world 8: every entry of the table is filled */
+  fake_reset();
+  CHECK(make_world(&w, 8, 1));
+  for (int r = 0; r < 8; r += 7) {
+    CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 32, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    check_args(&w, r, in, out, 32, 32, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F16);
+  }
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* Two communicators of the same ranks (on the same devices) take neighbouring
+ * slots of one pool chunk per device: every rank's peers open that chunk
+ * once per communicator (the runtime counts the opens of one handle and
+ * returns the same address), and each communicator closes its own open. */
+#define SHARED_CHUNK_DEVICE 44 /* 44, 45, 46: no other test creates there */
+static void test_shared_chunk(void) {
+  fake_reset();
+  world a, b;
+  world_device_base = SHARED_CHUNK_DEVICE;
+  CHECK(make_world(&a, 3, 1));
+  CHECK(make_world(&b, 3, 1));
+  world_device_base = 0;
+  unsigned char *in = scratch_in, *out = scratch_out;
+  for (int p = 0; p < 3; ++p) {
+    CHECK_PTR(a.chunk[p], b.chunk[p]);
+    CHECK(a.chunk[p] != NULL);
+    CHECK_PTR(b.control[p], a.control[p] + 1); /* the next slot of that chunk */
+    CHECK_PTR(blob_chunk(a.handle[p]), blob_chunk(b.handle[p]));
+    CHECK_EQ(blob_offset(b.handle[p]), blob_offset(a.handle[p]) + sizeof(tpc_control));
+    if (p > 0) CHECK(a.chunk[p] != a.chunk[0]); /* one chunk per device */
+    /* the chunk is open twice per other rank: once for each communicator */
+    CHECK_EQ(fake_open_count(a.chunk[p]), 2 * 2);
+    CHECK_EQ(fake_open_count(a.buf[p]), 2);
+    CHECK_EQ(fake_open_count(b.buf[p]), 2);
+  }
+  CHECK_EQ(fake.ipc_opens, 2 * 3 * 2 * 2);
+  CHECK_EQ(fake.bad_opens, 0);
+  /* both map the same chunk, each its own slot in it */
+  for (int r = 0; r < 3; ++r) {
+    CHECK_RC(a.comm[r], tpc_all_reduce(a.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    check_args(&a, r, in, out, 64, 64, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F32);
+    CHECK_RC(b.comm[r], tpc_all_reduce(b.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    check_args(&b, r, in, out, 64, 64, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F32);
+  }
+
+  /* communicator a closes: one open of each chunk goes, b's stays */
+  int from = fake.n_events;
+  destroy_world(&a);
+  for (int p = 0; p < 3; ++p) {
+    CHECK_EQ(fake_open_count(a.chunk[p]), 2);
+    CHECK_EQ(fake_open_count(a.buf[p]), 0);
+    CHECK_EQ(fake_open_count(b.buf[p]), 2);
+    CHECK(fake_event_index(FK_IPC_CLOSE, a.chunk[p], from) >= 0);
+  }
+  CHECK_EQ(fake.bad_closes, 0);
+  /* b still works through its mapping: rank 1 aborting tells ranks 0 and 2
+   * in b's slots, not in a's */
+  CHECK_RC(b.comm[0], tpc_all_gather(b.comm[0], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  check_args(&b, 0, in, out, 64, 64, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
+  CHECK_RC(NULL, tpc_comm_abort(b.comm[1]), TPC_OK);
+  b.comm[1] = NULL;
+  const uint32_t stop = ((uint32_t)TPC_ERR_CLOSED << 8) | 2u;
+  CHECK_EQ(b.control[0]->stopped, stop);
+  CHECK_EQ(b.control[2]->stopped, stop);
+  CHECK_EQ(a.control[0]->stopped, 0);
+  CHECK_EQ(a.control[2]->stopped, 0);
+
+  /* b closes: the rest of the opens go, except the aborted rank's (its two
+   * peers' buffer and chunk), which abort leaves */
+  from = fake.n_events;
+  destroy_world(&b);
+  CHECK_EQ(fake_open_count(b.chunk[0]), 1);
+  CHECK_EQ(fake_open_count(b.chunk[1]), 0);
+  CHECK_EQ(fake_open_count(b.chunk[2]), 1);
+  CHECK_EQ(fake.live_opens, 4);
+  CHECK_EQ(fake.bad_closes, 0);
+  CHECK_EQ(fake_release_leftovers(), 1 + 4);
   CHECK_ALL_RELEASED();
 }
 
@@ -1842,6 +2235,7 @@ int main(void) {
   RUN(test_create_destroy);
   RUN(test_create_failures);
   RUN(test_open_peer);
+  RUN(test_open_peer_bad_offset);
   RUN(test_destroy_failures);
   RUN(test_probe);
   RUN(test_all_reduce_validation);
@@ -1855,6 +2249,9 @@ int main(void) {
   RUN(test_destroy_control_slot);
   RUN(test_abort);
   RUN(test_args_control);
+  RUN(test_export_blob);
+  RUN(test_peer_control);
+  RUN(test_shared_chunk);
   RUN(test_debug_set_epoch);
   RUN(test_acquire_threads);
   RUN(test_stream_switch);
