@@ -15,10 +15,23 @@ communicator's id (looked up on every call: a closed one raises).
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
 CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.
 """
+import logging as _logging
+
 from ._lib import load
+from ._log import log_once as _log_once
 from .communicator import Communicator
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 from . import policy
+
+# The ops exist as soon as tpcomm is imported (a model can name
+# torch.ops.tpcomm.* before any Communicator). A missing or broken build is
+# not an import error: it is logged here, and every Communicator reports it
+# as its disabled_reason and falls back to torch.distributed.
+try:
+    load()
+except ImportError as _e:
+    _log_once(_logging.WARNING, f"tpcomm: {_e}; torch.ops.tpcomm is unavailable and every "
+                                "Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "load", "policy"]

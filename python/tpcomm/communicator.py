@@ -4,14 +4,15 @@ import collections
 import contextlib
 import ctypes
 import itertools
+import logging
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import _fake, _lib, policy, topology
+from ._log import log_once
 from .errors import CollectiveTimeout, CommunicatorClosed
 
 KiB = 1024
@@ -68,7 +69,7 @@ class Communicator:
         if max_bytes <= 0 or max_bytes % 16 or packet_max_bytes <= 0 or packet_max_bytes % 16:
             raise ValueError("max_bytes and packet_max_bytes must be positive multiples of 16")
         if timeout_s is None:
-            timeout_s = float(os.environ.get("TPCOMM_TIMEOUT_S", "10"))
+            timeout_s = topology.env_positive_float("TPCOMM_TIMEOUT_S", 10.0)
         if not timeout_s > 0:
             raise ValueError("timeout_s must be positive")
         self.max_bytes = int(max_bytes)
@@ -88,6 +89,12 @@ class Communicator:
             self.disabled_reason = self._agree(self._local_reason())
             if self.disabled_reason is None:
                 self.disabled_reason = self._open_custom()
+        if self.disabled_reason is not None:
+            log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
+                                      f"{self.disabled_reason}")
+        else:
+            log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
+                                   f"{self._routing_summary()}")
 
     # ---------------------------------------------------------------- set-up
     def _on_device(self):
@@ -271,6 +278,16 @@ class Communicator:
         if backend == "packet" and nbytes > self.packet_max_bytes:
             backend = "bulk" if bulk_ok else "nccl"
         return backend
+
+    def _routing_summary(self):
+        """The dispatch order, as logged at init."""
+        parts = []
+        for op in ("all_reduce", "all_gather"):
+            rows = self.tables[op].get(self.world_size, self.tables[op]["other"])
+            bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in rows)
+            parts.append(f"{op}: {bands}, then nccl (caps: packet {self.packet_max_bytes} B per rank, "
+                         f"output {self.max_bytes} B)")
+        return "; ".join(parts)
 
     def stats(self):
         """Calls so far per (op, backend), e.g. {("all_reduce", "packet"): 12}."""

@@ -67,5 +67,30 @@ def nvlink_between_all(uuids):
             pass
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def env_flag(name):
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """A boolean TPCOMM_* variable; any other value raises, naming it."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def env_positive_float(name, default):
+    """A positive number from a TPCOMM_* variable (default when unset); a
+    bad value raises, naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value

@@ -1,0 +1,119 @@
+"""What a user gets from installing and importing tpcomm, without a GPU: the
+ops registered at import, the console script, the typing marker, the
+license, logging said once, and TPCOMM_* variables checked by name."""
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tpcomm
+from tpcomm import _log, topology
+from test_communicator_cpu import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_import_alone_registers_the_ops():
+    """A fresh interpreter that only imports tpcomm can name every op."""
+    code = ("import torch, tpcomm\n"
+            "for name in ('custom_all_reduce', 'custom_all_reduce_out', 'custom_all_gather'):\n"
+            "    print(getattr(torch.ops.tpcomm, name).default._schema)\n")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("tpcomm::custom_") == 3, out.stdout
+
+
+def test_console_script_and_metadata():
+    dist = importlib.metadata.distribution("tpcomm")
+    scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert scripts.get("tpcomm-bench") == "tpcomm.bench.__main__:main"
+    assert "Apache-2.0" in (dist.metadata.get("License") or dist.metadata.get("License-Expression") or "")
+    requires = dist.requires or []
+    assert not any(r.startswith("numpy") and "extra" not in r for r in requires), requires
+    assert os.path.exists(os.path.join(ROOT, "python", "tpcomm", "py.typed"))
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        assert "Apache License" in f.read(200)
+
+
+def test_log_once_says_each_message_once(caplog):
+    caplog.set_level(logging.INFO, logger="tpcomm")
+    message = "tpcomm: a message for test_log_once_says_each_message_once"
+    assert _log.log_once(logging.INFO, message) is True
+    assert _log.log_once(logging.INFO, message) is False
+    assert [r.getMessage() for r in caplog.records].count(message) == 1
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), (" ON ", True), ("yes", True),
+                                            ("", False), ("0", False), ("off", False), ("No", False)])
+def test_env_flag_values(monkeypatch, value, expected):
+    monkeypatch.setenv("TPCOMM_TEST_FLAG", value)
+    assert topology.env_flag("TPCOMM_TEST_FLAG") is expected
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "enable"])
+def test_env_flag_bad_value_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("TPCOMM_TEST_FLAG", value)
+    with pytest.raises(ValueError, match=f"TPCOMM_TEST_FLAG='{value}'"):
+        topology.env_flag("TPCOMM_TEST_FLAG")
+
+
+@pytest.mark.parametrize("value,needle", [("abc", "is not a number"), ("0", "must be positive"),
+                                          ("-3", "must be positive"), ("nan", "must be positive")])
+def test_env_float_bad_value_names_the_variable(monkeypatch, value, needle):
+    monkeypatch.setenv("TPCOMM_TEST_SECONDS", value)
+    with pytest.raises(ValueError, match=f"TPCOMM_TEST_SECONDS='{value}' {needle}"):
+        topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0)
+
+
+def test_env_float_default_and_value(monkeypatch):
+    monkeypatch.delenv("TPCOMM_TEST_SECONDS", raising=False)
+    assert topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 10.0
+    monkeypatch.setenv("TPCOMM_TEST_SECONDS", "2.5")
+    assert topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 2.5
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append((record.levelno, record.getMessage()))
+
+
+def _body_logs_the_reason_once(rank, world_size):
+    handler = _Records()
+    logging.getLogger("tpcomm").addHandler(handler)
+    logging.getLogger("tpcomm").setLevel(logging.DEBUG)
+    comms = [tpcomm.Communicator(device="cpu") for _ in range(3)]
+    off = [m for level, m in handler.messages if level == logging.WARNING and "custom path off" in m]
+    assert len(off) == 1, handler.messages
+    assert comms[0].disabled_reason in off[0]
+    for comm in comms:
+        comm.close()
+
+
+def test_communicator_logs_why_the_custom_path_is_off_once():
+    run_ranks(2, _body_logs_the_reason_once)
+
+
+def _body_bad_timeout_variable(rank, world_size):
+    with pytest.raises(ValueError, match="TPCOMM_TIMEOUT_S='soon' is not a number"):
+        tpcomm.Communicator(device="cpu")
+
+
+def test_bad_timeout_variable_names_it():
+    run_ranks(2, _body_bad_timeout_variable, env={"TPCOMM_TIMEOUT_S": "soon"})
+
+
+def _body_bad_disable_variable(rank, world_size):
+    with pytest.raises(ValueError, match="TPCOMM_DISABLE='sometimes'"):
+        tpcomm.Communicator(device="cpu")
+
+
+def test_bad_disable_variable_names_it():
+    run_ranks(2, _body_bad_disable_variable, env={"TPCOMM_DISABLE": "sometimes"})
