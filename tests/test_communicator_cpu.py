@@ -270,7 +270,7 @@ def _body_disabled_by_env(rank, world_size):
     assert os.environ.get("TPCOMM_DISABLE") == "1"
     comm = tpcomm.Communicator(device="cpu")
     _check_disabled(comm, "TPCOMM_DISABLE")
-    assert comm.disabled_reason == "rank 0: disabled by TPCOMM_DISABLE"
+    assert comm.disabled_reason == "rank 0: disabled by TPCOMM_DISABLE (or Config.disable)"
     y = comm.all_reduce(torch.full((8,), float(rank + 1)))
     assert_bits_equal(y, torch.full((8,), float(world_size * (world_size + 1) // 2)), "all_reduce when disabled")
     comm.close()
@@ -388,21 +388,18 @@ def test_needs_torch_distributed():
 # The routing decisions are plain Python over sizes; they are checked here on
 # a Communicator whose set-up is skipped and that pretends to be enabled.
 
-# Explicit tables, so these tests do not move when the shipped ones are re-tuned.
-TABLES = {
-    "all_reduce": {2: [(256 * KiB, "packet"), (16 * MiB, "bulk")],
-                   "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")]},
-    "all_gather": {2: [(256 * KiB, "packet"), (16 * MiB, "bulk")],
-                   "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")]},
-}
+# An explicit table, so these tests do not move when the shipped one is re-tuned.
+TABLE = {"routes": {op: {"2": {"*": [[256 * KiB, "packet"], [16 * MiB, "bulk"]]},
+                         "*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
+                    for op in ("all_reduce", "all_gather")}}
 
 
-def _routing_comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, tables=TABLES):
+def _routing_comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=()):
     comm = object.__new__(tpcomm.Communicator)
     comm.world_size = world_size
     comm.max_bytes = max_bytes
     comm.packet_max_bytes = packet_max_bytes
-    comm.tables = tables
+    comm._routes = policy.effective_routes(policy.load_table(table), world_size, force, forbid)
     comm.handle = 0x1000  # "enabled"
     return comm
 
@@ -470,14 +467,36 @@ def test_route_all_gather():
 
 
 def test_route_default_tables():
-    """With the shipped tables, a size the table gives to a kernel goes to
+    """With the shipped table, a size the table gives to a kernel goes to
     that kernel (within the default caps), and past the table to NCCL."""
+    shipped = policy.load_table()
     for world_size in (2, 4, 8):
-        c = _routing_comm(world_size=world_size, tables=policy.TABLES)
-        rows = policy.TABLES["all_reduce"].get(world_size, policy.TABLES["all_reduce"]["other"])
-        for limit, backend in rows:
-            assert c.route_all_reduce(_t(limit)) == backend
-        assert c.route_all_reduce(_t(rows[-1][0] + 16)) == "nccl"
+        c = _routing_comm(world_size=world_size, table=None)
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = policy.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
+            for limit, backend in rows:
+                assert c.route_all_reduce(_t(limit, dtype)) == backend
+            assert c.route_all_reduce(_t(rows[-1][0] + 16, dtype)) == "nccl"
+
+
+def test_route_per_dtype_forced_and_forbidden():
+    """A dtype row of the table, a forced backend and a forbidden one."""
+    table = {"routes": {"all_reduce": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]],
+                                              "bfloat16": [[4 * KiB, "packet"], [16 * MiB, "bulk"]]}},
+                        "all_gather": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}}}
+    c = _routing_comm(table=table)
+    assert c.route_all_reduce(_t(8 * KiB, torch.float32)) == "packet"
+    assert c.route_all_reduce(_t(8 * KiB, torch.bfloat16)) == "bulk"
+    assert c.route_all_reduce(_t(8 * KiB, torch.float16)) == "packet"  # no row of its own: "*"
+    c = _routing_comm(table=table, force={"all_reduce": "nccl"})
+    assert c.route_all_reduce(_t(64)) == "nccl"
+    assert c.route_all_gather(_t(64), 0) == "packet"  # only all_reduce was forced
+    c = _routing_comm(table=table, force={"all_gather": "bulk"})
+    assert c.route_all_gather(_t(64), 0) == "bulk"
+    assert c.route_all_gather(_t(12), 0) == "packet"  # bulk cannot take 12 bytes: the kernel that can
+    c = _routing_comm(table=table, forbid=("packet",))
+    assert c.route_all_reduce(_t(1024)) == "nccl"
+    assert c.route_all_reduce(_t(1 * MiB)) == "bulk"
 
 
 def test_route_never_depends_on_the_pointer():
@@ -493,3 +512,10 @@ def test_route_never_depends_on_the_pointer():
         g = base[offset:offset + 4096].view(64, 64)
         for dim in (0, 1):
             assert c.route_all_gather(g, dim) == c.route_all_gather(torch.zeros(64, 64), dim)
+
+
+def test_routing_summary_logged_at_init_names_every_band():
+    c = _routing_comm()
+    text = c._routing_summary()
+    assert "all_reduce: packet up to 262144 B, bulk up to 16777216 B, then nccl" in text
+    assert "all_gather: packet up to 262144 B" in text and "caps: packet 1048576 B per rank" in text

@@ -2,6 +2,7 @@
 (meta) implementations, the C API through ctypes, and the routing tables."""
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 
@@ -250,60 +251,98 @@ def test_ctypes_structs_match_the_header(tmp_path):
 
 # ------------------------------------------------------------------ policy
 
+SHIPPED = policy.load_table()
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_policy_boundaries(op, world_size):
-    rows = policy.TABLES[op].get(world_size, policy.TABLES[op]["other"])
+@pytest.mark.parametrize("dtype", ["*", "float32", "float16", "bfloat16"])
+def test_policy_boundaries(op, world_size, dtype):
+    rows = policy.bands_for(SHIPPED, op, world_size, dtype)
     assert rows == sorted(rows, key=lambda r: r[0])
     for i, (limit, backend) in enumerate(rows):
-        assert policy.choose(op, world_size, limit) == backend
+        assert policy.choose(rows, limit) == backend
         following = rows[i + 1][1] if i + 1 < len(rows) else "nccl"
-        assert policy.choose(op, world_size, limit + 1) == following
-    assert policy.choose(op, world_size, 0) == rows[0][1]
-    assert policy.choose(op, world_size, 1) == rows[0][1]
-    assert policy.choose(op, world_size, rows[-1][0] * 4) == "nccl"
+        assert policy.choose(rows, limit + 1) == following
+    assert policy.choose(rows, 0) == rows[0][1]
+    assert policy.choose(rows, rows[-1][0] * 4) == "nccl"
 
 
-def test_policy_default_tables():
-    """The shipped tables (numbers come from benchmarks and change with them):
-    both ops, a fallback row set, increasing limits, packet rows before bulk
-    rows, and nothing past the Communicator's default max_bytes (16 MiB)."""
-    assert set(policy.TABLES) == {"all_reduce", "all_gather"}
-    assert policy.TABLES["all_reduce"] is policy.ALL_REDUCE
-    assert policy.TABLES["all_gather"] is policy.ALL_GATHER
-    for op, table in policy.TABLES.items():
-        assert "other" in table
-        for world_size, rows in table.items():
-            assert world_size == "other" or 2 <= world_size <= 8
-            limits = [limit for limit, _ in rows]
-            backends = [backend for _, backend in rows]
-            assert limits == sorted(set(limits)) and limits[0] > 0, (op, world_size)
-            assert set(backends) <= {"packet", "bulk"}, (op, world_size)
-            assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world_size)
-            assert limits[-1] <= 16 * MiB
-            # every limit is a multiple of 16: sizes the kernels can take
-            assert all(limit % 16 == 0 for limit in limits)
-            packet = [limit for limit, backend in rows if backend == "packet"]
-            cutover = policy.packet_cutover(op, world_size if world_size != "other" else 99)
-            assert cutover == (max(packet) if packet else 0)
-            assert cutover <= 1 * MiB  # within the default packet_max_bytes
+def test_policy_shipped_table():
+    """The shipped table (numbers come from benchmarks and change with them):
+    both ops, a "*" row, increasing limits that are multiples of 16, packet
+    bands before bulk bands, nothing past the default max_bytes (16 MiB) and
+    no packet band past the default packet_max_bytes (1 MiB)."""
+    assert os.path.exists(policy.DEFAULT_TABLE)
+    assert "H200" in SHIPPED["about"]
+    for op in policy.OPS:
+        assert "*" in SHIPPED["routes"][op]
+        for world, by_dtype in SHIPPED["routes"][op].items():
+            for dtype, rows in by_dtype.items():
+                limits = [limit for limit, _ in rows]
+                backends = [backend for _, backend in rows]
+                assert set(backends) <= {"packet", "bulk"}, (op, world, dtype)
+                assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world, dtype)
+                assert limits[-1] <= 16 * MiB and all(limit % 16 == 0 for limit in limits)
+                assert policy.packet_cutover(rows) <= 1 * MiB
 
 
-def test_policy_custom_tables():
-    tables = {
-        "all_reduce": {3: [(100, "bulk"), (200, "packet"), (300, "bulk")],
-                       "other": [(10, "bulk")]},
-        "all_gather": {"other": [(32, "packet"), (64, "packet"), (128, "bulk")]},
-    }
-    assert policy.choose("all_reduce", 3, 100, tables) == "bulk"
-    assert policy.choose("all_reduce", 3, 101, tables) == "packet"
-    assert policy.choose("all_reduce", 3, 201, tables) == "bulk"
-    assert policy.choose("all_reduce", 3, 301, tables) == "nccl"
-    assert policy.choose("all_reduce", 2, 10, tables) == "bulk"
-    assert policy.choose("all_reduce", 2, 11, tables) == "nccl"
-    # the cutover is the largest size routed to the packet kernel, 0 when none is
-    assert policy.packet_cutover("all_reduce", 3, tables) == 200
-    assert policy.packet_cutover("all_reduce", 5, tables) == 0
-    assert policy.packet_cutover("all_gather", 2, tables) == 64
-    assert policy.choose("all_gather", 7, 64, tables) == "packet"
-    assert policy.choose("all_gather", 7, 65, tables) == "bulk"
+def test_policy_lookup_falls_back_to_star():
+    table = policy.load_table({"routes": {
+        "all_reduce": {"3": {"*": [[100, "bulk"], [200, "packet"], [300, "bulk"]], "float16": [[50, "packet"]]},
+                       "*": {"*": [[10, "bulk"]]}},
+        "all_gather": {"*": {"*": [[32, "packet"], [64, "packet"], [128, "bulk"]]}}}})
+    rows = policy.bands_for(table, "all_reduce", 3, "float32")
+    assert [policy.choose(rows, n) for n in (100, 101, 201, 301)] == ["bulk", "packet", "bulk", "nccl"]
+    assert policy.bands_for(table, "all_reduce", 3, "float16") == [(50, "packet")]
+    assert policy.bands_for(table, "all_reduce", 2, "float16") == [(10, "bulk")]
+    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 3)) == 200
+    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 5)) == 0
+    assert policy.packet_cutover(policy.bands_for(table, "all_gather", 7)) == 64
+
+
+def test_policy_effective_routes_and_flatten():
+    routes = policy.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
+    assert set(routes) == set(policy.OPS)
+    assert set(routes["all_reduce"]) == {"*", "float32", "float16", "bfloat16"}
+    assert routes["all_gather"]["*"] == [(1 << 62, "nccl")]
+    assert all(b != "bulk" for bands in routes["all_reduce"].values() for _, b in bands)
+    flat = policy.flatten(routes)
+    assert flat["all_reduce/*/0"] == f"{routes['all_reduce']['*'][0][0]} packet"
+    assert len(flat) == sum(len(b) for by_dtype in routes.values() for b in by_dtype.values())
+
+
+@pytest.mark.parametrize("routes,needle", [
+    ({}, "no routes for all_reduce"),
+    ({"all_reduce": {"2": {"*": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "all_reduce needs a '*' world-size row"),
+    ({"all_reduce": {"9": {"*": [[16, "packet"]]}, "*": {"*": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "all_reduce/9: world size must be"),
+    ({"all_reduce": {"*": {"int8": [[16, "packet"]], "*": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "all_reduce/*/int8: dtype must be"),
+    ({"all_reduce": {"*": {"bfloat16": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "needs a '*' dtype row"),
+    ({"all_reduce": {"*": {"*": [[32, "packet"], [16, "bulk"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "limits must increase"),
+    ({"all_reduce": {"*": {"*": [[32, "fast"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "backend 'fast' is not one of"),
+    ({"all_reduce": {"*": {"*": [[True, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
+     "must be [limit bytes, backend]"),
+    ({"all_reduce": {"*": {"*": []}}, "all_gather": {"*": {"*": [[16, "packet"]]}}}, "non-empty list"),
+])
+def test_policy_bad_tables_name_the_entry(routes, needle):
+    with pytest.raises(policy.TableError, match=re.escape(needle)):
+        policy.load_table({"routes": routes})
+
+
+def test_policy_table_files(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text('{"about": "test", "routes": {"all_reduce": {"*": {"*": [[64, "packet"]]}}, '
+                    '"all_gather": {"*": {"*": [[64, "bulk"]]}}}}')
+    assert policy.load_table(str(good))["about"] == "test"
+    with pytest.raises(policy.TableError, match="cannot be read"):
+        policy.load_table(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(policy.TableError, match="is not JSON"):
+        policy.load_table(str(bad))

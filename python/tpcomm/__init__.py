@@ -20,6 +20,7 @@ import logging as _logging
 from ._lib import load
 from ._log import log_once as _log_once
 from .communicator import Communicator
+from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 from . import policy
 
@@ -33,6 +34,6 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; torch.ops.tpcomm is unavailable and every "
                                 "Communicator falls back to torch.distributed")
 
-__all__ = ["Communicator", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
+__all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "load", "policy"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import ctypes
 import itertools
 import logging
 import math
+import os
 import time
 
 import torch
@@ -13,11 +14,13 @@ import torch.distributed as dist
 
 from . import _fake, _lib, policy, topology
 from ._log import log_once
+from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
 
 KiB = 1024
 MiB = 1024 * KiB
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ALGO = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
 # Communicators created so far on each group (keyed by the group's name):
 # every rank of a group must create them in the same order, whatever other
@@ -48,9 +51,14 @@ class Communicator:
             ops go to NCCL. Registers about 2 * max_bytes of GPU memory per rank.
         packet_max_bytes: cap on the input bytes per rank of the packet kernels;
             registers 4 * world_size * packet_max_bytes per rank.
-        timeout_s: bound on every device-side wait for a peer (default: the
-            TPCOMM_TIMEOUT_S environment variable, else 10 s).
-        tables: routing tables (see tpcomm.policy); default: policy.TABLES.
+        timeout_s: bound on every device-side wait for a peer.
+        table: routing table, a path or a parsed dict (see tpcomm.policy).
+        config: a tpcomm.Config; default: Config.from_env(), the TPCOMM_*
+            variables. The arguments above, when given, override it.
+
+    Every rank must end with the same effective routing (table and config):
+    the ranks compare it at init and raise ValueError naming the keys that
+    differ, since ranks that route differently deadlock.
 
     Ops of one communicator must be issued from one thread at a time, in the
     same order on every rank; an op from a second thread while another runs
@@ -58,24 +66,23 @@ class Communicator:
     NaN); see tpcomm.errors for the exception classes.
     """
 
-    def __init__(self, group=None, device=None, max_bytes=16 * MiB, packet_max_bytes=1 * MiB,
-                 timeout_s=None, tables=None):
+    def __init__(self, group=None, device=None, max_bytes=None, packet_max_bytes=None,
+                 timeout_s=None, table=None, config=None):
         if not dist.is_initialized():
             raise RuntimeError("tpcomm.Communicator needs torch.distributed to be initialised")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.device = _resolve_device(device)
-        if max_bytes <= 0 or max_bytes % 16 or packet_max_bytes <= 0 or packet_max_bytes % 16:
-            raise ValueError("max_bytes and packet_max_bytes must be positive multiples of 16")
-        if timeout_s is None:
-            timeout_s = topology.env_positive_float("TPCOMM_TIMEOUT_S", 10.0)
-        if not timeout_s > 0:
-            raise ValueError("timeout_s must be positive")
-        self.max_bytes = int(max_bytes)
-        self.packet_max_bytes = int(min(packet_max_bytes, max_bytes))
-        self.timeout_s = float(timeout_s)
-        self.tables = tables or policy.TABLES
+        self.config = (config or Config.from_env()).replace(
+            max_bytes=max_bytes, packet_max_bytes=packet_max_bytes, timeout_s=timeout_s,
+            table=table if isinstance(table, (str, os.PathLike)) else None)
+        self.max_bytes = self.config.max_bytes
+        self.packet_max_bytes = min(self.config.packet_max_bytes, self.max_bytes)
+        self.timeout_s = float(self.config.timeout_s)
+        self.table = policy.load_table(table if isinstance(table, dict) else self.config.table)
+        self._routes = policy.effective_routes(self.table, self.world_size, dict(self.config.force),
+                                               self.config.forbid)
         self.handle = 0          # the communicator's id, the int the ops take; 0 once closed
         self._id = 0             # the same, kept after close (check() reads its record)
         self._comm = None        # the C communicator, as a ctypes pointer
@@ -101,8 +108,8 @@ class Communicator:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _local_reason(self):
-        if topology.env_flag("TPCOMM_DISABLE"):
-            return "disabled by TPCOMM_DISABLE"
+        if self.config.disable:
+            return "disabled by TPCOMM_DISABLE (or Config.disable)"
         if not 2 <= self.world_size <= _lib.MAX_RANKS:
             return f"world size {self.world_size} is outside 2..{_lib.MAX_RANKS}"
         if self.device.type != "cuda":
@@ -121,11 +128,13 @@ class Communicator:
     def _agree(self, reason):
         """Every rank ends with the same verdict (a rank that cannot use the
         custom path turns it off for all, or peers would wait for it)."""
-        facts = self._gather({"rank": self.rank, "reason": reason, "serial": self.serial,
+        routing = {**policy.flatten(self._routes), **self.config.describe()}
+        facts = self._gather({"rank": self.rank, "reason": reason, "serial": self.serial, "routing": routing,
                               **topology.local_facts(self.device)})
         for i, f in enumerate(facts):
             if f["rank"] != i:
                 return f"group rank {i} answered as rank {f['rank']}: groups out of step"
+        _raise_if_routing_differs([f["routing"] for f in facts])
         serials = [f["serial"] for f in facts]
         if len(set(serials)) != 1:
             return ("ranks created their communicators on this group in different orders "
@@ -170,9 +179,10 @@ class Communicator:
             self._comm = comm
             self.handle = self._id = int(lib.tpc_comm_id(comm))
             _fake.WORLD_SIZES[self.handle] = self.world_size
+            # algo=0 on a raw op (the C core's AUTO) follows the same table
             _lib.check(lib, comm, lib.tpc_comm_set_cutover(
-                comm, min(self.packet_max_bytes, policy.packet_cutover("all_reduce", self.world_size, self.tables)),
-                min(self.packet_max_bytes, policy.packet_cutover("all_gather", self.world_size, self.tables))),
+                comm, min(self.packet_max_bytes, policy.packet_cutover(self._routes["all_reduce"]["*"])),
+                min(self.packet_max_bytes, policy.packet_cutover(self._routes["all_gather"]["*"]))),
                 "set cutover")
             return None
         if comm.value:
@@ -260,7 +270,8 @@ class Communicator:
         if (not self.enabled or x.dtype not in REDUCE_DTYPES or nbytes == 0 or nbytes % 16
                 or nbytes > self.max_bytes):
             return "nccl"
-        backend = policy.choose("all_reduce", self.world_size, nbytes, self.tables)
+        by_dtype = self._routes["all_reduce"]
+        backend = policy.choose(by_dtype.get(_DTYPE_NAMES[x.dtype], by_dtype["*"]), nbytes)
         if backend == "packet" and nbytes > self.packet_max_bytes:
             backend = "bulk"
         return backend
@@ -271,7 +282,7 @@ class Communicator:
         row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
         if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4:
             return "nccl"
-        backend = policy.choose("all_gather", self.world_size, nbytes, self.tables)
+        backend = policy.choose(self._routes["all_gather"]["*"], nbytes)
         bulk_ok = nbytes % 16 == 0 and row % 16 == 0 and nbytes * self.world_size <= self.max_bytes
         if backend == "bulk" and not bulk_ok:
             backend = "packet"
@@ -282,9 +293,8 @@ class Communicator:
     def _routing_summary(self):
         """The dispatch order, as logged at init."""
         parts = []
-        for op in ("all_reduce", "all_gather"):
-            rows = self.tables[op].get(self.world_size, self.tables[op]["other"])
-            bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in rows)
+        for op in policy.OPS:
+            bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in self._routes[op]["*"])
             parts.append(f"{op}: {bands}, then nccl (caps: packet {self.packet_max_bytes} B per rank, "
                          f"output {self.max_bytes} B)")
         return "; ".join(parts)
@@ -440,6 +450,18 @@ def _resolve_device(device):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _raise_if_routing_differs(routings):
+    """Every rank's effective routing (flattened) must be the same: raises
+    ValueError on every rank alike, naming up to 8 differing keys."""
+    keys = sorted(set().union(*routings))
+    differ = [k for k in keys if len({r.get(k) for r in routings}) > 1]
+    if differ:
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {i}: {r.get(k, 'absent')}" for i, r in enumerate(routings))
+                          for k in differ[:8])
+        raise ValueError(f"tpcomm: the ranks would route differently (and deadlock): {len(differ)} keys differ: "
+                         f"{shown}")
 
 
 def _first_error(entries):

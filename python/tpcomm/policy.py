@@ -1,37 +1,132 @@
-"""Which backend runs an op of a given size: data, not code.
+"""Which backend runs an op: one routing table, kept as data.
 
-Each table maps a world size to a list of (largest input bytes per rank,
-backend), tried in order; sizes past the last entry go to NCCL. Backends:
-"packet" and "bulk" are tpcomm's kernels (csrc/kernels), "nccl" is
-torch.distributed on the same group. The 2-GPU rows come from
-benchmarks/results/h200x2.json (CUDA graphs, median per op); other world
-sizes keep the packet kernel to smaller sizes, where its (n-1)-fold traffic
-per rank is still cheaper than a barrier.
-"""
-KiB = 1024
-MiB = 1024 * KiB
+A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune` is
+meant to write one per machine) maps op x world size x dtype to bands of
+(largest input bytes per rank, backend), tried in order; sizes past the last
+band go to NCCL. "*" stands for any world size or dtype without a row of its
+own. Backends: "packet" and "bulk" are tpcomm's kernels (csrc/kernels),
+"nccl" is torch.distributed on the same group.
 
-ALL_REDUCE = {
-    2: [(1 * MiB, "packet"), (16 * MiB, "bulk")],
-    "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")],
-}
-ALL_GATHER = {
-    2: [(1 * MiB, "packet"), (16 * MiB, "bulk")],
-    "other": [(64 * KiB, "packet"), (16 * MiB, "bulk")],
-}
-TABLES = {"all_reduce": ALL_REDUCE, "all_gather": ALL_GATHER}
+The Communicator turns the table and its Config (forced or forbidden
+backends) into the effective bands once, at init (effective_routes); the
+ranks compare them before any op runs, since ranks that route differently
+deadlock."""
+import json
+import os
+
+OPS = ("all_reduce", "all_gather")
+KERNELS = ("packet", "bulk")
+BACKENDS = KERNELS + ("nccl",)
+DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a table may name for all_reduce
+DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "h200x2.json")
 
 
-def choose(op, world_size, nbytes, tables=TABLES):
-    """Backend name for `op` with `nbytes` of input per rank."""
-    rows = tables[op].get(world_size, tables[op]["other"])
-    for limit, backend in rows:
+class TableError(ValueError):
+    """A routing table that cannot be used; the message names the entry."""
+
+
+def load_table(source=None):
+    """The table in `source` (a path, or an already parsed dict; default: the
+    shipped one), checked: every op present, world sizes "*" or 2..8, dtypes
+    "*" or one of DTYPES, bands with increasing positive limits and known
+    backends, and a "*" row for every op."""
+    where = "(given as a dict)"
+    if source is None or isinstance(source, (str, os.PathLike)):
+        path = DEFAULT_TABLE if source is None else os.fspath(source)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise TableError(f"routing table {path!r} cannot be read: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise TableError(f"routing table {path!r} is not JSON: {e}") from None
+        where = repr(path)
+    else:
+        data = source
+    routes = data.get("routes") if isinstance(data, dict) else None
+    if not isinstance(routes, dict):
+        raise TableError(f"routing table {where} has no 'routes' object")
+    table = {}
+    for op in OPS:
+        if not isinstance(routes.get(op), dict):
+            raise TableError(f"routing table {where} has no routes for {op}")
+        table[op] = {}
+        for world, by_dtype in routes[op].items():
+            if world != "*" and not (world.isdigit() and 2 <= int(world) <= 8):
+                raise TableError(f"routing table {where}: {op}/{world}: world size must be '*' or 2..8")
+            if not isinstance(by_dtype, dict) or "*" not in by_dtype:
+                raise TableError(f"routing table {where}: {op}/{world} needs a '*' dtype row")
+            table[op][world] = {}
+            for dtype, bands in by_dtype.items():
+                if dtype != "*" and dtype not in DTYPES:
+                    raise TableError(f"routing table {where}: {op}/{world}/{dtype}: dtype must be '*' or one of {DTYPES}")
+                table[op][world][dtype] = _checked_bands(bands, f"routing table {where}: {op}/{world}/{dtype}")
+        if "*" not in table[op]:
+            raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
+    return {"about": str(data.get("about", "")), "routes": table}
+
+
+def _checked_bands(bands, what):
+    if not isinstance(bands, list) or not bands:
+        raise TableError(f"{what}: bands must be a non-empty list of [limit, backend]")
+    checked, previous = [], 0
+    for i, band in enumerate(bands):
+        if not (isinstance(band, (list, tuple)) and len(band) == 2 and isinstance(band[0], int)
+                and not isinstance(band[0], bool)):
+            raise TableError(f"{what}: band {i} must be [limit bytes, backend], got {band!r}")
+        limit, backend = band
+        if backend not in BACKENDS:
+            raise TableError(f"{what}: band {i}: backend {backend!r} is not one of {BACKENDS}")
+        if limit <= previous:
+            raise TableError(f"{what}: band {i}: limits must increase (got {limit} after {previous})")
+        checked.append((limit, backend))
+        previous = limit
+    return checked
+
+
+def bands_for(table, op, world_size, dtype="*"):
+    """The table's bands for one op, world size and dtype name (with "*"
+    standing in for what has no row of its own)."""
+    by_world = table["routes"][op]
+    by_dtype = by_world.get(str(world_size), by_world["*"])
+    return by_dtype.get(dtype, by_dtype["*"])
+
+
+def apply_config(bands, force=None, forbid=()):
+    """The bands once a Config has forced a backend for the op (it takes
+    every size) or forbidden some (their bands go to NCCL)."""
+    if force:
+        return [(1 << 62, force)]
+    return [(limit, "nccl" if backend in forbid else backend) for limit, backend in bands]
+
+
+def effective_routes(table, world_size, force=None, forbid=()):
+    """{op: {dtype name or "*": bands}} for one world size, with the Config
+    applied: what the Communicator routes by, and what the ranks compare."""
+    force = dict(force or {})
+    routes = {}
+    for op in OPS:
+        names = ("*",) + (DTYPES if op == "all_reduce" else ())
+        routes[op] = {name: apply_config(bands_for(table, op, world_size, name), force.get(op), forbid)
+                      for name in names}
+    return routes
+
+
+def choose(bands, nbytes):
+    """The backend of the first band whose limit is at least nbytes; NCCL past the last."""
+    for limit, backend in bands:
         if nbytes <= limit:
             return backend
     return "nccl"
 
 
-def packet_cutover(op, world_size, tables=TABLES):
-    """Largest size the table sends to the packet kernel (the C core's AUTO)."""
-    rows = tables[op].get(world_size, tables[op]["other"])
-    return max((limit for limit, backend in rows if backend == "packet"), default=0)
+def packet_cutover(bands):
+    """Largest size the bands send to the packet kernel (the C core's AUTO)."""
+    return max((limit for limit, backend in bands if backend == "packet"), default=0)
+
+
+def flatten(routes):
+    """{"all_reduce/bfloat16/0": "1048576 packet", ...}: the effective routes
+    as flat keys, so that ranks that disagree can be told which key differs."""
+    return {f"{op}/{dtype}/{i}": f"{limit} {backend}" for op, by_dtype in routes.items()
+            for dtype, bands in by_dtype.items() for i, (limit, backend) in enumerate(bands)}

@@ -110,7 +110,7 @@ def body_size_bands(rank, world):
     """Just below and above every threshold: packet cutover, packet cap, cap."""
     max_bytes = 4 * MiB
     comm = tpcomm.Communicator(max_bytes=max_bytes, packet_max_bytes=1 * MiB)
-    cut = tpcomm.policy.packet_cutover("all_gather", world)
+    cut = tpcomm.policy.packet_cutover(tpcomm.policy.bands_for(comm.table, "all_gather", world))
     per_rank_cap = max_bytes // world
     seen = {}
     for nbytes in (cut - 16, cut, cut + 16, 1 * MiB - 16, 1 * MiB, 1 * MiB + 16,

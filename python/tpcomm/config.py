@@ -1,0 +1,90 @@
+"""A Communicator's configuration: caps, timeout, routing table, and
+backends forced or forbidden. Read once, at init, from the arguments and
+the TPCOMM_* variables; every bad value raises ValueError naming it.
+
+    TPCOMM_DISABLE=1                    the custom path off (every call to NCCL)
+    TPCOMM_TIMEOUT_S=10                 bound on every device-side wait for a peer
+    TPCOMM_MAX_BYTES=16777216           cap on the output bytes of one custom op
+    TPCOMM_PACKET_MAX_BYTES=1048576     cap on the per-rank input of the packet kernels
+    TPCOMM_TABLE=path.json              routing table (default: tpcomm/tables/h200x2.json)
+    TPCOMM_FORCE=all_reduce=nccl,...    one backend for every size of an op
+    TPCOMM_FORBID=bulk,...              backends never used (their sizes go to NCCL)
+"""
+import dataclasses
+import os
+
+from . import policy, topology
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    max_bytes: int = 16 * MiB
+    packet_max_bytes: int = 1 * MiB
+    timeout_s: float = 10.0
+    table: str = None          # path of a routing table file; None: the shipped one
+    force: tuple = ()          # ((op, backend), ...)
+    forbid: tuple = ()         # (backend, ...)
+    disable: bool = False
+
+    @classmethod
+    def from_env(cls):
+        """The defaults, overridden by whichever TPCOMM_* variables are set."""
+        env = os.environ
+        fields = {"disable": topology.env_flag("TPCOMM_DISABLE"),
+                  "timeout_s": topology.env_positive_float("TPCOMM_TIMEOUT_S", cls.timeout_s)}
+        for name, field in (("TPCOMM_MAX_BYTES", "max_bytes"), ("TPCOMM_PACKET_MAX_BYTES", "packet_max_bytes")):
+            raw = env.get(name, "").strip()
+            if raw:
+                try:
+                    fields[field] = int(raw, 0)
+                except ValueError:
+                    raise ValueError(f"{name}={raw!r} is not an integer") from None
+        if env.get("TPCOMM_TABLE", "").strip():
+            fields["table"] = env["TPCOMM_TABLE"].strip()
+        if env.get("TPCOMM_FORCE", "").strip():
+            fields["force"] = _parse_force(env["TPCOMM_FORCE"], "TPCOMM_FORCE")
+        if env.get("TPCOMM_FORBID", "").strip():
+            fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
+        try:
+            return cls(**fields).checked()
+        except ValueError as e:
+            raise ValueError(f"{e} (from the TPCOMM_* variables)") from None
+
+    def replace(self, **changes):
+        """A copy with the fields that are not None in `changes` replaced, checked."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
+
+    def checked(self):
+        for name in ("max_bytes", "packet_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
+                raise ValueError(f"tpcomm: {name}={value!r} must be a positive multiple of 16")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive")
+        for op, backend in self.force:
+            if op not in policy.OPS or backend not in policy.BACKENDS:
+                raise ValueError(f"tpcomm: force {op}={backend}: ops are {policy.OPS}, backends {policy.BACKENDS}")
+        for backend in self.forbid:
+            if backend not in policy.KERNELS:
+                raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {policy.KERNELS} can be forbidden")
+        return self
+
+    def describe(self):
+        """The fields the ranks must agree on, as flat strings."""
+        return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
+                "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable)}
+
+
+def _parse_force(text, name):
+    pairs = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        op, sep, backend = item.partition("=")
+        if not sep:
+            raise ValueError(f"{name}={text!r}: expected op=backend pairs, e.g. all_reduce=nccl")
+        pairs.append((op.strip(), backend.strip()))
+    return tuple(pairs)

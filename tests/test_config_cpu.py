@@ -1,0 +1,104 @@
+"""Config (caps, timeout, table, forced and forbidden backends) read once at
+init from arguments and TPCOMM_* variables, and the ranks' agreement on the
+effective routing: 2- and 3-process gloo runs, no GPU."""
+import json
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import Config, policy
+from test_communicator_cpu import run_ranks
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+def test_defaults_and_env(monkeypatch):
+    for name in ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_PACKET_MAX_BYTES",
+                 "TPCOMM_TABLE", "TPCOMM_FORCE", "TPCOMM_FORBID"):
+        monkeypatch.delenv(name, raising=False)
+    assert Config.from_env() == Config()
+    monkeypatch.setenv("TPCOMM_MAX_BYTES", "0x400000")
+    monkeypatch.setenv("TPCOMM_PACKET_MAX_BYTES", "65536")
+    monkeypatch.setenv("TPCOMM_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("TPCOMM_FORCE", "all_gather=nccl")
+    monkeypatch.setenv("TPCOMM_FORBID", "bulk")
+    monkeypatch.setenv("TPCOMM_TABLE", "/some/table.json")
+    c = Config.from_env()
+    assert (c.max_bytes, c.packet_max_bytes, c.timeout_s) == (4 * MiB, 64 * KiB, 2.5)
+    assert c.force == (("all_gather", "nccl"),) and c.forbid == ("bulk",) and c.table == "/some/table.json"
+    assert c.replace(max_bytes=MiB, timeout_s=None).max_bytes == MiB  # None leaves a field as it is
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("TPCOMM_MAX_BYTES", "lots", "TPCOMM_MAX_BYTES='lots' is not an integer"),
+    ("TPCOMM_MAX_BYTES", "100", "max_bytes=100 must be a positive multiple of 16"),
+    ("TPCOMM_PACKET_MAX_BYTES", "-16", "packet_max_bytes=-16 must be a positive multiple of 16"),
+    ("TPCOMM_FORCE", "all_reduce", "expected op=backend pairs"),
+    ("TPCOMM_FORCE", "all_reduce=fast", "force all_reduce=fast"),
+    ("TPCOMM_FORCE", "reduce_scatter=nccl", "force reduce_scatter=nccl"),
+    ("TPCOMM_FORBID", "nccl", "forbid 'nccl'"),
+    ("TPCOMM_TIMEOUT_S", "0", "TPCOMM_TIMEOUT_S='0' must be positive"),
+])
+def test_bad_env_values_name_them(monkeypatch, name, value, needle):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        Config.from_env()
+
+
+def test_bad_arguments_are_refused():
+    for changes in ({"max_bytes": 10}, {"max_bytes": 0}, {"packet_max_bytes": 24}, {"timeout_s": 0},
+                    {"timeout_s": -1.0}, {"max_bytes": True}):
+        with pytest.raises(ValueError):
+            Config().replace(**changes)
+
+
+def _body_routing_from_config_and_table(rank, world_size, table_path):
+    comm = tpcomm.Communicator(device="cpu", table=table_path, config=Config(forbid=("bulk",)),
+                               max_bytes=8 * MiB)
+    assert comm.max_bytes == 8 * MiB and comm.config.forbid == ("bulk",)
+    assert comm.table["about"] == "a test table"
+    assert comm._routes["all_reduce"]["*"] == [(4 * KiB, "packet"), (8 * MiB, "nccl")]
+    assert comm._routes["all_reduce"]["bfloat16"] == [(1 * KiB, "packet"), (8 * MiB, "nccl")]
+    y = comm.all_reduce(torch.full((4,), float(rank)))  # still a working fallback on CPU
+    assert torch.equal(y, torch.full((4,), float(sum(range(world_size)))))
+    comm.close()
+
+
+def test_routing_from_config_and_table_file(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"about": "a test table", "routes": {
+        "all_reduce": {"*": {"*": [[4 * KiB, "packet"], [8 * MiB, "bulk"]], "bfloat16": [[1 * KiB, "packet"], [8 * MiB, "bulk"]]}},
+        "all_gather": {"*": {"*": [[4 * KiB, "packet"], [8 * MiB, "bulk"]]}}}}))
+    run_ranks(2, _body_with_table_env_ignored(str(path)))
+
+
+class _body_with_table_env_ignored:
+    """Picklable body: an explicit table= path wins over a TPCOMM_TABLE that
+    points nowhere (were it read, the constructor would raise)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, rank, world_size):
+        import os
+        os.environ["TPCOMM_TABLE"] = "/not/a/table.json"
+        _body_routing_from_config_and_table(rank, world_size, self.path)
+
+
+def _body_ranks_that_disagree_are_told(rank, world_size):
+    config = Config(forbid=("bulk",)) if rank == 1 else Config()
+    with pytest.raises(ValueError, match=r"would route differently.*all_reduce/\*/1: rank 0: 16777216 bulk, "
+                                         r"rank 1: 16777216 nccl"):
+        tpcomm.Communicator(device="cpu", config=config)
+    timeout = 5.0 if rank == 2 else 10.0
+    with pytest.raises(ValueError, match=r"timeout_s: rank 0: 10.0, rank 1: 10.0, rank 2: 5.0"):
+        tpcomm.Communicator(device="cpu", timeout_s=timeout)
+    # agreeing ranks after all of that: a working communicator
+    comm = tpcomm.Communicator(device="cpu")
+    assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world_size)))
+    comm.close()
+
+
+def test_ranks_that_would_route_differently_all_raise():
+    run_ranks(3, _body_ranks_that_disagree_are_told)
