@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _fake, _lib, policy, topology
+from . import _fake, _lib, ops, policy, topology
 from ._log import log_once
 from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
@@ -91,11 +91,13 @@ class Communicator:
         self.disabled_reason = None
         self._calls = collections.Counter()  # (op, backend) -> calls
         self._group_key = group_key(self.group)
+        self.group_name = str(self._group_key)  # what torch.ops.tpcomm.all_reduce(x, group_name) takes
         self.serial = next(_serials[self._group_key])
         with self._on_device():
             self.disabled_reason = self._agree(self._local_reason())
             if self.disabled_reason is None:
                 self.disabled_reason = self._open_custom()
+        ops.register(self)
         if self.disabled_reason is not None:
             log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
                                       f"{self.disabled_reason}")
@@ -343,6 +345,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        ops.unregister(self)
         if self._comm is None:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
@@ -366,6 +369,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        ops.unregister(self)
         if self._comm is not None:
             self._release(self._lib.tpc_comm_abort, "abort")
 
