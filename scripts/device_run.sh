@@ -2,7 +2,7 @@
 # One device-machine call: build, GPU test suite, benchmark. What comes back
 # (at most 8 files) lands under $OUT: gpu_tests.log, the benchmark's JSON, its
 # table (.txt) and plots. The build log stays in /tmp and is shown on failure.
-# Usage (on the device machine, repo root): bash scripts/device_run.sh [tests|bench|all] [pytest args...]
+# Usage (on the device machine, repo root): bash scripts/device_run.sh [tests|bench|tune|all] [pytest args...]
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
@@ -17,6 +17,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "TIMING|passed|failed|Error|error|assert|FAIL|SKIP|^E " | tail -80
   echo "tests done: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = tune ]; then
+  timeout 330 python3 -m tpcomm.tune --out "$OUT/tpcomm_table_h200x$(nvidia-smi -L | wc -l).json" 2>&1 | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 330 python3 -m tpcomm.bench --out "$OUT/h200x2.json" --deadline-s 250 2>&1 | tee "$OUT/h200x2.txt" | tail -120

@@ -1,0 +1,129 @@
+"""python -m tpcomm.tune: measure this machine and write the routing table
+the Communicator loads (Communicator(table=path) or TPCOMM_TABLE=path).
+
+It runs tpcomm.bench in graph mode for the backends the dispatcher routes to
+(tpcomm's packet and bulk kernels, NCCL), every size checked bit for bit,
+and keeps, per op, dtype and size, the fastest correct backend; consecutive
+sizes with the same winner become one band. `--from results.json` derives
+the table from an earlier benchmark run instead of measuring (no GPU needed).
+
+    python -m tpcomm.tune --out my_table.json
+    python -m tpcomm.tune --from benchmarks/results/h200x2.json --out h200x2.json
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from . import policy
+
+# Benchmark backend names -> the routing table's backend names.
+ROUTABLE = {"tpcomm_packet": "packet", "tpcomm_bulk": "bulk", "nccl": "nccl"}
+# On a tie (equal medians) the earlier one wins: tpcomm's kernels first.
+PREFERENCE = ("packet", "bulk", "nccl")
+
+
+def winners(rows, op, dtype):
+    """[(bytes per rank, fastest routable backend), ...] by size, from the
+    correct graph-mode rows of one op and dtype."""
+    by_size = {}
+    for r in rows:
+        backend = ROUTABLE.get(r.get("backend"))
+        if (backend is None or r.get("op") != op or r.get("dtype") != dtype or r.get("mode") != "graph"
+                or not r.get("correct") or not isinstance(r.get("median_us"), (int, float))):
+            continue
+        by_size.setdefault(int(r["bytes_per_rank"]), []).append((r["median_us"], PREFERENCE.index(backend), backend))
+    return [(size, min(times)[2]) for size, times in sorted(by_size.items())]
+
+
+def bands(won):
+    """Bands [limit, backend] from the winners by size: each band ends at the
+    last size its backend won; past the last band the Communicator uses NCCL,
+    so a trailing NCCL band is dropped."""
+    out = []
+    for size, backend in won:
+        if out and out[-1][1] == backend:
+            out[-1][0] = size
+        else:
+            out.append([size, backend])
+    while out and out[-1][1] == "nccl":
+        out.pop()
+    return out
+
+
+def derive_table(results, base=None):
+    """A routing table (policy's format) from benchmark results: a row for
+    the measured world size, one per measured dtype (its "*" row is
+    bfloat16's, the dtype of serving), and every other world size kept from
+    `base` (default: the shipped table)."""
+    base = policy.load_table(base)
+    env = results.get("env", {})
+    world = str(env.get("world_size", ""))
+    if not world.isdigit():
+        raise ValueError("the benchmark results name no world size (env.world_size)")
+    rows = results.get("rows", [])
+    routes = {}
+    for op in policy.OPS:
+        dtypes = sorted({r["dtype"] for r in rows if r.get("op") == op and r.get("dtype") in policy.DTYPES})
+        by_dtype = {d: bands(winners(rows, op, d)) for d in dtypes}
+        by_dtype = {d: b for d, b in by_dtype.items() if b}
+        if not by_dtype:
+            raise ValueError(f"the benchmark results have no correct graph-mode rows for {op}")
+        star = by_dtype.get("bfloat16") or next(iter(by_dtype.values()))
+        measured = {"*": star} if op == "all_gather" else {"*": star, **by_dtype}
+        routes[op] = {w: {d: [list(b) for b in bs] for d, bs in by_d.items()}
+                      for w, by_d in base["routes"][op].items() if w != world}
+        routes[op][world] = measured
+    about = (f"python -m tpcomm.tune: {world}x {env.get('gpu', '?')}, driver {env.get('driver', '?')}, "
+             f"torch {env.get('torch', '?')}, NCCL {env.get('nccl', '?')}, {env.get('date', '?')}: fastest correct "
+             f"of {', '.join(PREFERENCE)} per op, dtype and size (CUDA graphs, median per op)")
+    table = {"about": about, "routes": routes}
+    policy.load_table(table)  # what we write must load
+    return table
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tpcomm.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source", help="derive from this benchmark results JSON instead of measuring")
+    p.add_argument("--out", help="where to write the table (default: tpcomm_table_<gpu>x<n>.json here)")
+    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes to measure")
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size per rank to measure")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.source:
+        with open(args.source) as f:
+            results = json.load(f)
+    else:
+        from .bench.__main__ import main as bench_main
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "tune.json")
+            bench_main(["--modes", "graph", "--backends", ",".join(ROUTABLE), "--dtypes", args.dtypes,
+                        "--max-bytes", str(args.max_bytes), "--no-plots", "--out", path])
+            if not os.path.exists(path):
+                print("tpcomm.tune: nothing was measured (it needs 2 or more CUDA GPUs); no table written")
+                return 1
+            with open(path) as f:
+                results = json.load(f)
+    table = derive_table(results)
+    env = results.get("env", {})
+    gpu = str(env.get("gpu", "gpu")).split()[-1].lower()
+    out = args.out or f"tpcomm_table_{gpu}x{env.get('world_size', 'n')}.json"
+    with open(out, "w") as f:
+        json.dump(table, f, indent=2)
+        f.write("\n")
+    for op in policy.OPS:
+        for world, by_dtype in sorted(table["routes"][op].items()):
+            for dtype, bs in sorted(by_dtype.items()):
+                print(f"{op:11s} world {world:2s} {dtype:9s} " + ", ".join(f"{b} to {n} B" for n, b in bs))
+    print(f"wrote {out}: use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
