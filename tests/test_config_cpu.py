@@ -102,3 +102,70 @@ def _body_ranks_that_disagree_are_told(rank, world_size):
 
 def test_ranks_that_would_route_differently_all_raise():
     run_ranks(3, _body_ranks_that_disagree_are_told)
+
+
+# ------------------------------------------- where the custom path is declined
+#
+# On CPU every rank has a local reason ("device is cpu") that comes first;
+# these bodies take it away to reach the checks of the whole group: another
+# node, GPUs without NVLink between every pair, NVML unavailable.
+
+class _GpuLike(tpcomm.Communicator):
+    def _local_reason(self):
+        return None
+
+    def _open_custom(self):  # never reached when the group declines
+        raise AssertionError("the custom path was opened")
+
+
+def _facts(host, uuid):
+    return lambda device: {"host": host, "boot_id": "b", "gpu_uuid": uuid}
+
+
+def _body_two_nodes(rank, world_size):
+    from tpcomm import topology
+    topology.local_facts = _facts(f"node{rank % 2}", f"GPU-{rank}")
+    comm = _GpuLike(device="cpu")
+    assert comm.disabled_reason == "the group spans 2 nodes; the custom kernels are intra-node", comm.disabled_reason
+    assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), float(world_size)))  # NCCL path works
+    comm.close()
+
+
+def test_a_group_across_nodes_goes_to_nccl():
+    run_ranks(2, _body_two_nodes)
+
+
+def _body_nvlink(rank, world_size):
+    from tpcomm import topology
+    topology.local_facts = _facts("one-host", f"GPU-{rank}")
+    topology.nvlink_between_all = lambda uuids: False
+    comm = _GpuLike(device="cpu")
+    assert comm.disabled_reason == f"{world_size} GPUs without NVLink between every pair", comm.disabled_reason
+    comm.close()
+    topology.nvlink_between_all = lambda uuids: None
+    comm = _GpuLike(device="cpu")
+    assert "NVML unavailable" in comm.disabled_reason, comm.disabled_reason
+    comm.close()
+    topology.local_facts = _facts("one-host", "GPU-same")
+    comm = _GpuLike(device="cpu")
+    assert comm.disabled_reason == "two ranks share one GPU", comm.disabled_reason
+    comm.close()
+
+
+def test_gpus_without_nvlink_or_shared_go_to_nccl():
+    run_ranks(3, _body_nvlink)
+
+
+def _body_stats(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    assert comm.stats() == {}
+    comm.all_reduce(torch.ones(8))                 # 32 bytes
+    comm.all_reduce(torch.ones(4, dtype=torch.float64))  # 32 bytes
+    comm.all_gather(torch.ones(2, 3), dim=1)       # 24 bytes
+    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 2, "bytes": 64},
+                            ("all_gather", "nccl"): {"calls": 1, "bytes": 24}}, comm.stats()
+    comm.close()
+
+
+def test_stats_count_calls_and_bytes_per_op_and_backend():
+    run_ranks(2, _body_stats)

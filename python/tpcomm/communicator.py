@@ -90,6 +90,7 @@ class Communicator:
         self._closed = False
         self.disabled_reason = None
         self._calls = collections.Counter()  # (op, backend) -> calls
+        self._bytes = collections.Counter()  # (op, backend) -> input bytes per rank
         self._group_key = group_key(self.group)
         self.group_name = str(self._group_key)  # what torch.ops.tpcomm.all_reduce(x, group_name) takes
         self.serial = next(_serials[self._group_key])
@@ -218,10 +219,10 @@ class Communicator:
 
     # ------------------------------------------------------------ public API
     @property
-    def enabled(self):
+    def enabled(self) -> bool:
         return self.handle != 0
 
-    def all_reduce(self, x, out=None):
+    def all_reduce(self, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """Sum of x over the group. Returns a new tensor, or writes into `out`
         (which may be x itself) and returns it. fp32/fp16/bf16 of a byte size
         that is a multiple of 16, up to max_bytes, run on tpcomm's kernels;
@@ -235,8 +236,9 @@ class Communicator:
                 raise ValueError("tpcomm: out must be contiguous with the input's shape and dtype")
         if not x.is_contiguous():
             x = x.contiguous()
-        backend = self.route_all_reduce(x)
-        self._calls["all_reduce", backend] += 1
+        nbytes = x.numel() * x.element_size()
+        backend = self._route_all_reduce(x, nbytes)
+        self._count("all_reduce", backend, nbytes)
         if backend == "nccl":
             return self._nccl_all_reduce(x, out)
         try:
@@ -247,7 +249,7 @@ class Communicator:
             raise _lib.translated(e) from None
         return out
 
-    def all_gather(self, x, dim=0):
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenation of every rank's x along `dim` (negative dims count
         from the end), contiguous: what NCCL's all_gather_into_tensor along
         dim 0 followed by a move to `dim` gives. Any dtype; bit-exact."""
@@ -257,8 +259,9 @@ class Communicator:
         if not -x.dim() <= dim < x.dim():
             raise IndexError(f"tpcomm: dim {dim} is out of range for {x.dim()} dimensions")
         dim = dim % x.dim()
-        backend = self.route_all_gather(x, dim)
-        self._calls["all_gather", backend] += 1
+        nbytes = x.numel() * x.element_size()
+        backend = self._route_all_gather(x, dim, nbytes)
+        self._count("all_gather", backend, nbytes)
         if backend == "nccl":
             return self._nccl_all_gather(x, dim)
         try:
@@ -266,9 +269,11 @@ class Communicator:
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
-    def route_all_reduce(self, x):
+    def route_all_reduce(self, x: torch.Tensor) -> str:
         """The backend all_reduce(x) uses: "packet", "bulk" or "nccl"."""
-        nbytes = x.numel() * x.element_size()
+        return self._route_all_reduce(x, x.numel() * x.element_size())
+
+    def _route_all_reduce(self, x, nbytes):
         if (not self.enabled or x.dtype not in REDUCE_DTYPES or nbytes == 0 or nbytes % 16
                 or nbytes > self.max_bytes):
             return "nccl"
@@ -278,9 +283,11 @@ class Communicator:
             backend = "bulk"
         return backend
 
-    def route_all_gather(self, x, dim=0):
+    def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "bulk" or "nccl"."""
-        nbytes = x.numel() * x.element_size()
+        return self._route_all_gather(x, dim, x.numel() * x.element_size())
+
+    def _route_all_gather(self, x, dim, nbytes):
         row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
         if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4:
             return "nccl"
@@ -301,11 +308,16 @@ class Communicator:
                          f"output {self.max_bytes} B)")
         return "; ".join(parts)
 
-    def stats(self):
-        """Calls so far per (op, backend), e.g. {("all_reduce", "packet"): 12}."""
-        return dict(self._calls)
+    def _count(self, op, backend, nbytes):
+        self._calls[op, backend] += 1
+        self._bytes[op, backend] += nbytes
 
-    def check(self):
+    def stats(self) -> dict:
+        """Calls and input bytes per rank so far, per (op, backend):
+        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}."""
+        return {key: {"calls": calls, "bytes": self._bytes[key]} for key, calls in self._calls.items()}
+
+    def check(self) -> None:
         """Raises the recorded error if an op failed on the device: a peer
         that did not arrive within timeout_s (CollectiveTimeout), peers that
         called different ops (CollectiveMismatch), or, after close(), a CUDA
@@ -336,7 +348,7 @@ class Communicator:
         self.check()
         yield self
 
-    def close(self, timeout_s=None):
+    def close(self, timeout_s: "float | None" = None) -> None:
         """Frees the registered buffers. Collective: every rank calls it. Waits
         at most `timeout_s` (default: this communicator's timeout_s + 5 s) for
         the peers to arrive; if one does not (it died, or never calls close),
@@ -359,7 +371,7 @@ class Communicator:
                 "was aborted (its GPU memory is released when the process exits)")
         self._release(self._lib.tpc_comm_destroy, "destroy")
 
-    def abort(self):
+    def abort(self) -> None:
         """Stops this communicator now, on this rank only: never blocks, needs
         no peer. Ops queued on the GPU and graph replays exit (outputs NaN),
         peers' waits for this rank end at once with an error, and the id is
