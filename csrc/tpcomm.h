@@ -9,7 +9,7 @@
  *                        slot peers write their stop word into (TPC_IPC_HANDLE_BYTES)
  *   tpc_comm_open_peer   open a peer's handle, once for every other rank, in any order
  *   tpc_comm_ready       check every peer is open and upload the peer table
- *   tpc_all_reduce / tpc_all_gather   enqueue collectives on a stream
+ *   tpc_all_reduce / tpc_all_gather / tpc_reduce_scatter   enqueue collectives on a stream
  *   tpc_comm_destroy     close every opened handle, free every buffer
  *   tpc_comm_abort       non-blocking: stop this communicator's device work now
  *                        (queued ops and graph replays exit), tell the peers,
@@ -147,6 +147,14 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
  * (the output is then left as is). all_reduce derives it from its dtype. */
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           size_t row_bytes, tpc_algo algo, uint64_t nan_pattern, void *stream);
+
+/* Rank r's output is the sum over ranks of chunk r of their input: `in`
+ * holds world_size chunks of chunk_bytes each (the layout of NCCL's
+ * reduce_scatter_tensor), `out` one chunk. Sums in fp32 in rank order, as
+ * all_reduce. chunk_bytes is a multiple of 16; in and out 16-byte aligned.
+ * TPC_ALGO_AUTO uses the all_reduce cutover on the chunk size. */
+tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
+                              tpc_dtype dtype, tpc_algo algo, void *stream);
 
 /* Reads the device-side error record (no synchronisation). */
 tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out);

@@ -172,6 +172,35 @@ def _check_all_gather(comm, rank, world_size):
         assert_bits_equal(comm.all_gather(base.t(), dim=dim), torch.cat(parts, dim), f"transposed all_gather dim={dim}")
 
 
+def _check_reduce_scatter(comm, rank, world_size):
+    """Rank r gets the sum of every rank's part r along dim, in any dtype
+    gloo sums; bad dims and sizes raise before any communication."""
+    n = world_size
+    for seed, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16, torch.int64]):
+        for shape, dims in [((2 * n,), [0, -1]), ((n, 5), [0]), ((3, 4 * n), [1, -1]), ((2, n, 3), [1])]:
+            x = exact_values(rank, shape, dtype, seed)
+            x_before = x.clone()
+            total = expected_sum(world_size, shape, dtype, seed)
+            for dim in dims:
+                y = comm.reduce_scatter(x, dim=dim)
+                assert_bits_equal(y, total.chunk(n, dim)[rank].contiguous(), f"reduce_scatter {dtype} {shape} dim={dim}")
+                assert y.is_contiguous()
+                assert comm.route_reduce_scatter(x) == "nccl"
+            assert_bits_equal(x, x_before, "reduce_scatter changed its input")
+    base = exact_values(rank, (4 * n, 3), torch.float32, seed=9)
+    y = comm.reduce_scatter(base.t(), dim=1)  # a non-contiguous input
+    assert_bits_equal(y, expected_sum(world_size, (4 * n, 3), torch.float32, seed=9).t().chunk(n, 1)[rank].contiguous(),
+                      "reduce_scatter of a transposed input")
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        comm.reduce_scatter(torch.ones(n + 1))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        comm.reduce_scatter(torch.tensor(1.0))
+    with pytest.raises(IndexError, match="out of range"):
+        comm.reduce_scatter(torch.ones(n), dim=1)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.reduce_scatter([1.0] * n)
+
+
 def _check_errors(comm, rank, world_size):
     x = torch.ones(4, 4)
     with pytest.raises(TypeError, match="torch.Tensor"):
@@ -239,6 +268,7 @@ def _body_main(rank, world_size):
     assert comm.disabled_reason.startswith("rank 0: ")
     _check_all_reduce(comm, rank, world_size)
     _check_all_gather(comm, rank, world_size)
+    _check_reduce_scatter(comm, rank, world_size)
     _check_errors(comm, rank, world_size)
     # a second communicator on the same group works alongside the first
     other = tpcomm.Communicator(device=torch.device("cpu"))
@@ -519,3 +549,18 @@ def test_routing_summary_logged_at_init_names_every_band():
     text = c._routing_summary()
     assert "all_reduce: packet up to 262144 B, bulk up to 16777216 B, then nccl" in text
     assert "all_gather: packet up to 262144 B" in text and "caps: packet 1048576 B per rank" in text
+
+
+def test_route_reduce_scatter():
+    """Bands by input bytes per rank; the packet cap applies to one part."""
+    table = {"routes": {"reduce_scatter": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}}}
+    c = _routing_comm(table=table, packet_max_bytes=16 * KiB)
+    assert c.route_reduce_scatter(_t(32)) == "packet"            # 2 parts of 16 bytes
+    assert c.route_reduce_scatter(_t(32 * KiB)) == "packet"      # parts of 16 KiB: at the packet cap
+    assert c.route_reduce_scatter(_t(32 * KiB + 32)) == "bulk"   # over the packet cap per part
+    assert c.route_reduce_scatter(_t(64 * KiB + 32)) == "bulk"
+    assert c.route_reduce_scatter(_t(16 * MiB + 32)) == "nccl"   # over max_bytes
+    assert c.route_reduce_scatter(_t(48)) == "nccl"              # parts of 24 bytes
+    assert c.route_reduce_scatter(_t(1024, torch.int32)) == "nccl"
+    c.handle = 0
+    assert c.route_reduce_scatter(_t(32)) == "nccl"

@@ -15,6 +15,8 @@ from test_communicator_cpu import assert_bits_equal, exact_values, expected_sum,
 def test_ops_are_registered_at_import():
     assert str(torch.ops.tpcomm.all_reduce.default._schema) == \
         "tpcomm::all_reduce(Tensor x, str group_name) -> Tensor"
+    assert str(torch.ops.tpcomm.reduce_scatter.default._schema) == \
+        "tpcomm::reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor"
     assert str(torch.ops.tpcomm.all_gather.default._schema) == \
         "tpcomm::all_gather(Tensor x, SymInt dim, str group_name) -> Tensor"
 
@@ -33,20 +35,22 @@ class _Block(torch.nn.Module):
 
     def forward(self, x):
         y = torch.ops.tpcomm.all_reduce(x * 2.0, self.group_name) + 1.0
-        return torch.ops.tpcomm.all_gather(y, -1, self.group_name)
+        z = torch.ops.tpcomm.all_gather(y, -1, self.group_name)
+        return torch.ops.tpcomm.reduce_scatter(z, -1, self.group_name)
 
 
 def _body_compiled_models(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     x = exact_values(rank, (3, 8), torch.float32, seed=5)
-    parts = [(expected_sum(world_size, (3, 8), torch.float32, seed=5) * 2.0 + 1.0) for _ in range(world_size)]
-    expected = torch.cat(parts, -1)
+    # all_reduce, then all_gather of identical parts, then reduce_scatter of those: world_size copies summed
+    expected = (expected_sum(world_size, (3, 8), torch.float32, seed=5) * 2.0 + 1.0) * world_size
     block = _Block(comm.group_name)
     assert_bits_equal(block(x), expected, "eager")
     with FakeTensorMode():
         fake = torch.empty(3, 8)
         assert torch.ops.tpcomm.all_gather(fake, 0, comm.group_name).shape == (3 * world_size, 8)
         assert torch.ops.tpcomm.all_reduce(fake, comm.group_name).shape == (3, 8)
+        assert torch.ops.tpcomm.reduce_scatter(torch.empty(3, 8 * world_size), 1, comm.group_name).shape == (3, 8)
     for kwargs in ({"backend": "aot_eager", "fullgraph": True}, {"fullgraph": True},
                    {"fullgraph": True, "mode": "reduce-overhead"}):
         torch._dynamo.reset()

@@ -36,7 +36,7 @@ def test_defaults_and_env(monkeypatch):
     ("TPCOMM_PACKET_MAX_BYTES", "-16", "packet_max_bytes=-16 must be a positive multiple of 16"),
     ("TPCOMM_FORCE", "all_reduce", "expected op=backend pairs"),
     ("TPCOMM_FORCE", "all_reduce=fast", "force all_reduce=fast"),
-    ("TPCOMM_FORCE", "reduce_scatter=nccl", "force reduce_scatter=nccl"),
+    ("TPCOMM_FORCE", "all_to_all=nccl", "force all_to_all=nccl"),
     ("TPCOMM_FORBID", "nccl", "forbid 'nccl'"),
     ("TPCOMM_TIMEOUT_S", "0", "TPCOMM_TIMEOUT_S='0' must be positive"),
 ])

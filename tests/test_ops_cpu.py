@@ -23,6 +23,7 @@ SCHEMAS = {
     "custom_all_reduce_out":
         "tpcomm::custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()",
     "custom_all_gather": "tpcomm::custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor",
+    "custom_reduce_scatter": "tpcomm::custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor",
 }
 
 
@@ -106,6 +107,17 @@ def test_fake_all_gather_shapes(lib, handle, world_size, dtype):
             assert y.dtype == dtype
             assert y.device.type == "cuda"
             assert y.is_contiguous()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_fake_reduce_scatter_shapes(lib, handle, world_size):
+    h = handle(world_size)
+    with FakeTensorMode():
+        for shape, dtype in [((world_size * 4, 8), torch.float32), ((world_size, 3, 16), torch.bfloat16)]:
+            y = torch.ops.tpcomm.custom_reduce_scatter(torch.empty(shape, device="cuda", dtype=dtype), h, 0)
+            assert tuple(y.shape) == (shape[0] // world_size,) + shape[1:] and y.dtype == dtype
+        with pytest.raises(ValueError, match="divisible by the world size"):
+            torch.ops.tpcomm.custom_reduce_scatter(torch.empty(world_size + 1, device="cuda"), h, 0)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -284,7 +296,9 @@ def test_policy_shipped_table():
                 assert set(backends) <= {"packet", "bulk"}, (op, world, dtype)
                 assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world, dtype)
                 assert limits[-1] <= 16 * MiB and all(limit % 16 == 0 for limit in limits)
-                assert policy.packet_cutover(rows) <= 1 * MiB
+                # reduce_scatter's bands are its input per rank; the packet cap is on one chunk
+                chunks = (int(world) if world != "*" else 2) if op == "reduce_scatter" else 1
+                assert policy.packet_cutover(rows) // chunks <= 1 * MiB
 
 
 def test_policy_lookup_falls_back_to_star():
@@ -313,7 +327,7 @@ def test_policy_effective_routes_and_flatten():
 
 
 @pytest.mark.parametrize("routes,needle", [
-    ({}, "no routes for all_reduce"),
+    ({"all_reduce": [[16, "packet"]]}, "routes for all_reduce must be an object"),
     ({"all_reduce": {"2": {"*": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
      "all_reduce needs a '*' world-size row"),
     ({"all_reduce": {"9": {"*": [[16, "packet"]]}, "*": {"*": [[16, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
@@ -333,6 +347,13 @@ def test_policy_effective_routes_and_flatten():
 def test_policy_bad_tables_name_the_entry(routes, needle):
     with pytest.raises(policy.TableError, match=re.escape(needle)):
         policy.load_table({"routes": routes})
+
+
+def test_policy_ops_a_table_lacks_come_from_the_shipped_one():
+    table = policy.load_table({"routes": {"all_reduce": {"*": {"*": [[64, "bulk"]]}}}})
+    assert table["routes"]["all_reduce"]["*"]["*"] == [(64, "bulk")]
+    for op in ("all_gather", "reduce_scatter"):
+        assert table["routes"][op] == SHIPPED["routes"][op]
 
 
 def test_policy_table_files(tmp_path):

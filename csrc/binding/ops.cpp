@@ -134,6 +134,27 @@ void custom_all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo)
   all_reduce_into(input, out, comm, algo);
 }
 
+// Rank r's share of the sum: the input's dim 0 holds world_size equal parts
+// (NCCL's reduce_scatter_tensor layout); the output is the sum of part r.
+Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
+  Held held(id);
+  tpc_comm *comm = held.get();
+  check_tensor(comm, input, "input");
+  const tpc_dtype dtype = reduce_dtype(input);
+  const int64_t world = tpc_comm_world_size(comm);
+  if (input.dim() < 1 || input.size(0) % world != 0)
+    fail("tpcomm: reduce_scatter needs dim 0 divisible by the world size %lld", static_cast<long long>(world));
+  const Tensor x = aligned_input(torch::stable::contiguous(input));
+  std::vector<int64_t> sizes(x.dim());
+  for (int64_t d = 0; d < x.dim(); ++d) sizes[d] = x.size(d);
+  sizes[0] /= world;
+  Tensor out = torch::stable::new_empty(x, sizes);
+  const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
+  check(comm, tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype,
+                                 static_cast<tpc_algo>(algo), current_stream(x.get_device_index())));
+  return out;
+}
+
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
 // all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
 Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
@@ -170,10 +191,12 @@ STABLE_TORCH_LIBRARY(tpcomm, m) {
   m.def("custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor");
   m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
   m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
+  m.def("custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
   m.impl("custom_all_reduce", TORCH_BOX(&custom_all_reduce));
   m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
   m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
+  m.impl("custom_reduce_scatter", TORCH_BOX(&custom_reduce_scatter));
 }

@@ -389,6 +389,7 @@ static const char *op_name(uint32_t kind) {
   switch (kind & 0xffu) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
     case TPC_OP_ALL_GATHER: return "all_gather";
+    case TPC_OP_REDUCE_SCATTER: return "reduce_scatter";
   }
   return "an unknown op";
 }
@@ -561,41 +562,65 @@ static tpc_result launch_on_device(tpc_comm *comm, int op, const tpc_kernel_args
   if (code) return runtime_fail(comm, rt, code, "reading the current device");
   if (current != comm->cfg.device && (code = rt->set_device(comm->cfg.device)) != 0)
     return runtime_fail(comm, rt, code, "selecting the communicator's device");
-  code = op == TPC_OP_ALL_REDUCE ? rt->launch_all_reduce(a, algo, stream)
-                                 : rt->launch_all_gather(a, algo, stream);
+  const char *what = "launching reduce_scatter";
+  if (op == TPC_OP_ALL_REDUCE) {
+    code = rt->launch_all_reduce(a, algo, stream);
+    what = "launching all_reduce";
+  } else if (op == TPC_OP_ALL_GATHER) {
+    code = rt->launch_all_gather(a, algo, stream);
+    what = "launching all_gather";
+  } else {
+    code = rt->launch_reduce_scatter(a, algo, stream);
+  }
   if (current != comm->cfg.device) rt->set_device(current);
-  return code ? runtime_fail(comm, rt, code, op == TPC_OP_ALL_REDUCE ? "launching all_reduce"
-                                                                     : "launching all_gather")
-              : TPC_OK;
+  return code ? runtime_fail(comm, rt, code, what) : TPC_OK;
 }
 
 static int misaligned(const void *p, size_t to) { return ((uintptr_t)p % to) != 0; }
 
-tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
-                          tpc_dtype dtype, tpc_algo algo, void *stream) {
+/* NaN of each reducible dtype, repeated over 8 bytes. */
+static const uint64_t reduce_nan[] = {0x7fc000007fc00000ull, 0x7e007e007e007e00ull, 0x7fc07fc07fc07fc0ull};
+
+/* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
+ * chunk (the whole input for all_reduce, one chunk for reduce_scatter),
+ * `in_bytes` the whole input. Checks, picks the kernel, launches. */
+static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void *in, void *out,
+                            size_t nbytes, size_t in_bytes, tpc_dtype dtype, tpc_algo algo, void *stream) {
   tpc_result r = begin_op(comm, in, out, stream);
   if (r != TPC_OK) return r;
   if (dtype != TPC_FLOAT32 && dtype != TPC_FLOAT16 && dtype != TPC_BFLOAT16)
     return fail(comm, TPC_ERR_INVALID_ARG, "dtype %d is not float32, float16 or bfloat16", dtype);
   if (nbytes == 0 || nbytes % 16)
-    return fail(comm, TPC_ERR_INVALID_ARG, "all_reduce of %zu bytes: a positive multiple of 16 is needed", nbytes);
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive multiple of 16 is needed", name, nbytes);
   if (misaligned(in, 16) || misaligned(out, 16))
-    return fail(comm, TPC_ERR_INVALID_ARG, "all_reduce input and output must be 16-byte aligned");
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
   if (algo == TPC_ALGO_AUTO)
     algo = nbytes <= comm->all_reduce_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
   if (algo == TPC_ALGO_PACKET && nbytes > comm->cfg.packet_max_bytes)
-    return fail(comm, TPC_ERR_TOO_LARGE, "all_reduce of %zu bytes is over the packet cap of %zu",
-                nbytes, comm->cfg.packet_max_bytes);
-  if (algo == TPC_ALGO_BULK && nbytes > comm->cfg.max_bytes)
-    return fail(comm, TPC_ERR_TOO_LARGE, "all_reduce of %zu bytes is over the cap of %zu",
-                nbytes, comm->cfg.max_bytes);
+    return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
+                comm->cfg.packet_max_bytes);
+  if (algo == TPC_ALGO_BULK && in_bytes > comm->cfg.max_bytes)
+    return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the cap of %zu", name, in_bytes,
+                comm->cfg.max_bytes);
   if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
-  /* NaN of the dtype, repeated over 8 bytes. */
-  static const uint64_t nan_of[] = {0x7fc000007fc00000ull, 0x7e007e007e007e00ull, 0x7fc07fc07fc07fc0ull};
   tpc_kernel_args a;
-  fill_args(comm, &a, in, out, nbytes, nbytes, nbytes, dtype, TPC_OP_ALL_REDUCE, algo, nan_of[dtype]);
-  return launch_on_device(comm, TPC_OP_ALL_REDUCE, &a, algo, stream);
+  fill_args(comm, &a, in, out, nbytes, nbytes, nbytes, dtype, op, algo, reduce_nan[dtype]);
+  return launch_on_device(comm, op, &a, algo, stream);
+}
+
+tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
+                          tpc_dtype dtype, tpc_algo algo, void *stream) {
+  return reduce_op(comm, TPC_OP_ALL_REDUCE, "all_reduce", in, out, nbytes, nbytes, dtype, algo, stream);
+}
+
+tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
+                              tpc_dtype dtype, tpc_algo algo, void *stream) {
+  const size_t world = comm ? (size_t)comm->cfg.world_size : 0;
+  if (comm && chunk_bytes > ((size_t)1 << 40))
+    return fail(comm, TPC_ERR_TOO_LARGE, "reduce_scatter chunk of %zu bytes", chunk_bytes);
+  return reduce_op(comm, TPC_OP_REDUCE_SCATTER, "reduce_scatter", in, out, chunk_bytes, chunk_bytes * world,
+                   dtype, algo, stream);
 }
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,

@@ -85,7 +85,7 @@ typedef struct {
 } tpc_layout;
 
 /* What kind of op a header packet announces; peers must agree. */
-enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2 };
+enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3 };
 
 /* The header's kind word: op, algorithm, dtype and a fold of the row length,
  * so peers that disagree on any of them fail with a CollectiveMismatch that
@@ -102,7 +102,7 @@ typedef struct {
   tpc_async_error *err;       /* its host-mapped error record (device address, never freed) */
   const void *in;
   void *out;
-  uint64_t nbytes;            /* input bytes per rank */
+  uint64_t nbytes;            /* input bytes per rank (reduce_scatter: one chunk, the output) */
   uint64_t out_bytes;         /* bytes of out: poisoned when the op cannot run */
   uint64_t row_bytes;         /* all-gather: contiguous run per rank in out */
   uint64_t timeout_ns;

@@ -40,6 +40,7 @@ typedef struct {
   int (*write_async)(void *dst, const void *src, size_t bytes);
   int (*launch_all_reduce)(const tpc_kernel_args *args, int algo, void *stream);
   int (*launch_all_gather)(const tpc_kernel_args *args, int algo, void *stream);
+  int (*launch_reduce_scatter)(const tpc_kernel_args *args, int algo, void *stream);
 } tpc_runtime;
 
 /* Defined by whichever runtime the library is linked with. */

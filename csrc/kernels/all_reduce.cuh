@@ -15,8 +15,7 @@
 #ifndef TPCOMM_ALL_REDUCE_CUH
 #define TPCOMM_ALL_REDUCE_CUH
 
-#include "data_ops.cuh"
-#include "primitives.cuh"
+#include "reduce.cuh"
 
 __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a, 1);
@@ -36,18 +35,8 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
     }
   }
   for (uint64_t u = first; u < units; u += stride) {
-    float acc[4];
-    for (int q = 0; q < a.world; ++q) {
-      const uint2 v = q == a.rank ? in[u]
-                                  : tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, q) +
-                                                             u * TPC_PACKET_BYTES, q);
-      const uint32_t words[2] = {v.x, v.y};
-      if (q == 0) tpc_start(acc, words, 2, a.dtype);
-      else tpc_accumulate(acc, words, 2, a.dtype);
-    }
-    uint32_t sum[2];
-    tpc_round(acc, sum, 2, a.dtype);
-    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : make_uint2(sum[0], sum[1]);
+    const uint2 sum = tpc_sum_packet(&op, &a, in[u], u);
+    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, 0);
 }
@@ -85,17 +74,8 @@ __global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 
   const uint64_t b = tpc_chunk_begin(units, me, n), e = tpc_chunk_begin(units, me + 1, n);
   for (uint64_t k = b + first; k < e; k += stride) {
-    float acc[8];
-    for (int q = 0; q < n; ++q) {
-      const uint4 v = q == me ? tpc_load16(in + k * 16)
-                              : tpc_load16_from_peer(SCATTER_SLOT(me, q) + (k - b) * 16);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      if (q == 0) tpc_start(acc, words, 4, a.dtype);
-      else tpc_accumulate(acc, words, 4, a.dtype);
-    }
-    uint32_t s[4];
-    tpc_round(acc, s, 4, a.dtype);
-    const uint4 sum = tpc_op_broken(&op) ? tpc_poison16(&a) : make_uint4(s[0], s[1], s[2], s[3]);
+    const uint4 s = tpc_sum16(&a, tpc_load16(in + k * 16), SCATTER_SLOT(me, 0) + (k - b) * 16, slot_units * 16);
+    const uint4 sum = tpc_op_broken(&op) ? tpc_poison16(&a) : s;
     tpc_store16(out + k * 16, sum);
     for (int i = 1; i < n; ++i) tpc_store16(GATHERED((me + i) % n) + k * 16, sum);
   }

@@ -4,6 +4,7 @@
  */
 #include "all_gather.cuh"
 #include "all_reduce.cuh"
+#include "reduce_scatter.cuh"
 
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
 #define TPC_LAUNCH_ERROR() ((int)hipGetLastError())
@@ -88,5 +89,15 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
                       tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
   }
   return tpc_launch(tpc_all_gather_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
+                    args, stream);
+}
+
+extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *stream) {
+  if (algo == TPC_ALGO_PACKET) {
+    const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
+    return tpc_launch(tpc_reduce_scatter_packet_kernel,
+                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
+  }
+  return tpc_launch(tpc_reduce_scatter_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
                     args, stream);
 }

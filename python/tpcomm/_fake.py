@@ -2,6 +2,8 @@
 can trace them without running a collective."""
 import torch
 
+from ._shapes import checked_dim
+
 # handle -> world size. The all-gather output shape needs the communicator's
 # world size, which only the handle knows; Communicator registers itself here.
 WORLD_SIZES = {}
@@ -23,15 +25,21 @@ def register():
     def _all_reduce_out_fake(input, out, comm, algo=0):
         return None
 
+    @torch.library.register_fake("tpcomm::custom_reduce_scatter")
+    def _reduce_scatter_fake(input, comm, algo=0):
+        world = _world_size(comm)
+        if input.dim() == 0 or input.shape[0] % world:
+            raise ValueError(f"tpcomm: reduce_scatter needs dim 0 divisible by the world size {world}")
+        return input.new_empty((input.shape[0] // world,) + tuple(input.shape[1:]))
+
     @torch.library.register_fake("tpcomm::custom_all_gather")
     def _all_gather_fake(input, dim, comm, algo=0):
-        if input.dim() == 0:
-            raise ValueError("tpcomm: all_gather needs a tensor with at least one dimension")
-        d = dim + input.dim() if dim < 0 else dim
-        if not 0 <= d < input.dim():
-            raise IndexError(f"tpcomm: dim {dim} is out of range for {input.dim()} dimensions")
-        if comm not in WORLD_SIZES:
-            raise ValueError(f"tpcomm: handle {comm} is not an open communicator")
         shape = list(input.shape)
-        shape[d] *= WORLD_SIZES[comm]
+        shape[checked_dim(input, dim, "all_gather")] *= _world_size(comm)
         return input.new_empty(shape)
+
+
+def _world_size(comm):
+    if comm not in WORLD_SIZES:
+        raise ValueError(f"tpcomm: handle {comm} is not an open communicator")
+    return WORLD_SIZES[comm]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import _fake, _lib, ops, policy, topology
 from ._log import log_once
+from ._shapes import checked_dim
 from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
 
@@ -254,11 +255,7 @@ class Communicator:
         from the end), contiguous: what NCCL's all_gather_into_tensor along
         dim 0 followed by a move to `dim` gives. Any dtype; bit-exact."""
         self._check_input(x, "input")
-        if x.dim() == 0:
-            raise ValueError("tpcomm: all_gather needs a tensor with at least one dimension")
-        if not -x.dim() <= dim < x.dim():
-            raise IndexError(f"tpcomm: dim {dim} is out of range for {x.dim()} dimensions")
-        dim = dim % x.dim()
+        dim = checked_dim(x, dim, "all_gather")
         nbytes = x.numel() * x.element_size()
         backend = self._route_all_gather(x, dim, nbytes)
         self._count("all_gather", backend, nbytes)
@@ -269,19 +266,56 @@ class Communicator:
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's share of the sum over the group: x is split along `dim`
+        into world_size equal parts, and rank r gets the sum of every rank's
+        part r (for dim 0, NCCL's reduce_scatter_tensor layout), contiguous.
+        fp32/fp16/bf16 whose part is a multiple of 16 bytes run on tpcomm's
+        kernels (sums in fp32, in rank order); anything else on NCCL."""
+        self._check_input(x, "input")
+        dim = checked_dim(x, dim, "reduce_scatter")
+        if x.shape[dim] % self.world_size:
+            raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
+                             f"the world size {self.world_size}")
+        nbytes = x.numel() * x.element_size()
+        backend = self._route_reduce_scatter(x, nbytes)
+        self._count("reduce_scatter", backend, nbytes)
+        parts = x.movedim(dim, 0) if dim else x
+        if backend == "nccl":
+            y = self._nccl_reduce_scatter(parts.contiguous())
+        else:
+            try:
+                y = torch.ops.tpcomm.custom_reduce_scatter(parts, self.handle, _ALGO[backend])
+            except RuntimeError as e:
+                raise _lib.translated(e) from None
+        return y.movedim(0, dim).contiguous() if dim else y
+
+    def route_reduce_scatter(self, x: torch.Tensor) -> str:
+        """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
+        return self._route_reduce_scatter(x, x.numel() * x.element_size())
+
+    def _route_reduce_scatter(self, x, nbytes):
+        part = nbytes // self.world_size if nbytes % self.world_size == 0 else 0
+        return self._route_reducing("reduce_scatter", x, nbytes, part)
+
+    def _route_reducing(self, op, x, nbytes, part):
+        """all_reduce (part: the whole input) and reduce_scatter (part: one
+        rank's share): bands by input bytes, the packet cap on the part."""
+        if (not self.enabled or x.dtype not in REDUCE_DTYPES or part == 0 or part % 16
+                or nbytes > self.max_bytes):
+            return "nccl"
+        by_dtype = self._routes[op]
+        backend = policy.choose(by_dtype.get(_DTYPE_NAMES[x.dtype], by_dtype["*"]), nbytes)
+        if backend == "packet" and part > self.packet_max_bytes:
+            backend = "bulk"
+        return backend
+
     def route_all_reduce(self, x: torch.Tensor) -> str:
         """The backend all_reduce(x) uses: "packet", "bulk" or "nccl"."""
         return self._route_all_reduce(x, x.numel() * x.element_size())
 
     def _route_all_reduce(self, x, nbytes):
-        if (not self.enabled or x.dtype not in REDUCE_DTYPES or nbytes == 0 or nbytes % 16
-                or nbytes > self.max_bytes):
-            return "nccl"
-        by_dtype = self._routes["all_reduce"]
-        backend = policy.choose(by_dtype.get(_DTYPE_NAMES[x.dtype], by_dtype["*"]), nbytes)
-        if backend == "packet" and nbytes > self.packet_max_bytes:
-            backend = "bulk"
-        return backend
+        return self._route_reducing("all_reduce", x, nbytes, nbytes)
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "bulk" or "nccl"."""
@@ -436,6 +470,20 @@ class Communicator:
         y = x.clone() if out is None else (out.copy_(x) if out.data_ptr() != x.data_ptr() else out)
         dist.all_reduce(y, group=self.group)
         return y
+
+    def _nccl_reduce_scatter(self, x):
+        """Part `rank` of the sum of x (contiguous, dim 0 divisible by the world size)."""
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+
+            return funcol.reduce_scatter_tensor(x, "sum", 0, self.group)
+        if x.device.type != "cuda":  # gloo has no reduce_scatter_tensor: reduce, then take our part
+            y = x.clone()
+            dist.all_reduce(y, group=self.group)
+            return y.chunk(self.world_size)[self.rank].contiguous()
+        out = torch.empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=self.group)
+        return out
 
     def _nccl_all_gather(self, x, dim):
         x = x.contiguous()

@@ -2,6 +2,7 @@
 
     y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
     z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
 
 They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
@@ -12,6 +13,8 @@ implementations), so fullgraph=True traces through them and mode=
 "reduce-overhead" captures them in CUDA graphs (the kernels are graph-safe).
 """
 import torch
+
+from ._shapes import checked_dim
 
 _COMMUNICATORS = {}  # group name -> the open Communicator of that group created last
 
@@ -53,10 +56,20 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 @all_gather.register_fake
 def _all_gather_fake(x, dim, group_name):
-    if x.dim() == 0:
-        raise ValueError("tpcomm: all_gather needs a tensor with at least one dimension")
-    if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"tpcomm: dim {dim} is out of range for {x.dim()} dimensions")
     shape = list(x.shape)
-    shape[dim % x.dim()] *= communicator_for(group_name).world_size
+    shape[checked_dim(x, dim, "all_gather")] *= communicator_for(group_name).world_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("tpcomm::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """This rank's part (along dim) of the sum over the group, contiguous."""
+    y = communicator_for(group_name).reduce_scatter(x, dim)
+    return y if y.data_ptr() != x.data_ptr() else y.clone()
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(x, dim, group_name):
+    shape = list(x.shape)
+    shape[checked_dim(x, dim, "reduce_scatter")] //= communicator_for(group_name).world_size
     return x.new_empty(shape)

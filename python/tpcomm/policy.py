@@ -1,9 +1,9 @@
 """Which backend runs an op: one routing table, kept as data.
 
-A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune` is
-meant to write one per machine) maps op x world size x dtype to bands of
-(largest input bytes per rank, backend), tried in order; sizes past the last
-band go to NCCL. "*" stands for any world size or dtype without a row of its
+A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune`
+writes one per machine) maps op x world size x dtype to bands of (largest
+input bytes per rank, backend), tried in order; sizes past the last band go
+to NCCL. An op a table has no routes for takes the shipped table's. "*" stands for any world size or dtype without a row of its
 own. Backends: "packet" and "bulk" are tpcomm's kernels (csrc/kernels),
 "nccl" is torch.distributed on the same group.
 
@@ -14,7 +14,8 @@ deadlock."""
 import json
 import os
 
-OPS = ("all_reduce", "all_gather")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 KERNELS = ("packet", "bulk")
 BACKENDS = KERNELS + ("nccl",)
 DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a table may name for all_reduce
@@ -27,9 +28,9 @@ class TableError(ValueError):
 
 def load_table(source=None):
     """The table in `source` (a path, or an already parsed dict; default: the
-    shipped one), checked: every op present, world sizes "*" or 2..8, dtypes
-    "*" or one of DTYPES, bands with increasing positive limits and known
-    backends, and a "*" row for every op."""
+    shipped one), checked: world sizes "*" or 2..8, dtypes "*" or one of
+    DTYPES, bands with increasing positive limits and known backends, and a
+    "*" row for every op (ops it lacks come from the shipped table)."""
     where = "(given as a dict)"
     if source is None or isinstance(source, (str, os.PathLike)):
         path = DEFAULT_TABLE if source is None else os.fspath(source)
@@ -48,8 +49,13 @@ def load_table(source=None):
         raise TableError(f"routing table {where} has no 'routes' object")
     table = {}
     for op in OPS:
-        if not isinstance(routes.get(op), dict):
-            raise TableError(f"routing table {where} has no routes for {op}")
+        if op not in routes and path_is_default(source):
+            raise TableError(f"the shipped routing table has no routes for {op}")
+        if op not in routes:  # a table written before the op existed: the shipped rows
+            table[op] = load_table()["routes"][op]
+            continue
+        if not isinstance(routes[op], dict):
+            raise TableError(f"routing table {where}: routes for {op} must be an object")
         table[op] = {}
         for world, by_dtype in routes[op].items():
             if world != "*" and not (world.isdigit() and 2 <= int(world) <= 8):
@@ -64,6 +70,11 @@ def load_table(source=None):
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
     return {"about": str(data.get("about", "")), "routes": table}
+
+
+def path_is_default(source):
+    return source is None or (isinstance(source, (str, os.PathLike)) and
+                              os.path.abspath(os.fspath(source)) == DEFAULT_TABLE)
 
 
 def _checked_bands(bands, what):
@@ -106,7 +117,7 @@ def effective_routes(table, world_size, force=None, forbid=()):
     force = dict(force or {})
     routes = {}
     for op in OPS:
-        names = ("*",) + (DTYPES if op == "all_reduce" else ())
+        names = ("*",) + (DTYPES if op in REDUCING else ())
         routes[op] = {name: apply_config(bands_for(table, op, world_size, name), force.get(op), forbid)
                       for name in names}
     return routes

@@ -35,6 +35,7 @@ typedef enum {
   FK_WRITE_ASYNC,
   FK_LAUNCH_ALL_REDUCE,
   FK_LAUNCH_ALL_GATHER,
+  FK_LAUNCH_REDUCE_SCATTER,
   FK_COUNT
 } fake_entry;
 
@@ -114,7 +115,7 @@ typedef struct {
   int launches;              /* all_reduce + all_gather launches */
   tpc_kernel_args last_args;
   int last_algo;
-  int last_op_entry;         /* FK_LAUNCH_ALL_REDUCE or FK_LAUNCH_ALL_GATHER */
+  int last_op_entry;         /* FK_LAUNCH_ALL_REDUCE, _ALL_GATHER or _REDUCE_SCATTER */
   void *last_stream;
 } fake_state;
 

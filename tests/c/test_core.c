@@ -818,7 +818,7 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
   CHECK_EQ((a->kind >> 8) & 0xffu, (uint32_t)algo);
   CHECK_EQ(a->poison, poison);
   CHECK_EQ(a->poison_out, poison != 0);
-  CHECK_EQ(a->out_bytes, op == TPC_OP_ALL_REDUCE ? nbytes : nbytes * (size_t)w->n);
+  CHECK_EQ(a->out_bytes, op == TPC_OP_ALL_GATHER ? nbytes * (size_t)w->n : nbytes);
   CHECK_PTR(a->in, in);
   CHECK_PTR(a->out, out);
   CHECK_EQ(a->nbytes, nbytes);
@@ -831,6 +831,58 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
   CHECK_EQ(a->world, w->n);
   CHECK_EQ(a->dtype, dtype);
   CHECK_EQ(a->op, op);
+}
+
+/* reduce_scatter: the checks of all_reduce on the chunk (packet cap on one
+ * chunk, bulk cap on the whole input of world chunks), AUTO by the
+ * all_reduce cutover, and the arguments its kernels get. */
+static void test_reduce_scatter(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 4, 1));
+  tpc_comm *c = w.comm[1];
+  unsigned char *in = scratch_in, *out = scratch_out;
+  static const struct {
+    size_t chunk;
+    size_t in_off, out_off;
+    int dtype;
+    int algo;
+    tpc_result want;
+    const char *needle;
+  } cases[] = {
+      {0, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "reduce_scatter of 0 bytes"},
+      {40, 0, 0, TPC_FLOAT16, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {64, 4, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "reduce_scatter input and output must be 16-byte"},
+      {64, 0, 0, 7, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "dtype 7"},
+      /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4160 bytes is over the cap of 4096"},
+      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "unknown algorithm 5"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    CHECK_RC(c, tpc_reduce_scatter(c, in + cases[i].in_off, out + cases[i].out_off, cases[i].chunk,
+                                   (tpc_dtype)cases[i].dtype, (tpc_algo)cases[i].algo, STREAM_A),
+             cases[i].want);
+    CHECK_MSG(c, cases[i].needle);
+  }
+  CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 0);
+  /* AUTO: packet up to the cutover, bulk past it (the whole input within the cap) */
+  CHECK_RC(c, tpc_comm_set_cutover(c, 512, 256), TPC_OK);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 512, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_op_entry, FK_LAUNCH_REDUCE_SCATTER);
+  check_args(&w, 1, in, out, 512, 512, TPC_BFLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_PACKET, NAN_BF16);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 528, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  check_args(&w, 1, in, out, 528, 528, TPC_FLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F16);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, MAX_BYTES / 4, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
+  check_args(&w, 1, in, out, MAX_BYTES / 4, MAX_BYTES / 4, TPC_FLOAT32, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F32);
+  CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 3);
+  /* a failing launch is reported as such */
+  fake_fail_nth(FK_LAUNCH_REDUCE_SCATTER, 1, 77);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_MSG(c, "launching reduce_scatter failed");
+  CHECK_RC(NULL, tpc_reduce_scatter(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
 }
 
 static void test_all_reduce_validation(void) {
@@ -2239,6 +2291,7 @@ int main(void) {
   RUN(test_destroy_failures);
   RUN(test_probe);
   RUN(test_all_reduce_validation);
+  RUN(test_reduce_scatter);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);
   RUN(test_async_error);

@@ -1,0 +1,42 @@
+/*
+ * The sum of one unit across ranks, as every reducing kernel (all_reduce,
+ * reduce_scatter) computes it: in fp32, in rank order 0..n-1, this rank's
+ * own value taken from its input, the peers' from the slots they pushed into.
+ */
+#ifndef TPCOMM_REDUCE_CUH
+#define TPCOMM_REDUCE_CUH
+
+#include "data_ops.cuh"
+#include "primitives.cuh"
+
+/* Packet unit u (8 data bytes): the peers' packets for this epoch, waited for. */
+TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u) {
+  float acc[4];
+  for (int q = 0; q < a->world; ++q) {
+    const uint2 v = q == a->rank ? own
+                                 : tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q);
+    const uint32_t words[2] = {v.x, v.y};
+    if (q == 0) tpc_start(acc, words, 2, a->dtype);
+    else tpc_accumulate(acc, words, 2, a->dtype);
+  }
+  uint32_t sum[2];
+  tpc_round(acc, sum, 2, a->dtype);
+  return make_uint2(sum[0], sum[1]);
+}
+
+/* 16-byte unit: sender q's value lies at peer_base + q * peer_stride in this
+ * rank's bulk slots (read after the barrier that follows the pushes). */
+TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride) {
+  float acc[8];
+  for (int q = 0; q < a->world; ++q) {
+    const uint4 v = q == a->rank ? own : tpc_load16_from_peer(peer_base + (uint64_t)q * peer_stride);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    if (q == 0) tpc_start(acc, words, 4, a->dtype);
+    else tpc_accumulate(acc, words, 4, a->dtype);
+  }
+  uint32_t s[4];
+  tpc_round(acc, s, 4, a->dtype);
+  return make_uint4(s[0], s[1], s[2], s[3]);
+}
+
+#endif /* TPCOMM_REDUCE_CUH */

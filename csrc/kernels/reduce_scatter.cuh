@@ -1,0 +1,70 @@
+/*
+ * Reduce-scatter kernels. Rank r's output is the sum over ranks of chunk r
+ * of their input (NCCL's reduce_scatter_tensor layout: the input is world
+ * chunks of a.nbytes each). Sums in fp32 in rank order 0..n-1 from -0.0, as
+ * all_reduce, so every rank's chunk has the bits an all_reduce would give it.
+ *
+ * packet: push chunk j of the input as packets into rank j's slot for this
+ *   sender, then wait for the peers' packets of our chunk and sum. No barrier;
+ *   each rank sends (n-1)/n of its input, the minimum.
+ * bulk: push chunk j into rank j's bulk slot for this sender, barrier, sum
+ *   our chunk from the slots. Peers release the slots at the end
+ *   (tpc_bulk_acquire), as for the other bulk kernels.
+ */
+#ifndef TPCOMM_REDUCE_SCATTER_CUH
+#define TPCOMM_REDUCE_SCATTER_CUH
+
+#include "reduce.cuh"
+
+__global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  tpc_op op = tpc_op_begin(&a, 1);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  tpc_header_send(&a, &op);
+  tpc_header_check(&a, &op);
+  const int n = a.world, me = a.rank;
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES; /* per chunk */
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    for (int i = 1; i < n; ++i) {
+      const int peer = (me + i) % n;
+      tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, in[peer * units + u], op.epoch);
+    }
+  }
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u);
+    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
+  }
+  tpc_op_end(&a, &op, 0);
+}
+
+__global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  tpc_op op = tpc_op_begin(&a, 0);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  tpc_header_send(&a, &op);
+  tpc_bulk_acquire(&a, &op);
+  const int n = a.world, me = a.rank;
+  const uint64_t units = a.nbytes / 16; /* per chunk */
+  const tpc_span span = tpc_data_span();
+  const char *in = (const char *)a.in;
+#define SLOT(owner, sender) (a.bufs[owner] + a.data_off + (uint64_t)(sender) * a.nbytes)
+
+  /* After a failed acquire a peer may still read its slots: write nothing. */
+  for (int i = 1; i < n && !op.failed; ++i) {
+    const int j = (me + i) % n;
+    for (uint64_t k = span.first; k < units; k += span.stride)
+      tpc_store16(SLOT(j, me) + k * 16, tpc_load16(in + (j * units + k) * 16));
+  }
+  tpc_header_check(&a, &op);
+  tpc_block_barrier(&a, &op, 0);
+  const int broken = tpc_op_broken(&op);
+  for (uint64_t k = span.first; k < units && (!broken || a.poison_out); k += span.stride) {
+    const uint4 s = tpc_sum16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes);
+    tpc_store16((char *)a.out + k * 16, broken ? tpc_poison16(&a) : s);
+  }
+#undef SLOT
+  tpc_op_end(&a, &op, 1);
+}
+
+#endif /* TPCOMM_REDUCE_SCATTER_CUH */
