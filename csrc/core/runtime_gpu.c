@@ -12,10 +12,25 @@ typedef hipError_t gpu_error;
 typedef hipIpcMemHandle_t gpu_ipc_handle;
 typedef hipStream_t gpu_stream;
 #define GPU(name) hip##name
-/* Signals polled across GPUs must bypass the non-coherent caches on AMD. */
+/* Signals polled across GPUs must bypass the non-coherent caches on AMD:
+ * uncached memory from ROCm 5.5, fine-grained (coherent) memory before. */
+#if HIP_VERSION >= 50500000
+#define TPC_HIP_SHARED_FLAG hipDeviceMallocUncached
+#else
+#define TPC_HIP_SHARED_FLAG hipDeviceMallocFinegrained
+#endif
 static int alloc_shared(void **ptr, size_t bytes) {
-  return (int)hipExtMallocWithFlags(ptr, bytes, hipDeviceMallocUncached);
+  return (int)hipExtMallocWithFlags(ptr, bytes, TPC_HIP_SHARED_FLAG);
 }
+/* Mapped host memory: hipHostAlloc / hipHostAllocMapped / hipFreeHost from
+ * ROCm 6.3 (deprecated before it), hipHostMalloc / hipHostFree earlier. */
+#if HIP_VERSION >= 60300000
+static hipError_t host_alloc(void **host, size_t bytes) { return hipHostAlloc(host, bytes, hipHostAllocMapped); }
+static hipError_t host_release(void *host) { return hipFreeHost(host); }
+#else
+static hipError_t host_alloc(void **host, size_t bytes) { return hipHostMalloc(host, bytes, hipHostMallocMapped); }
+static hipError_t host_release(void *host) { return hipHostFree(host); }
+#endif
 #else
 #include <cuda_runtime_api.h>
 typedef cudaError_t gpu_error;
@@ -23,6 +38,8 @@ typedef cudaIpcMemHandle_t gpu_ipc_handle;
 typedef cudaStream_t gpu_stream;
 #define GPU(name) cuda##name
 static int alloc_shared(void **ptr, size_t bytes) { return (int)cudaMalloc(ptr, bytes); }
+static cudaError_t host_alloc(void **host, size_t bytes) { return cudaHostAlloc(host, bytes, cudaHostAllocMapped); }
+static cudaError_t host_release(void *host) { return cudaFreeHost(host); }
 #endif
 
 _Static_assert(sizeof(gpu_ipc_handle) <= TPC_ALLOC_HANDLE_BYTES, "IPC handle larger than the API's");
@@ -41,16 +58,16 @@ static int memcpy_any(void *dst, const void *src, size_t bytes) {
   return (int)GPU(Memcpy)(dst, src, bytes, GPU(MemcpyDefault));
 }
 static int host_alloc_mapped(void **host, void **device, size_t bytes) {
-  int code = (int)GPU(HostAlloc)(host, bytes, GPU(HostAllocMapped));
+  int code = (int)host_alloc(host, bytes);
   if (code) return code;
   code = (int)GPU(HostGetDevicePointer)(device, *host, 0);
   if (code) {
-    GPU(FreeHost)(*host);
+    host_release(*host);
     *host = NULL;
   }
   return code;
 }
-static int host_free(void *host) { return (int)GPU(FreeHost)(host); }
+static int host_free(void *host) { return (int)host_release(host); }
 static int alloc_control_chunk(void **control, void **records, void **records_device, size_t n) {
   int code = alloc_shared(control, n * sizeof(tpc_control));
   if (code) return code;

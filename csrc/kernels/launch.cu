@@ -8,8 +8,10 @@
 
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
 #define TPC_LAUNCH_ERROR() ((int)hipGetLastError())
+typedef hipStream_t tpc_stream; /* spelled out: a direct hipcc build has no cudaStream_t */
 #else
 #define TPC_LAUNCH_ERROR() ((int)cudaGetLastError())
+typedef cudaStream_t tpc_stream;
 #endif
 
 /* Packet kernels use no barrier flags, so they may spread over more blocks
@@ -55,7 +57,7 @@ typedef void (*tpc_kernel)(const tpc_kernel_args);
  * tpc_grid_wait (see portability.cuh). */
 static int tpc_launch(tpc_kernel kernel, tpc_geometry g, const tpc_kernel_args *args, void *stream) {
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__) || defined(TPC_NO_PDL)
-  kernel<<<g.blocks, g.threads, 0, (cudaStream_t)stream>>>(*args);
+  kernel<<<g.blocks, g.threads, 0, (tpc_stream)stream>>>(*args);
   return TPC_LAUNCH_ERROR();
 #else
   cudaLaunchAttribute attr[1];
@@ -64,7 +66,7 @@ static int tpc_launch(tpc_kernel kernel, tpc_geometry g, const tpc_kernel_args *
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(g.blocks);
   cfg.blockDim = dim3(g.threads);
-  cfg.stream = (cudaStream_t)stream;
+  cfg.stream = (tpc_stream)stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return (int)cudaLaunchKernelEx(&cfg, kernel, *args);

@@ -105,10 +105,12 @@ TPC_DEVICE uint4 tpc_load_control(const void *p) {
 }
 
 /* 16-byte load of data a peer wrote into our buffer: served from L2 (or, on
- * AMD, from the uncached buffer), never from a possibly stale L1 line. */
+ * AMD, from the buffer itself: it is allocated uncached, and the load follows
+ * an acquire of the barrier flag, so a plain load sees the peer's data; HIP's
+ * uint4 cannot be copied from a volatile one). */
 TPC_DEVICE uint4 tpc_load16_from_peer(const void *p) {
 #ifdef TPC_HIP
-  return *(const volatile uint4 *)p;
+  return *(const uint4 *)p;
 #else
   return __ldcg((const uint4 *)p);
 #endif
@@ -155,7 +157,13 @@ TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {
 
 TPC_DEVICE uint64_t tpc_clock_ns(void) {
 #ifdef TPC_HIP
-  return wall_clock64() * 10; /* 100 MHz constant clock on CDNA */
+#if defined(__HIP_DEVICE_COMPILE__)
+  /* The 100 MHz constant clock of CDNA (wall_clock64() is not declared for
+   * the host pass before ROCm 5.6; the builtin is the same counter). */
+  return __builtin_amdgcn_s_memrealtime() * 10;
+#else
+  return 0; /* the host pass of a device function: never runs */
+#endif
 #else
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
