@@ -79,7 +79,7 @@ tpc_dtype reduce_dtype(const Tensor &t) {
     case ScalarType::BFloat16: return TPC_BFLOAT16;
     default: break;
   }
-  fail("tpcomm: all_reduce takes float32, float16 or bfloat16");
+  fail("tpcomm: all_reduce and reduce_scatter take float32, float16 or bfloat16");
 }
 
 // 8 bytes of the dtype's NaN, which a failed op writes over its output; 0 for
