@@ -247,6 +247,14 @@ static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
               : TPC_OK;
 }
 
+/* The host state of a communicator that is going: its last error moves to
+ * the thread's slot (tpc_comm_last_error(NULL)) before it is freed. */
+static tpc_result free_host_state(tpc_comm *comm, tpc_result r) {
+  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+  free(comm);
+  return r;
+}
+
 tpc_result tpc_comm_destroy(tpc_comm *comm) {
   if (!comm) return TPC_OK;
   tpc_result r = retire(comm, TPC_ENTRY_CLOSED);
@@ -262,10 +270,8 @@ tpc_result tpc_comm_destroy(tpc_comm *comm) {
   if (code) {
     /* A replayed graph would still pass the alive check: keep the buffer and
      * the mappings it would touch (as abort does) rather than free them. */
-    r = runtime_fail(comm, rt, code, "marking the control slot closed (the GPU memory is kept)");
-    snprintf(create_error, sizeof create_error, "%s", comm->last_error);
-    free(comm);
-    return r;
+    return free_host_state(comm, runtime_fail(comm, rt, code,
+                                              "marking the control slot closed (the GPU memory is kept)"));
   }
   for (int p = 0; p < comm->cfg.world_size; ++p) {
     if (!(comm->opened_mask & (1u << p))) continue;
@@ -276,9 +282,7 @@ tpc_result tpc_comm_destroy(tpc_comm *comm) {
   }
   code = rt->device_free(comm->bufs[comm->cfg.rank]);
   if (code && r == TPC_OK) r = runtime_fail(comm, rt, code, "freeing the registered buffer");
-  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
-  free(comm);
-  return r;
+  return free_host_state(comm, r);
 }
 
 tpc_result tpc_comm_abort(tpc_comm *comm) {
@@ -307,11 +311,9 @@ tpc_result tpc_comm_abort(tpc_comm *comm) {
     rt->write_async(&comm->peer_control[p]->stopped, &stop_words[me], sizeof stop_words[me]);
   }
   if (current >= 0 && current != comm->cfg.device) rt->set_device(current);
-  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
   /* The registered buffer and the peers' mappings stay: a kernel may still be
    * running on them, and freeing would wait for it. */
-  free(comm);
-  return r;
+  return free_host_state(comm, r);
 }
 
 tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out) {

@@ -45,7 +45,6 @@ typedef struct {
   const tpc_kernel_args *args;
   tpc_signals *sig;       /* this rank's signals */
   tpc_control *control;   /* never freed: safe to read after close */
-  tpc_async_error *err;   /* host-mapped, never freed */
   uint64_t deadline_ns;   /* waits past this give up; 0 until a wait is slow */
   uint64_t timeout_ns;
   uint32_t epoch;         /* this op's number; packet flag value */
@@ -86,7 +85,6 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
   op.args = a;
   op.sig = tpc_signals_of(a, a->rank);
   op.control = a->control;
-  op.err = a->err;
   op.ticket = 0;
   if (threadIdx.x == 0) {
     const uint4 c = tpc_load_control(a->control);

@@ -388,11 +388,7 @@ class Communicator:
         the peers to arrive; if one does not (it died, or never calls close),
         the communicator is aborted instead (see abort()) and
         CollectiveTimeout names the missing ranks."""
-        if self._closed:
-            return
-        self._closed = True
-        ops.unregister(self)
-        if self._comm is None:
+        if not self._mark_closed() or self._comm is None:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         # Our own kernels end within timeout_s (every wait is bounded).
@@ -412,12 +408,17 @@ class Communicator:
         retired. The registered GPU memory stays allocated until the process
         exits, since a kernel may still be running on it. Use it when a peer
         died; close() is the orderly, collective way."""
+        if self._mark_closed() and self._comm is not None:
+            self._release(self._lib.tpc_comm_abort, "abort")
+
+    def _mark_closed(self):
+        """False when it already was; else closes it to callers and to the
+        group-name ops, and returns True."""
         if self._closed:
-            return
+            return False
         self._closed = True
         ops.unregister(self)
-        if self._comm is not None:
-            self._release(self._lib.tpc_comm_abort, "abort")
+        return True
 
     def _release(self, fn, what):
         _fake.WORLD_SIZES.pop(self.handle, None)

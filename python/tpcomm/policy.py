@@ -48,11 +48,14 @@ def load_table(source=None):
     if not isinstance(routes, dict):
         raise TableError(f"routing table {where} has no 'routes' object")
     table = {}
+    missing = [op for op in OPS if op not in routes]
+    if missing and path_is_default(source):
+        raise TableError(f"the shipped routing table has no routes for {missing[0]}")
+    if missing:  # a table written before these ops existed: the shipped rows
+        shipped = load_table()["routes"]
+        table.update({op: shipped[op] for op in missing})
     for op in OPS:
-        if op not in routes and path_is_default(source):
-            raise TableError(f"the shipped routing table has no routes for {op}")
-        if op not in routes:  # a table written before the op existed: the shipped rows
-            table[op] = load_table()["routes"][op]
+        if op in missing:
             continue
         if not isinstance(routes[op], dict):
             raise TableError(f"routing table {where}: routes for {op} must be an object")

@@ -68,15 +68,13 @@ def derive_table(results, base=None):
         dtypes = sorted({r["dtype"] for r in rows if r.get("op") == op and r.get("dtype") in policy.DTYPES})
         by_dtype = {d: bands(winners(rows, op, d)) for d in dtypes}
         by_dtype = {d: b for d, b in by_dtype.items() if b}
-        if not by_dtype:  # not measured (the benchmark has no such op yet): the base table's rows
-            routes[op] = {w: {d: [list(b) for b in bs] for d, bs in by_d.items()}
-                          for w, by_d in base["routes"][op].items()}
+        # the base table's rows, as JSON lists; the measured world size replaces its own
+        routes[op] = {w: {d: [list(b) for b in bs] for d, bs in by_d.items()}
+                      for w, by_d in base["routes"][op].items()}
+        if not by_dtype:  # not measured (the benchmark has no such op yet)
             continue
         star = by_dtype.get("bfloat16") or next(iter(by_dtype.values()))
-        measured = {"*": star} if op == "all_gather" else {"*": star, **by_dtype}
-        routes[op] = {w: {d: [list(b) for b in bs] for d, bs in by_d.items()}
-                      for w, by_d in base["routes"][op].items() if w != world}
-        routes[op][world] = measured
+        routes[op][world] = {"*": star} if op == "all_gather" else {"*": star, **by_dtype}
     about = (f"python -m tpcomm.tune: {world}x {env.get('gpu', '?')}, driver {env.get('driver', '?')}, "
              f"torch {env.get('torch', '?')}, NCCL {env.get('nccl', '?')}, {env.get('date', '?')}: fastest correct "
              f"of {', '.join(PREFERENCE)} per op, dtype and size (CUDA graphs, median per op)")
