@@ -47,7 +47,7 @@ typedef struct {
  * only touched by this rank; the others are written by peers. */
 typedef struct {
   uint32_t blocks_done;      /* local: blocks of the current op that finished */
-  uint32_t blocks_arrived;   /* local: blocks of the current packet op that started */
+  uint32_t blocks_arrived;   /* local: blocks of the current op that read its epoch */
   uint32_t bulk_seq;         /* local: bulk ops completed */
   uint32_t wraps;            /* local: epoch wraps completed */
   uint32_t pad_[4];

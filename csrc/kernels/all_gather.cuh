@@ -28,10 +28,6 @@ static __device__ __forceinline__ uint64_t tpc_gather_index(uint64_t index, uint
 }
 
 __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 1);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
-  tpc_header_check(&a, &op);
   const int n = a.world, me = a.rank;
   const uint64_t words = a.nbytes / 4, row = a.row_bytes / 4;
   const uint64_t units = (words + 1) / 2; /* a packet carries two words */
@@ -39,11 +35,18 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   const uint64_t first = span.first, stride = span.stride;
   const uint32_t *in = (const uint32_t *)a.in;
   uint32_t *out = (uint32_t *)a.out;
+  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (first < units) v0 = make_uint2(in[2 * first], 2 * first + 1 < words ? in[2 * first + 1] : 0u);
+  });
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  const int folded = tpc_header_folded(1);
+  tpc_header_exchange(&a, &op, folded);
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint64_t w = 2 * u;
     const int pair = w + 1 < words;
-    const uint2 v = make_uint2(in[w], pair ? in[w + 1] : 0u);
+    const uint2 v = u == first ? v0 : make_uint2(in[w], pair ? in[w + 1] : 0u);
     for (int i = 1; i < n; ++i) {
       const int peer = (me + i) % n;
       tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, v, op.epoch);
@@ -56,7 +59,7 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
     const int pair = w + 1 < words;
     for (int i = 1; i < n; ++i) {
       const int q = (me + i) % n;
-      uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, q) + u * TPC_PACKET_BYTES, q);
+      uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
       const uint64_t o = tpc_gather_index(w, row, q, n), o1 = tpc_gather_index(w + 1, row, q, n);
       if (tpc_op_broken(&op)) {
         if (!a.poison_out) continue;
@@ -70,9 +73,9 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
 }
 
 __global__ void tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 0);
+  tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
+  tpc_header_send(&a, &op, 0);
   tpc_bulk_acquire(&a, &op);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16, row = a.row_bytes / 16;

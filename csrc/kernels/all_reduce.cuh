@@ -18,24 +18,27 @@
 #include "reduce.cuh"
 
 __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 1);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
-  tpc_header_check(&a, &op);
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
   const uint64_t first = span.first, stride = span.stride;
   const uint2 *in = (const uint2 *)a.in;
+  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (first < units) v0 = in[first];
+  });
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  const int folded = tpc_header_folded(1);
+  tpc_header_exchange(&a, &op, folded);
 
   for (uint64_t u = first; u < units; u += stride) {
-    const uint2 v = in[u];
+    const uint2 v = u == first ? v0 : in[u];
     for (int i = 1; i < a.world; ++i) {
       const int peer = (a.rank + i) % a.world; /* ranks start on different peers */
       tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, v, op.epoch);
     }
   }
   for (uint64_t u = first; u < units; u += stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, in[u], u);
+    const uint2 sum = tpc_sum_packet(&op, &a, u == first ? v0 : in[u], u, folded);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, 0);
@@ -47,9 +50,9 @@ static __device__ __forceinline__ uint64_t tpc_chunk_begin(uint64_t units, int j
 }
 
 __global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 0);
+  tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
+  tpc_header_send(&a, &op, 0);
   tpc_bulk_acquire(&a, &op);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16;

@@ -143,6 +143,34 @@ TPC_DEVICE void tpc_grid_release(void) {
 #endif
 }
 
+/* A split block barrier (named barrier 1, every thread of the block): the
+ * control warp arrives without waiting, the data warps wait for it. Shared
+ * memory the control warp wrote before arriving is visible to the waiters.
+ * HIP has no split barrier: both sides meet at a full one. */
+/* The lanes of one warp see each other's shared-memory writes (on HIP the
+ * block barrier that follows does it). */
+TPC_DEVICE void tpc_warp_sync(void) {
+#ifndef TPC_HIP
+  __syncwarp();
+#endif
+}
+
+TPC_DEVICE void tpc_block_arrive(void) {
+#ifdef TPC_HIP
+  __syncthreads();
+#else
+  asm volatile("bar.arrive 1, %0;" ::"r"(blockDim.x) : "memory");
+#endif
+}
+
+TPC_DEVICE void tpc_block_sync(void) {
+#ifdef TPC_HIP
+  __syncthreads();
+#else
+  asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x) : "memory");
+#endif
+}
+
 /* 0, computed from v in a way the compiler cannot see through: an operation
  * using it cannot issue before v has been loaded. */
 TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {

@@ -48,15 +48,14 @@ typedef struct {
   uint64_t deadline_ns;   /* waits past this give up; 0 until a wait is slow */
   uint64_t timeout_ns;
   uint32_t epoch;         /* this op's number; packet flag value */
-  uint32_t ticket;        /* thread 0: order in which this block arrived */
   uint32_t refused;       /* the op must not run: TPC_ERR_CLOSED, or the earlier error's code */
   int failed;             /* this thread gave up, or learned that a peer did */
 } tpc_op;
 
 TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
 
-/* Thread 0 of every block reads the control slot (one 16-byte load, from
- * memory that is never freed) and shares it with its block:
+/* The first lane of every block's control warp reads the control slot (one
+ * 16-byte load, from memory that is never freed) and shares it with its block:
  *  - alive must be this communicator's id: otherwise it was closed and the
  *    buffers are gone (a graph replayed after close), and the op is refused;
  *  - failed must be 0: once an error is recorded every later op is refused,
@@ -64,29 +63,32 @@ TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, 
  *  - stopped must be 0: a peer that gave up an op told us so, and a rank that
  *    arrives late for that op must not return a result its peer does not
  *    have: the op is refused and the peer's error recorded here;
- *  - epoch is the previous op's number. One block advances it for the next op
- *    (tpc_op_end), so graph replays and eager calls, in any order, each get
- *    the next number without the host knowing it.
+ *  - epoch is the previous op's number; this op's is the next. Graph replays
+ *    and eager calls, in any order, each get the next number without the
+ *    host knowing it.
  * A refused op touches no buffer: the kernel calls tpc_op_refuse and returns.
  *
- * Which block advances the epoch: for packet ops the last block to *arrive*
- * (each block takes a ticket whose operand depends on the epoch it read, so
- * when the last ticket is drawn every block has read it; a dependency, not a
- * fence, which would stall the whole block). The atomic's latency then hides
- * behind the block's data work instead of adding a round trip at the end.
- * Bulk ops (and the op before the wrap) count *completions* instead
- * (tpc_op_end), because they also release their slots to the peers, which
- * needs every block done reading. */
-TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
+ * All of this happens before tpc_grid_wait, while the previous kernel on the
+ * stream may still run (programmatic dependent launch), so the epoch costs
+ * nothing when tpcomm ops follow each other. That is safe because the epoch
+ * is advanced before the dependents are released (tpc_epoch_advance): a
+ * kernel that starts early can only see the number its predecessor left.
+ * Every other thread waits for the previous kernel first (the input and the
+ * buffers may still be written by it) and then runs `prefetch`, the
+ * kernel's first input load, so that it overlaps the control load. */
+TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
+TPC_DEVICE void tpc_epoch_advance(const tpc_op *op);
+
+template <typename Prefetch>
+TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
   __shared__ uint32_t block_epoch, block_refused;
-  tpc_grid_wait();    /* the previous kernel's writes (epoch, input) are visible */
-  tpc_grid_release(); /* and the next kernel may start launching behind us */
+  const int control_warp = threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS;
+  const int lead = threadIdx.x == blockDim.x - TPC_CONTROL_THREADS;
   tpc_op op;
   op.args = a;
   op.sig = tpc_signals_of(a, a->rank);
   op.control = a->control;
-  op.ticket = 0;
-  if (threadIdx.x == 0) {
+  if (lead) {
     const uint4 c = tpc_load_control(a->control);
     uint32_t epoch = c.y + 1u;
     /* 0 means "never written" in every slot; skipping to 2 keeps the parity
@@ -96,16 +98,57 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, int count_arrival) {
     if (!refused && c.w) refused = tpc_refuse_for_peer(a, epoch, c.w);
     block_epoch = epoch;
     block_refused = refused;
-    if (!refused && count_arrival && gridDim.x > 1)
-      op.ticket = atomicAdd(&op.sig->blocks_arrived, 1u + tpc_zero_after(epoch));
   }
-  __syncthreads();
-  op.epoch = block_epoch;
-  op.refused = block_refused;
+  if (control_warp) {
+    /* The control warp hands the slot to the block without waiting for it
+     * (tpc_block_arrive) and advances the epoch before waiting for the
+     * previous kernel. The op under the last epoch advances it only after
+     * the wrap (tpc_op_end) and lets the next kernel start only when it has
+     * finished. */
+    tpc_warp_sync();
+    tpc_block_arrive();
+    op.epoch = block_epoch;
+    op.refused = block_refused;
+    if (lead && !op.refused && op.epoch != TPC_EPOCH_LAST) tpc_epoch_advance(&op);
+    tpc_grid_wait();
+    /* Released only now, after the previous kernel: one kernel ahead is
+     * enough to hide the epoch, and a deeper cascade of waiting blocks slows
+     * the large ops (measured: 1 MiB bulk all_reduce 14.6 -> 16.6 us). */
+    if (lead && op.epoch != TPC_EPOCH_LAST) tpc_grid_release();
+  } else {
+    /* The data threads wait for the previous kernel (the input and the
+     * buffers may still be written by it), start loading their input
+     * (prefetch), and only then take the slot: that load overlaps the
+     * control load when the previous kernel has already finished. */
+    tpc_grid_wait();
+    prefetch();
+    tpc_block_sync();
+    op.epoch = block_epoch;
+    op.refused = block_refused;
+  }
   op.deadline_ns = 0; /* set by the first slow wait: no clock read on the fast path */
   op.timeout_ns = a->timeout_ns;
   op.failed = 0;
   return op;
+}
+
+TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a) {
+  return tpc_op_begin(a, [] {});
+}
+
+/* The control lane of each block: once every block has read the epoch (the
+ * last ticket drawn; one block needs no ticket), store this op's number,
+ * make it visible at GPU scope, and only then (tpc_op_begin) release the
+ * dependent kernel, whose first act is to read it. The ticket counter is
+ * reset here too, before the release, since the next kernel draws its own.
+ * Defined after its caller, which is a template. */
+TPC_DEVICE void tpc_epoch_advance(const tpc_op *op) {
+  if (gridDim.x > 1) {
+    if (atomicAdd(&op->sig->blocks_arrived, 1u) != gridDim.x - 1) return;
+    op->sig->blocks_arrived = 0;
+  }
+  *(volatile uint32_t *)&op->control->epoch = op->epoch;
+  __threadfence();
 }
 
 /* The NaN pattern for output word `index` (4-byte words of out). */
@@ -225,14 +268,36 @@ TPC_DEVICE void tpc_packet_put(void *slot, uint2 data, uint32_t flag) {
   tpc_store_packet((uint64_t *)slot, tpc_packet_half(data.x, flag), tpc_packet_half(data.y, flag));
 }
 
+TPC_DEVICE int tpc_packet_ready(uint64_t lo, uint64_t hi, uint32_t epoch) {
+  return (uint32_t)(lo >> 32) == epoch && (uint32_t)(hi >> 32) == epoch;
+}
+
 /* Spins on a packet in this rank's own buffer until both halves carry the
- * flag. On giving up the data is zero and op->failed is set. */
-TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer) {
-  uint64_t lo, hi;
+ * flag. On giving up the data is zero and op->failed is set.
+ *
+ * With check_header (folded headers: the first packet of thread 0, one per
+ * peer) the peer's header is polled in the same loop, beside the data:
+ * it costs no extra round trip, and a peer that runs another op, size,
+ * algorithm, dtype or layout is named at once (its header arrives even when
+ * the data never will) instead of timing out. */
+TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer, int check_header = 0) {
+  uint64_t lo, hi, h_lo, h_hi;
+  const uint64_t *header = op->sig->header[op->epoch & 1u][peer];
+  int header_ok = !check_header;
   uint32_t spins = 0;
   for (;;) {
     tpc_load_packet((const uint64_t *)slot, &lo, &hi);
-    if ((uint32_t)(lo >> 32) == op->epoch && (uint32_t)(hi >> 32) == op->epoch) break;
+    if (!header_ok) {
+      tpc_load_packet(header, &h_lo, &h_hi);
+      if (tpc_packet_ready(h_lo, h_hi, op->epoch)) {
+        if ((uint32_t)h_lo != (uint32_t)op->args->nbytes || (uint32_t)h_hi != op->args->kind) {
+          tpc_record_error(op, TPC_ERR_MISMATCH, peer, (uint32_t)h_lo, (uint32_t)h_hi);
+          return make_uint2(0, 0);
+        }
+        header_ok = 1;
+      }
+    }
+    if (header_ok && tpc_packet_ready(lo, hi, op->epoch)) break;
     if (tpc_wait_gives_up(op, peer, &spins)) return make_uint2(0, 0);
   }
   return make_uint2((uint32_t)lo, (uint32_t)hi);
@@ -253,23 +318,46 @@ TPC_DEVICE char *tpc_packet_slot(const tpc_kernel_args *a, int owner, uint32_t e
 }
 
 /* Headers let peers that disagree on an op, its size, algorithm, dtype or
- * layout (the kind word, layout.h) fail with a clear record (and stop this rank's other waits) instead of timing out. The control
- * warp of block 0 sends them and waits for the peers' while the data threads
- * work, so the check adds nothing to the op's latency. */
-TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op) {
+ * layout (the kind word, layout.h) fail with a clear record (and stop this
+ * rank's other waits) instead of timing out. Where they are checked depends
+ * on the op (measured, benchmarks/latency_probe.cu):
+ *  - one-block ops and bulk ops: the control warp, one lane per peer, sends
+ *    them and waits for the peers' beside the data threads;
+ *  - packet ops of several blocks (tpc_header_folded): thread 0 of block 0
+ *    sends them before its data and checks them inside its first data wait
+ *    (tpc_packet_wait), which frees block 0's control warp. */
+TPC_DEVICE int tpc_header_folded(int packet) { return packet && gridDim.x > 1; }
+
+TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op, int folded) {
+  if (folded) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    for (int i = 1; i < a->world; ++i) {
+      const int peer = (a->rank + i) % a->world;
+      uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
+      tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch), tpc_packet_half(a->kind, op->epoch));
+    }
+    return;
+  }
   const int peer = tpc_control_peer(a);
   if (peer < 0) return;
   uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
-  tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch),
-                   tpc_packet_half(a->kind, op->epoch));
+  tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch), tpc_packet_half(a->kind, op->epoch));
 }
 
+/* The control warp's check (not folded). */
 TPC_DEVICE void tpc_header_check(const tpc_kernel_args *a, tpc_op *op) {
   const int peer = tpc_control_peer(a);
   if (peer < 0) return;
   uint2 h = tpc_packet_wait(op, op->sig->header[op->epoch & 1u][peer], peer);
   if (!op->failed && (h.x != (uint32_t)a->nbytes || h.y != a->kind))
     tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x, h.y);
+}
+
+/* Both halves for a kernel: send, and check in the control warp unless the
+ * check is folded into the data waits. */
+TPC_DEVICE void tpc_header_exchange(const tpc_kernel_args *a, tpc_op *op, int folded) {
+  tpc_header_send(a, op, folded);
+  if (!folded) tpc_header_check(a, op);
 }
 
 /* Block b of every rank meets block b of every other rank. Blocks of one op
@@ -340,23 +428,16 @@ TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
   op->sig->wraps = w;
 }
 
-/* Called by every thread at the end. One block per op advances the epoch (the
- * next kernel on the stream sees it: kernel boundary). Packet ops: the last
- * block to arrive (see tpc_op_begin), no waiting. Bulk ops: the last block to
- * finish, which also tells peers their slots in our buffer are free again;
- * the fences order every block's reads of those slots before that release. A
- * failed bulk op never releases its slots: a peer that still writes into them
- * would overwrite data nobody reads, and the next op is refused anyway. */
+/* Called by every thread at the end. The epoch was advanced at the start
+ * (tpc_epoch_advance), except under the last epoch: that op clears the flags
+ * first (tpc_wrap). Bulk ops: the last block to finish tells peers their
+ * slots in our buffer are free again; the fences order every block's reads
+ * of those slots before that release. A failed bulk op never releases its
+ * slots: a peer that still writes into them would overwrite data nobody
+ * reads, and the next op is refused anyway. */
 TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk) {
   const int wrap = op->epoch == TPC_EPOCH_LAST;
-  if (!bulk) {
-    const int last_arrived = gridDim.x == 1 || op->ticket == gridDim.x - 1;
-    if (threadIdx.x == 0 && last_arrived) {
-      if (gridDim.x > 1) op->sig->blocks_arrived = 0;
-      if (!wrap) *(volatile uint32_t *)&op->control->epoch = op->epoch;
-    }
-    if (!wrap) return;
-  }
+  if (!bulk && !wrap) return;
   /* Blocks count their completions and, in the high half of the same
    * atomic, their failures: the last block learns whether any block failed
    * without another load on the way to the release. */
@@ -374,8 +455,8 @@ TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk) {
   if (wrap) {
     tpc_wrap(a, *op);
     if (tpc_load_relaxed(&op->control->failed)) return;
+    *(volatile uint32_t *)&op->control->epoch = op->epoch;
   }
-  *(volatile uint32_t *)&op->control->epoch = op->epoch;
   if (!bulk) return;
   __threadfence();
   const uint32_t seq = op->sig->bulk_seq + 1u;

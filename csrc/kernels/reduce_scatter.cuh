@@ -17,10 +17,10 @@
 #include "reduce.cuh"
 
 __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 1);
+  tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
-  tpc_header_check(&a, &op);
+  const int folded = tpc_header_folded(1);
+  tpc_header_exchange(&a, &op, folded);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES; /* per chunk */
   const tpc_span span = tpc_data_span();
@@ -33,16 +33,16 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
     }
   }
   for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u);
+    const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u, folded);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, 0);
 }
 
 __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a, 0);
+  tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op);
+  tpc_header_send(&a, &op, 0);
   tpc_bulk_acquire(&a, &op);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16; /* per chunk */

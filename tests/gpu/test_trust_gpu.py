@@ -290,6 +290,48 @@ def body_soak(rank, world):
 
 
 # ----------------------------------------------------------------------------
+CHAIN_SIZES = [8, 1024, 12 * KiB, 96 * KiB, 1 * MiB]  # bf16 elements: one block, more blocks, bulk
+
+
+def body_back_to_back_chain(rank, world):
+    """tpcomm kernels with nothing between them: each op's input is the
+    previous op's output, so a kernel launched early (programmatic dependent
+    launch) reads its epoch while its predecessor still runs. Five chains of
+    different sizes and kernels are interleaved for 40 steps inside one graph,
+    replayed 200 times with inputs that change every replay; after k steps a
+    chain holds world^(k-1) times the sum of the inputs, exact in bf16. One
+    stale epoch would pair an op with its predecessor's packets."""
+    comm = tpcomm.Communicator(timeout_s=10.0)
+    assert comm.enabled, comm.disabled_reason
+    counter = torch.zeros((), dtype=torch.int64, device="cuda")
+    mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
+    steps = 40
+    bases = [[torch.randint(0, 17, (n,), generator=torch.Generator().manual_seed(7 * n + r)).cuda()
+              for r in range(world)] for n in CHAIN_SIZES]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        counter.add_(1)
+        vals = [[(b + counter * (r + 1)) % 17 - 8 for r, b in enumerate(bs)] for bs in bases]
+        ys = [v[rank].to(torch.bfloat16) for v in vals]
+        for _ in range(steps):
+            ys = [comm.all_reduce(y) for y in ys]
+        for v, y in zip(vals, ys):
+            ref = (torch.stack(v).sum(0) * world ** (steps - 1)).to(torch.bfloat16)
+            mismatches.add_((y.view(torch.int16) != ref.view(torch.int16)).sum())
+    start = time.monotonic()
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    _timing(f"back-to-back chain of {200 * steps * len(CHAIN_SIZES)} ops", time.monotonic() - start)
+    assert int(counter) == 200
+    assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
+    comm.check()
+    _assert_custom_only(comm)
+    comm.close()
+
+
+# ----------------------------------------------------------------------------
 def body_timeout_queue_and_late_peer(rank, world):
     """Rank 0 issues an op and 10 more behind it; the others are absent. All 11
     fail within timeout + 2 s in total (NaN outputs, CollectiveTimeout). Then
@@ -434,6 +476,7 @@ def body_groups_in_different_orders(rank, world):
 
 
 @pytest.mark.parametrize("body", [body_stale_handle_and_replay_after_close, body_skew, body_epoch_wrap, body_soak,
+                                  body_back_to_back_chain,
                                   body_timeout_queue_and_late_peer, body_misaligned_one_rank],
                          ids=lambda f: f.__name__[5:])
 def test_trust(body):

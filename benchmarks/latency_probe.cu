@@ -1,0 +1,260 @@
+/*
+ * Where the microseconds of a small collective go (issue 12): tpcomm's real
+ * kernels (launch.cu, included) beside stripped variants, each timed the way
+ * the benchmark times them: a CUDA graph of OPS launches per GPU, both GPUs
+ * replayed together, median over replays of the slower GPU, per op.
+ *
+ * One process drives every GPU (peer access, no IPC), so no torch is needed:
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/latency_probe.cu -o /tmp/probe && /tmp/probe
+ * Stages are placed by difference (HOPPER/METHOD advice: time variants that
+ * leave one stage out), not by in-kernel clocks.
+ */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../csrc/kernels/launch.cu"
+
+#define CHECK(x)                                                                         \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                           \
+    }                                                                                    \
+  } while (0)
+
+static const int OPS = 50, REPLAYS = 40, WARMUP = 5;
+static int world = 2;
+
+struct Rank {
+  char *buf;
+  tpc_control *control;
+  tpc_async_error *err;
+  char *in, *out;
+  cudaStream_t stream;
+  tpc_kernel_args args;
+};
+static Rank ranks[TPC_MAX_RANKS];
+static tpc_layout layout;
+
+/* ------------------------------------------------------------ variants */
+
+/* The floor of a graph kernel node. */
+__global__ void probe_empty(const __grid_constant__ tpc_kernel_args a) {}
+
+/* The floor with programmatic dependent launch, as tpcomm launches. */
+__global__ void probe_empty_pdl(const __grid_constant__ tpc_kernel_args a) {
+  tpc_grid_wait();
+  tpc_grid_release();
+}
+
+/* + the device epoch: read the control slot, advance it at the end. */
+__global__ void probe_epoch(const __grid_constant__ tpc_kernel_args a) {
+  tpc_op op = tpc_op_begin(&a);
+  tpc_op_end(&a, &op, 0);
+}
+
+/* + one packet to the peer and the wait for the peer's (lane 0 only). */
+__global__ void probe_ping(const __grid_constant__ tpc_kernel_args a) {
+  tpc_op op = tpc_op_begin(&a);
+  if (threadIdx.x == 0) {
+    const int peer = 1 - a.rank;
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), make_uint2(1, 2), op.epoch);
+    tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+  }
+  tpc_op_end(&a, &op, 0);
+}
+
+/* ------------------------------------------------------------ harness */
+
+typedef std::function<void(int rank)> Launcher;
+
+static void launch_pdl(tpc_kernel k, tpc_geometry g, int r, int pdl) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(g.blocks);
+  cfg.blockDim = dim3(g.threads);
+  cfg.stream = ranks[r].stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CHECK(cudaLaunchKernelEx(&cfg, k, ranks[r].args));
+}
+
+static void set_size(uint64_t nbytes, int op) {
+  for (int r = 0; r < world; ++r) {
+    tpc_kernel_args &a = ranks[r].args;
+    a.nbytes = nbytes;
+    a.out_bytes = op == TPC_OP_ALL_GATHER ? nbytes * world : nbytes;
+    a.row_bytes = nbytes;
+    a.op = op;
+    a.kind = tpc_kind_word(op, TPC_ALGO_PACKET, TPC_BFLOAT16, nbytes);
+  }
+}
+
+/* Median over replays of the slower rank, microseconds per op. */
+static double time_us(const Launcher &launch) {
+  cudaGraphExec_t exec[TPC_MAX_RANKS];
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    cudaGraph_t graph;
+    CHECK(cudaStreamBeginCapture(ranks[r].stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < OPS; ++i) launch(r);
+    CHECK(cudaStreamEndCapture(ranks[r].stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec[r], graph, 0));
+    CHECK(cudaGraphDestroy(graph));
+  }
+  cudaEvent_t start[TPC_MAX_RANKS], stop[TPC_MAX_RANKS];
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    CHECK(cudaEventCreate(&start[r]));
+    CHECK(cudaEventCreate(&stop[r]));
+  }
+  std::vector<double> per_op;
+  for (int rep = 0; rep < WARMUP + REPLAYS; ++rep) {
+    for (int r = 0; r < world; ++r) {
+      CHECK(cudaSetDevice(r));
+      CHECK(cudaEventRecord(start[r], ranks[r].stream));
+      CHECK(cudaGraphLaunch(exec[r], ranks[r].stream));
+      CHECK(cudaEventRecord(stop[r], ranks[r].stream));
+    }
+    double worst = 0;
+    for (int r = 0; r < world; ++r) {
+      CHECK(cudaSetDevice(r));
+      CHECK(cudaEventSynchronize(stop[r]));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start[r], stop[r]));
+      worst = std::max(worst, (double)ms * 1000.0 / OPS);
+    }
+    if (rep >= WARMUP) per_op.push_back(worst);
+  }
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    CHECK(cudaGraphExecDestroy(exec[r]));
+    CHECK(cudaEventDestroy(start[r]));
+    CHECK(cudaEventDestroy(stop[r]));
+    tpc_control c;
+    CHECK(cudaMemcpy(&c, ranks[r].control, sizeof c, cudaMemcpyDeviceToHost));
+    if (c.failed) {
+      fprintf(stderr, "rank %d recorded error %u\n", r, c.failed);
+      exit(1);
+    }
+  }
+  std::sort(per_op.begin(), per_op.end());
+  return per_op[per_op.size() / 2];
+}
+
+static void report(const char *name, uint64_t nbytes, const Launcher &launch) {
+  printf("%-34s %8llu B  %7.3f us\n", name, (unsigned long long)nbytes, time_us(launch));
+  fflush(stdout);
+}
+
+static void check_all_reduce(uint64_t nbytes) {
+  /* inputs are bf16 1.0 (rank 0) and 2.0 (rank 1): every output word 3.0 | 3.0 << 16 */
+  std::vector<uint32_t> host(nbytes / 4);
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    CHECK(cudaMemcpy(host.data(), ranks[r].out, nbytes, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < host.size(); ++i)
+      if (host[i] != 0x40404040u) {
+        fprintf(stderr, "all_reduce %llu B: rank %d word %zu is %08x\n", (unsigned long long)nbytes, r, i, host[i]);
+        exit(1);
+      }
+  }
+}
+
+int main(int argc, char **argv) {
+  const int quick = argc > 1;
+  int count = 0;
+  CHECK(cudaGetDeviceCount(&count));
+  if (count < 2) {
+    fprintf(stderr, "needs 2 GPUs\n");
+    return 1;
+  }
+  const size_t max_bytes = 1 << 20;
+  layout = tpc_layout_for(world, max_bytes, max_bytes);
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    for (int p = 0; p < world; ++p)
+      if (p != r) CHECK(cudaDeviceEnablePeerAccess(p, 0));
+    Rank &k = ranks[r];
+    CHECK(cudaMalloc(&k.buf, layout.total_bytes));
+    CHECK(cudaMemset(k.buf, 0, layout.total_bytes));
+    CHECK(cudaMalloc(&k.control, sizeof(tpc_control)));
+    tpc_control c = {1u, 0u, 0u, 0u};
+    CHECK(cudaMemcpy(k.control, &c, sizeof c, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&k.err, sizeof(tpc_async_error)));
+    CHECK(cudaMemset(k.err, 0, sizeof(tpc_async_error)));
+    CHECK(cudaMalloc(&k.in, max_bytes));
+    CHECK(cudaMalloc(&k.out, max_bytes * world));
+    /* bf16 1.0 = 0x3f80, 2.0 = 0x4000 */
+    std::vector<uint16_t> v(max_bytes / 2, r == 0 ? 0x3f80 : 0x4000);
+    CHECK(cudaMemcpy(k.in, v.data(), max_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
+  }
+  for (int r = 0; r < world; ++r) {
+    tpc_kernel_args &a = ranks[r].args;
+    memset(&a, 0, sizeof a);
+    for (int p = 0; p < world; ++p) {
+      a.bufs[p] = ranks[p].buf;
+      a.peer_control[p] = ranks[p].control;
+    }
+    a.control = ranks[r].control;
+    a.err = ranks[r].err;
+    a.in = ranks[r].in;
+    a.out = ranks[r].out;
+    a.timeout_ns = 2000000000ull;
+    a.packet_off = layout.packet_off;
+    a.packet_slot_bytes = layout.packet_slot_bytes;
+    a.data_off = layout.data_off;
+    a.poison = 0x7fc000007fc00000ull;
+    a.alive_id = 1;
+    a.rank = r;
+    a.world = world;
+    a.dtype = TPC_BFLOAT16;
+    a.poison_out = 1;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s x%d, %d graph nodes per replay, median of %d replays, slower GPU, us per op\n", prop.name, world,
+         OPS, REPLAYS);
+
+  const tpc_geometry one = {1, 64};
+  set_size(64, TPC_OP_ALL_REDUCE);
+  report("empty kernel", 0, [&](int r) { launch_pdl(probe_empty, one, r, 0); });
+  report("empty kernel, PDL", 0, [&](int r) { launch_pdl(probe_empty_pdl, one, r, 1); });
+  report("+ device epoch", 0, [&](int r) { launch_pdl(probe_epoch, one, r, 1); });
+  report("+ one packet each way", 0, [&](int r) { launch_pdl(probe_ping, one, r, 1); });
+
+  const uint64_t sizes[] = {64, 2048, 16384, 65536, 262144, 1048576};
+  for (uint64_t n : sizes) {
+    if (quick && n == 262144) continue;
+    set_size(n, TPC_OP_ALL_REDUCE);
+    const uint64_t items = n / TPC_PACKET_DATA_BYTES;
+    const tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
+    report("all_reduce packet (tpcomm)", n,
+           [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
+    check_all_reduce(n);
+    report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
+    report("  after an ordinary kernel", n, [&](int r) {
+      launch_pdl(probe_empty, one, r, 0);
+      CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream));
+    });
+    report("all_reduce bulk (tpcomm)", n,
+           [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+    check_all_reduce(n);
+    set_size(n, TPC_OP_ALL_GATHER);
+    report("all_gather packet (tpcomm)", n,
+           [&](int r) { CHECK((cudaError_t)tpc_launch_all_gather(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
+    report("all_gather bulk (tpcomm)", n,
+           [&](int r) { CHECK((cudaError_t)tpc_launch_all_gather(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+  }
+  return 0;
+}
