@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call: build, GPU test suite, benchmark. What comes back
 # (at most 8 files) lands under $OUT: gpu_tests.log, the benchmark's JSON, its
-# table (.txt) and plots. The build log stays in /tmp and is shown on failure.
+# table (.txt) and its plots packed in one plots.tar (untar them beside the
+# JSON). The build log stays in /tmp and is shown on failure.
 # Usage (on the device machine, repo root): bash scripts/device_run.sh [tests|bench|tune|all] [pytest args...]
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,6 +23,9 @@ if [ "$what" = tune ]; then
   timeout 330 python3 -m tpcomm.tune --out "$OUT/tpcomm_table_h200x$(nvidia-smi -L | wc -l).json" 2>&1 | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 330 python3 -m tpcomm.bench --out "$OUT/h200x2.json" --deadline-s 250 2>&1 | tee "$OUT/h200x2.txt" | tail -120
+  bench=/tmp/tpcomm-bench; mkdir -p "$bench"
+  timeout 330 python3 -m tpcomm.bench --out "$bench/h200x2.json" --deadline-s 250 2>&1 | tee "$OUT/h200x2.txt" | tail -120
+  cp "$bench/h200x2.json" "$OUT/" 2>/dev/null
+  (cd "$bench" && tar -cf "$OUT/plots.tar" *.png) 2>/dev/null
   echo "bench done: $(( $(date +%s) - start )) s"
 fi

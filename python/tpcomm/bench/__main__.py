@@ -2,7 +2,7 @@
 every visible GPU.
 
 One process per GPU (spawned here, or one per rank under torchrun). For every
-op (all_reduce, all_gather), dtype, size and backend it records the median
+op (all_reduce, all_gather, reduce_scatter), dtype, size and backend it records the median
 time per op in two modes: "graph" captures N back-to-back ops in one CUDA
 graph and takes the median over --replays replays divided by N; "eager" times
 N plain calls, --eager-reps times. N is --ops-per-graph up to --large-bytes
@@ -10,7 +10,9 @@ per rank and --ops-per-graph-large above. Every backend is warmed up, checked
 bit for bit on integer-valued data and timed after a barrier; the figure kept
 is the slowest rank's median.
 
-Backends: nccl (torch.distributed), nccl_window (NCCL symmetric kernels on a
+Backends: nccl (torch.distributed), nccl_nomix and nccl_window_nomix (the
+same in a first set of processes started with NCCL_GRAPH_MIXING_SUPPORT=0,
+graph mode only: NCCL at its best under CUDA graphs), nccl_window (NCCL symmetric kernels on a
 MemPool registered with ProcessGroupNCCL.register_mem_pool(pool, symm=True)),
 symm_one_shot / symm_two_shot (torch.ops.symm_mem.one_shot_all_reduce /
 two_shot_all_reduce_, all_reduce only), tpcomm (the dispatcher's choice),
@@ -37,7 +39,8 @@ from . import report
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tpcomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="all_reduce,all_gather", help="comma-separated ops (default: both)")
+    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
+                   help="comma-separated ops (default: all three; reduce_scatter's size is its input per rank)")
     p.add_argument("--dtypes", default="bfloat16,float16,float32",
                    help="comma-separated: bfloat16,float16,float32 (or bf16,fp16,fp32)")
     p.add_argument("--min-bytes", type=int, default=64, help="smallest size per rank (default 64)")
@@ -60,6 +63,7 @@ def parse_args(argv=None):
                    help="skip recording the NCCL kernel names of nccl / nccl_window (torch.profiler)")
     p.add_argument("--timeout-s", type=int, default=120,
                    help="NCCL watchdog timeout of the process group: a hung rank is aborted after it")
+    p.add_argument("--merge-from", default=None, help=argparse.SUPPRESS)  # rows of the NCCL mixing-off run
     p.add_argument("--deadline-s", type=int, default=330,
                    help="the spawned ranks are stopped after this many seconds (partial results are kept, "
                         "tables and figures drawn from them); keep it under any outer time limit")
@@ -99,7 +103,43 @@ def main(argv=None):
         print(f"tpcomm.bench needs at least 2 CUDA GPUs on this machine; found {n}. Nothing to measure.")
         print(f"not run: {', '.join(report.BACKENDS)}: needs at least 2 CUDA GPUs (found {n})")
         return 0
-    return spawn(n, args)
+    return spawn_with_nomix(n, args)
+
+
+def spawn_with_nomix(n, args):
+    """The NCCL mixing-off backends first, in their own processes (NCCL reads
+    NCCL_GRAPH_MIXING_SUPPORT once per process), graph mode only, into a
+    temporary file; then everything else, whose rank 0 merges those rows."""
+    import copy
+    import tempfile
+
+    from . import measure
+
+    backends = measure.plan(args)[3]
+    nomix = [b for b in backends if b in report.NOMIX_BACKENDS]
+    if not nomix or "graph" not in report.parse_choices(args.modes, report.MODES, "mode"):
+        return spawn(n, args)
+    rest = [b for b in backends if b not in report.NOMIX_BACKENDS]
+    with tempfile.TemporaryDirectory(prefix="tpcomm-bench-nomix-") as tmp:
+        first = copy.copy(args)
+        first.backends, first.modes, first.out = ",".join(nomix), "graph", os.path.join(tmp, "nomix.json")
+        first.no_plots, first.no_kernel_probe, first.no_progress, first.quiet = True, True, True, True
+        previous = os.environ.get("NCCL_GRAPH_MIXING_SUPPORT")
+        os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = "0"  # inherited by the spawned ranks
+        print(f"tpcomm.bench: {','.join(nomix)} first, in processes with NCCL_GRAPH_MIXING_SUPPORT=0", flush=True)
+        try:
+            spawn(n, first)
+        finally:
+            if previous is None:
+                del os.environ["NCCL_GRAPH_MIXING_SUPPORT"]
+            else:
+                os.environ["NCCL_GRAPH_MIXING_SUPPORT"] = previous
+        if not rest:
+            rest = ["nccl"]  # the tables need a reference column
+        second = copy.copy(args)
+        second.backends = ",".join(rest)
+        second.merge_from = first.out if os.path.exists(first.out) else None
+        return spawn(n, second)
 
 
 def spawn(n, args, target=None):

@@ -23,6 +23,12 @@ skipped):
   pool is registered with symm=True; every case uses views at the same offsets
   on every rank (input at 0, all-gather output after the input region), and
   runs dist.all_reduce / dist.all_gather_into_tensor on them.
+* nccl_nomix, nccl_window_nomix: the same calls as nccl and nccl_window, in
+  processes whose NCCL was started with NCCL_GRAPH_MIXING_SUPPORT=0 (NCCL's
+  fastest setting under CUDA graphs, read once per process): python -m
+  tpcomm.bench runs them in a second set of processes, graph mode only, and
+  merges their rows (measure.py, --merge-from). In any other process they
+  are off, with that reason.
 * symm_one_shot, symm_two_shot: torch.distributed._symmetric_memory with the
   "CUDA" backend (peer-to-peer over NVLink, never multicast:
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1): one symm_mem.empty buffer, one
@@ -37,6 +43,14 @@ import torch.distributed as dist
 from .report import human_bytes
 
 TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_bulk")
+NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
+
+
+def graph_mixing_off():
+    """NCCL in this process was told graphs and eager calls do not mix."""
+    import os
+
+    return os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") == "0"
 SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot")
 
 
@@ -96,9 +110,13 @@ class Resources:
         self._symm_handle = None
         self.symm_group_name = None
         wanted = set(backends)
+        for b in wanted & set(NOMIX_BACKENDS):
+            if not graph_mixing_off():
+                self.reasons[b] = ("needs processes started with NCCL_GRAPH_MIXING_SUPPORT=0 (python -m tpcomm.bench "
+                                   "runs them so; under torchrun, set it and ask for these backends alone)")
         if wanted & set(TPCOMM_BACKENDS):
             self._setup_tpcomm()
-        if "nccl_window" in wanted:
+        if "nccl_window" in wanted or ("nccl_window_nomix" in wanted and graph_mixing_off()):
             self._setup_window()
         if wanted & set(SYMM_BACKENDS):
             self._setup_symm()
@@ -144,7 +162,7 @@ class Resources:
             reason = f"NCCL window buffer: {describe(e)}"
         reason = agree(reason, self.world)
         if reason:
-            self.reasons["nccl_window"] = reason
+            self._window_off(reason)
             return
         try:
             backend.register_mem_pool(pool, symm=True)  # collective: ncclCommWindowRegister
@@ -156,13 +174,17 @@ class Resources:
         local = reason
         reason = agree(reason, self.world)
         if reason:
-            self.reasons["nccl_window"] = reason
+            self._window_off(reason)
             if local is None:  # registered here but not everywhere: keep the memory alive, unused
                 self._window_leak = (backend, pool, buf)
             return
         self._window = (backend, pool, buf, in_bytes)
         self.info["nccl_window"] = (f"{human_bytes(in_bytes + out_bytes)} from torch.cuda.MemPool(ProcessGroupNCCL."
                                     f"mem_allocator), ProcessGroupNCCL.register_mem_pool(pool, symm=True)")
+
+    def _window_off(self, reason):
+        for b in ("nccl_window", "nccl_window_nomix"):
+            self.reasons.setdefault(b, reason)
 
     def window_view(self, offset_kind, dtype, numel):
         backend, pool, buf, in_bytes = self._window
@@ -252,7 +274,7 @@ def make_case(backend, op, x0, res):
     numel, dtype, world = x0.numel(), x0.dtype, res.world
     nbytes = numel * x0.element_size()
 
-    if backend == "nccl":
+    if backend in ("nccl", "nccl_nomix"):  # the same calls; the process's NCCL setting differs
         if op == "all_reduce":
             x = torch.empty_like(x0)
 
@@ -260,6 +282,13 @@ def make_case(backend, op, x0, res):
                 dist.all_reduce(x)
                 return x
             return Case(call, lambda: x.copy_(x0))
+        if op == "reduce_scatter":
+            part = torch.empty((numel // world,), dtype=dtype, device=x0.device)
+
+            def call():
+                dist.reduce_scatter_tensor(part, x0)
+                return part
+            return Case(call)
         out = torch.empty((world * numel,), dtype=dtype, device=x0.device)
 
         def call():
@@ -267,12 +296,18 @@ def make_case(backend, op, x0, res):
             return out
         return Case(call)
 
-    if backend == "nccl_window":
+    if backend in ("nccl_window", "nccl_window_nomix"):
         x = res.window_view("in", dtype, numel)
         if op == "all_reduce":
             def call():
                 dist.all_reduce(x)
                 return x
+        elif op == "reduce_scatter":
+            part = res.window_view("out", dtype, numel // world)
+
+            def call():
+                dist.reduce_scatter_tensor(part, x)
+                return part
         else:
             out = res.window_view("out", dtype, world * numel)
 
@@ -283,7 +318,7 @@ def make_case(backend, op, x0, res):
 
     if backend in SYMM_BACKENDS:
         if op != "all_reduce":
-            raise Unavailable("all_reduce only (torch.ops.symm_mem has no matching all-gather)")
+            raise Unavailable("all_reduce only (the backend measures torch.ops.symm_mem's all-reduces)")
         x = res.symm_view(dtype, numel)
         name = res.symm_group_name
         if backend == "symm_one_shot":
@@ -300,20 +335,24 @@ def make_case(backend, op, x0, res):
         comm = res.comm
         x = x0.clone()
         if backend == "tpcomm":
-            route = comm.route_all_reduce(x) if op == "all_reduce" else comm.route_all_gather(x)
+            route = {"all_reduce": comm.route_all_reduce, "all_gather": comm.route_all_gather,
+                     "reduce_scatter": comm.route_reduce_scatter}[op](x)
             if route == "nccl":
                 raise Unavailable(f"the dispatcher sends {human_bytes(nbytes)} to NCCL (policy cap)")
-            if op == "all_reduce":
-                return Case(lambda: comm.all_reduce(x))
-            return Case(lambda: comm.all_gather(x))
+            run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
+                   "reduce_scatter": comm.reduce_scatter}[op]
+            return Case(lambda: run(x))
         algo = _lib.ALGO_PACKET if backend == "tpcomm_packet" else _lib.ALGO_BULK
-        if algo == _lib.ALGO_PACKET and nbytes > comm.packet_max_bytes:
+        packet_bytes = nbytes // world if op == "reduce_scatter" else nbytes  # the packet kernel's unit: a part
+        if algo == _lib.ALGO_PACKET and packet_bytes > comm.packet_max_bytes:
             raise Unavailable(f"over the packet cap of {human_bytes(comm.packet_max_bytes)}")
-        limit = comm.max_bytes if op == "all_reduce" else comm.max_bytes // world
+        limit = comm.max_bytes // world if op == "all_gather" else comm.max_bytes
         if algo == _lib.ALGO_BULK and nbytes > limit:
             raise Unavailable(f"over the bulk cap of {human_bytes(limit)} per rank")
         if op == "all_reduce":
             return Case(lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo))
+        if op == "reduce_scatter":
+            return Case(lambda: torch.ops.tpcomm.custom_reduce_scatter(x, comm.handle, algo))
         return Case(lambda: torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, algo))
 
     raise Unavailable(f"unknown backend {backend!r}")

@@ -101,12 +101,16 @@ def make_input(rank, op, dtype, numel, device):
 
 def reference(op, x0, world):
     """NCCL's all-gather of the inputs (a bit copy); for all_reduce, their sum
-    in float64 rounded to the dtype (exact on these integers)."""
+    in float64 rounded to the dtype (exact on these integers); for
+    reduce_scatter, this rank's part of that sum."""
     gathered = torch.empty((world * x0.numel(),), dtype=x0.dtype, device=x0.device)
     dist.all_gather_into_tensor(gathered, x0)
     if op == "all_gather":
         return gathered
-    return gathered.view(world, -1).double().sum(0).to(x0.dtype)
+    total = gathered.view(world, -1).double().sum(0).to(x0.dtype)
+    if op == "reduce_scatter":
+        return total.view(world, -1)[dist.get_rank()].clone()
+    return total
 
 
 def bit_equal(y, ref):
@@ -295,7 +299,8 @@ def _run(rank, world, device, args, queue):
     path = args.out or report.default_out_path(env)
     if rank == 0 and queue is not None:
         queue.put(path)
-    say = print if rank == 0 else (lambda *a, **k: None)
+    quiet = getattr(args, "quiet", False)  # a run whose rows another run merges
+    say = print if rank == 0 and not quiet else (lambda *a, **k: None)
     say(f"tpcomm.bench: {world} x {env.get('gpu', '?')}; ops {','.join(ops)}; dtypes {','.join(dtypes)}; "
         f"modes {','.join(modes)}; {len(size_list)} sizes {human_bytes(size_list[0])}..{human_bytes(size_list[-1])}; "
         f"backends {','.join(backends)}; results -> {path}", flush=True)
@@ -316,6 +321,14 @@ def _run(rank, world, device, args, queue):
                     "of integer-valued inputs"}
 
     rows, not_run = [], []
+    if rank == 0 and getattr(args, "merge_from", None):
+        merged = report.read_json(args.merge_from)
+        rows += [r for r in merged.get("rows", [])]
+        not_run += list(merged.get("not_run", []))
+        env["merged_run"] = {"backends": sorted({r["backend"] for r in merged.get("rows", [])}),
+                             "env": "NCCL_GRAPH_MIXING_SUPPORT=0", "complete": merged.get("env", {}).get("complete"),
+                             "elapsed_s": merged.get("env", {}).get("elapsed_s")}
+        env["backends"].update(merged.get("env", {}).get("backends", {}))
     progress = Progress(len(ops) * len(dtypes) * len(size_list) * len(backends) * len(modes),
                         enabled=rank == 0 and not args.no_progress)
 
@@ -330,6 +343,8 @@ def _run(rank, world, device, args, queue):
             dtype = getattr(torch, dname)
             for req in size_list:
                 numel = max(1, req // dtype.itemsize)
+                if op == "reduce_scatter":  # world equal parts
+                    numel = max(world, numel // world * world)
                 nbytes = numel * dtype.itemsize
                 x0 = make_input(rank, op, dtype, numel, device)
                 ref = reference(op, x0, world)
@@ -394,7 +409,7 @@ def _run(rank, world, device, args, queue):
     if not args.no_kernel_probe:
         env["nccl_kernels"] = _probe(ops, dtypes, backends, size_list, res, rank, world, device)
     data = _write(path, env, rows, not_run, world, complete=True, t0=t0, log=say) if rank == 0 else None
-    if rank == 0:
+    if rank == 0 and not quiet:
         print("\n" + format_env(data["env"]))
         print(report.format_tables(data))
         if not_run:

@@ -5,10 +5,11 @@ results can be re-read and re-printed anywhere.
 Bandwidth (rows of at least BANDWIDTH_MIN_BYTES per rank), with n ranks, b
 bytes per rank and t the median time per op; GB/s means 1e9 bytes per second:
 
-* algbw_gbps: the op's data over its time. all_reduce: b / t. all_gather:
-  n * b / t (the bytes of the gathered output).
+* algbw_gbps: the op's data over its time. all_reduce and reduce_scatter
+  (b is its input): b / t. all_gather: n * b / t (the gathered output).
 * link bytes: what each rank must at least send to its peers. all_reduce:
-  2 * (n - 1) / n * b (reduce-scatter then all-gather); all_gather: (n - 1) * b.
+  2 * (n - 1) / n * b (reduce-scatter then all-gather); all_gather: (n - 1) * b;
+  reduce_scatter: (n - 1) / n * b.
 * peer_fraction: (link bytes / t) divided by the peer-copy bandwidth measured
   once at start (env["peer_copy_gbps"]: rank 0 copies 256 MiB from GPU 0 into
   GPU 1, median of 5). 1.0 means the op moves data across the link as fast
@@ -21,12 +22,20 @@ import os
 KiB = 1024
 MiB = 1024 * KiB
 
-OPS = ("all_reduce", "all_gather")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")  # reduce_scatter's size: its input per rank
 # Column order of the tables and plots.
-BACKENDS = ("nccl", "nccl_window", "symm_one_shot", "symm_two_shot", "tpcomm", "tpcomm_packet", "tpcomm_bulk")
+BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot", "tpcomm",
+            "tpcomm_packet", "tpcomm_bulk")
+# NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process, at its first
+# communicator: these run in a second set of processes with it set to 0 (NCCL
+# at its fastest under CUDA graphs), graph mode only.
+NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
+NCCL_BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix")
 BACKEND_HELP = {
     "nccl": "NCCL through torch.distributed on ordinary tensors",
+    "nccl_nomix": "as nccl, in processes with NCCL_GRAPH_MIXING_SUPPORT=0 (graph mode only)",
     "nccl_window": "NCCL on tensors in a MemPool registered as a symmetric window (register_mem_pool(pool, symm=True))",
+    "nccl_window_nomix": "as nccl_window, in processes with NCCL_GRAPH_MIXING_SUPPORT=0 (graph mode only)",
     "symm_one_shot": "torch.ops.symm_mem.one_shot_all_reduce on a SymmetricMemory buffer (all_reduce only)",
     "symm_two_shot": "torch.ops.symm_mem.two_shot_all_reduce_ on a SymmetricMemory buffer (all_reduce only)",
     "tpcomm": "tpcomm.Communicator (the dispatcher's choice of kernel)",
@@ -105,6 +114,8 @@ def link_bytes(op, nbytes, world):
     """Bytes each rank must send to its peers at least."""
     if op == "all_gather":
         return (world - 1) * nbytes
+    if op == "reduce_scatter":
+        return (world - 1) / world * nbytes
     return 2.0 * (world - 1) / world * nbytes
 
 
@@ -146,7 +157,8 @@ def _ordered(values, order):
 
 def format_tables(data):
     """One table per (op, dtype, mode): median us per op, every backend a
-    column, x = nccl / tpcomm; under it, for sizes >= 1 MiB, the bandwidth."""
+    column, x = the best NCCL configuration measured / tpcomm; under it, for
+    sizes >= 1 MiB, the bandwidth."""
     rows = data.get("rows", [])
     env = data.get("env", {})
     out = []
@@ -165,15 +177,15 @@ def _table(op, dtype, mode, rows, env):
     by_size = {}
     for r in rows:
         by_size.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
-    lines = [f"\n{op} {dtype} {mode}: median us per op (slowest rank); x = nccl / tpcomm; "
+    lines = [f"\n{op} {dtype} {mode}: median us per op (slowest rank); x = best nccl* / tpcomm; "
              f"! = differs from the reference"]
     lines.append(f"{'bytes/rank':>10} " + " ".join(f"{b:>{w}}" for b in backends) + f" {'x':>6}")
     for n in sorted(by_size):
         cells = by_size[n]
         line = f"{human_bytes(n):>10} " + " ".join(_cell(cells.get(b), w) for b in backends)
-        nccl, tp = cells.get("nccl"), cells.get("tpcomm")
-        if nccl and tp and _finite_positive(nccl.get("median_us")) and _finite_positive(tp.get("median_us")):
-            line += f" {nccl['median_us'] / tp['median_us']:>6.2f}"
+        best, tp = best_nccl_us(cells), cells.get("tpcomm")
+        if best and tp and _finite_positive(tp.get("median_us")):
+            line += f" {best / tp['median_us']:>6.2f}"
         lines.append(line)
     big = [n for n in sorted(by_size) if any("algbw_gbps" in r for r in by_size[n].values())]
     if big:
@@ -185,6 +197,14 @@ def _table(op, dtype, mode, rows, env):
             cells = by_size[n]
             lines.append(f"{human_bytes(n):>10} " + " ".join(_bw_cell(cells.get(b), w) for b in backends))
     return "\n".join(lines)
+
+
+def best_nccl_us(cells):
+    """The fastest NCCL configuration's time among one size's rows
+    ({backend: row}), or None."""
+    times = [cells[b]["median_us"] for b in NCCL_BACKENDS
+             if b in cells and _finite_positive(cells[b].get("median_us"))]
+    return min(times) if times else None
 
 
 def _cell(r, w):
@@ -256,6 +276,15 @@ def format_summary(data):
                                  + (f" {sp[-1][1]:.2f}x@{human_bytes(sp[-1][0])}" if len(sp) > 1 else ""))
             if parts:
                 lines.append(f"speed-up over nccl, {op} {dtype} {mode}: " + ", ".join(parts))
+            by_size = {}
+            for r in rows:
+                if (r["op"], r["dtype"], r["mode"]) == (op, dtype, mode):
+                    by_size.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
+            best = [(n, best_nccl_us(c) / c["tpcomm"]["median_us"]) for n, c in sorted(by_size.items())
+                    if "tpcomm" in c and best_nccl_us(c) and _finite_positive(c["tpcomm"]["median_us"])]
+            if best:
+                lines.append(f"tpcomm over the best NCCL measured, {op} {dtype} {mode}: "
+                             + ", ".join(f"{x:.2f}x@{human_bytes(n)}" for n, x in best))
     return "\n".join(lines)
 
 

@@ -1,0 +1,51 @@
+"""examples/tp_decode.py on the CPU: the TP split of the model (vocabulary-
+parallel embedding and LM head, column- and row-parallel layers) over 2 gloo
+processes gives the same tokens and logits through tpcomm's Communicator
+(its NCCL fallback here) as through torch.distributed, with the expected
+number of collectives per step; and the summary's arithmetic. The timed run
+under CUDA graphs is the device machine's (README)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import tp_decode  # noqa: E402
+
+
+def test_tiny_model_over_two_gloo_ranks(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
+                           "--batches", "1,3", "--context", "16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    run = data["runs"]["mixing default"]
+    for batch, n in (("1", 1), ("3", 3)):
+        assert run[batch]["tokens_agree"] is True and run[batch]["logits_bit_equal"] is True
+        assert len(run[batch]["tokens"]) == n and all(0 <= t < tp_decode.TINY["vocab"] for t in run[batch]["tokens"])
+    layers = tp_decode.TINY["layers"]
+    # per step: the embedding's all_reduce, two per layer, one all_gather; two batch sizes
+    assert run["tpcomm_calls"] == {"all_reduce/nccl": 2 * (1 + 2 * layers), "all_gather/nccl": 2}
+    assert data["model"]["ranks"] == 2 and data["model"]["layers"] == layers
+
+
+def test_summary_arithmetic():
+    runs = {"mixing default": {"1": {"ms_per_step": {"none": 10.0, "nccl": 12.2, "tpcomm": 10.9},
+                                     "tokens_agree": True}},
+            "mixing off": {"1": {"ms_per_step": {"none": 10.2, "nccl_nomix": 11.7}}}}
+    row = tp_decode.summarize(runs)["1"]
+    assert row["over_floor_pct"] == {"nccl": 22.0, "tpcomm": 9.0, "nccl_nomix": 14.7}
+    assert row["ms_per_step"]["none (mixing off)"] == 10.2
+    assert row["tpcomm_faster_than_pct"] == {"nccl": 10.7, "nccl_nomix": 6.8}
+    assert row["tokens_agree (mixing default)"] is True
+
+
+def test_needs_two_gpus_without_cpu_flag(monkeypatch, capsys):
+    monkeypatch.setattr(tp_decode.torch.cuda, "device_count", lambda: 0)
+    assert tp_decode.main(["--tiny"]) == 0
+    assert "needs 2 GPUs" in capsys.readouterr().out
