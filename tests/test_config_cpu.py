@@ -164,6 +164,18 @@ def _body_stats(rank, world_size):
     comm.all_gather(torch.ones(2, 3), dim=1)       # 24 bytes
     assert comm.stats() == {("all_reduce", "nccl"): {"calls": 2, "bytes": 64},
                             ("all_gather", "nccl"): {"calls": 1, "bytes": 24}}, comm.stats()
+    # Routes are memoised per (dtype, size) / (shape, dim) with their stats cell;
+    # past the memo's bound it starts over and the counts stay right.
+    from tpcomm import communicator
+
+    communicator._ROUTE_MEMO_MAX = 2
+    for n in (8, 16, 24, 8, 32, 16):
+        comm.all_reduce(torch.ones(n))
+    comm.reduce_scatter(torch.ones(4 * world_size))
+    assert len(comm._memo["all_reduce"]) <= 2
+    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 8, "bytes": 64 + 4 * (8 + 16 + 24 + 8 + 32 + 16)},
+                            ("all_gather", "nccl"): {"calls": 1, "bytes": 24},
+                            ("reduce_scatter", "nccl"): {"calls": 1, "bytes": 16 * world_size}}, comm.stats()
     comm.close()
 
 

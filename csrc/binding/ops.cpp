@@ -107,6 +107,20 @@ uint64_t nan_pattern(ScalarType t) {
 bool aligned16(const Tensor &t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 Tensor aligned_input(const Tensor &t) { return aligned16(t) ? t : torch::stable::clone(t); }
 
+// The eager path's allocations and copies go through the shim's direct entry
+// points (new_empty), and a contiguous input is not "made contiguous": the
+// stable empty_like and contiguous look their aten op up by name in the
+// boxed dispatcher on every call, microseconds each.
+std::vector<int64_t> sizes_of(const Tensor &t) {
+  std::vector<int64_t> sizes(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
+  return sizes;
+}
+Tensor new_contiguous(const Tensor &like, const std::vector<int64_t> &sizes) {
+  return torch::stable::new_empty(like, sizes);
+}
+Tensor contiguous_input(const Tensor &t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
+
 void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) {
   Held held(id);
   tpc_comm *comm = held.get();
@@ -118,14 +132,14 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   const tpc_dtype dtype = reduce_dtype(input);
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const Tensor in = aligned_input(input);
-  Tensor dst = aligned16(out) ? out : torch::stable::empty_like(out);
+  Tensor dst = aligned16(out) ? out : new_contiguous(out, sizes_of(out));
   check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
                              static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
 Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
-  Tensor out = torch::stable::empty_like(input);
+  Tensor out = new_contiguous(input, sizes_of(input));
   all_reduce_into(input, out, comm, algo);
   return out;
 }
@@ -144,11 +158,10 @@ Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
   const int64_t world = tpc_comm_world_size(comm);
   if (input.dim() < 1 || input.size(0) % world != 0)
     fail("tpcomm: reduce_scatter needs dim 0 divisible by the world size %lld", static_cast<long long>(world));
-  const Tensor x = aligned_input(torch::stable::contiguous(input));
-  std::vector<int64_t> sizes(x.dim());
-  for (int64_t d = 0; d < x.dim(); ++d) sizes[d] = x.size(d);
+  const Tensor x = aligned_input(contiguous_input(input));
+  std::vector<int64_t> sizes = sizes_of(x);
   sizes[0] /= world;
-  Tensor out = torch::stable::new_empty(x, sizes);
+  Tensor out = new_contiguous(x, sizes);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
   check(comm, tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype,
                                  static_cast<tpc_algo>(algo), current_stream(x.get_device_index())));
@@ -167,7 +180,7 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
     fail("tpcomm: dim %lld is out of range for %lld dimensions", static_cast<long long>(dim),
          static_cast<long long>(ndim));
   if (dim < 0) dim += ndim;
-  Tensor x = aligned_input(torch::stable::contiguous(input));
+  Tensor x = aligned_input(contiguous_input(input));
   std::vector<int64_t> sizes(ndim);
   int64_t row = static_cast<int64_t>(x.element_size());
   for (int64_t d = 0; d < ndim; ++d) {
@@ -175,7 +188,7 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
     if (d >= dim) row *= sizes[d];
   }
   sizes[dim] *= tpc_comm_world_size(comm);
-  Tensor out = torch::stable::new_empty(x, sizes);
+  Tensor out = new_contiguous(x, sizes);
   const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,

@@ -23,6 +23,15 @@ MiB = 1024 * KiB
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ALGO = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
+_ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
+_OVERLOADS = {}  # custom op name -> its OpOverload, looked up once: the eager path calls it directly
+
+
+def _custom(name):
+    op = _OVERLOADS.get(name)
+    if op is None:
+        op = _OVERLOADS[name] = getattr(torch.ops.tpcomm, name).default
+    return op
 # Communicators created so far on each group (keyed by the group's name):
 # every rank of a group must create them in the same order, whatever other
 # groups (TP inside PP, DP replicas) it also belongs to.
@@ -90,8 +99,10 @@ class Communicator:
         self._lib = None
         self._closed = False
         self.disabled_reason = None
-        self._calls = collections.Counter()  # (op, backend) -> calls
-        self._bytes = collections.Counter()  # (op, backend) -> input bytes per rank
+        self._stat_cells = {}    # (op, backend) -> [calls, input bytes per rank]
+        # Per op, the route of each (dtype or layout, size) seen, with its stats
+        # cell: the eager path looks its route up instead of walking the bands.
+        self._memo = {op: {} for op in policy.OPS}
         self._group_key = group_key(self.group)
         self.group_name = str(self._group_key)  # what torch.ops.tpcomm.all_reduce(x, group_name) takes
         self.serial = next(_serials[self._group_key])
@@ -238,14 +249,18 @@ class Communicator:
         if not x.is_contiguous():
             x = x.contiguous()
         nbytes = x.numel() * x.element_size()
-        backend = self._route_all_reduce(x, nbytes)
-        self._count("all_reduce", backend, nbytes)
+        hit = self._memo["all_reduce"].get((x.dtype, nbytes))
+        if hit is None:
+            hit = self._remember("all_reduce", (x.dtype, nbytes), self._route_all_reduce(x, nbytes))
+        backend, cell = hit
+        cell[0] += 1
+        cell[1] += nbytes
         if backend == "nccl":
             return self._nccl_all_reduce(x, out)
         try:
             if out is None:
-                return torch.ops.tpcomm.custom_all_reduce(x, self.handle, _ALGO[backend])
-            torch.ops.tpcomm.custom_all_reduce_out(x, out, self.handle, _ALGO[backend])
+                return _custom("custom_all_reduce")(x, self.handle, _ALGO[backend])
+            _custom("custom_all_reduce_out")(x, out, self.handle, _ALGO[backend])
         except RuntimeError as e:
             raise _lib.translated(e) from None
         return out
@@ -257,12 +272,17 @@ class Communicator:
         self._check_input(x, "input")
         dim = checked_dim(x, dim, "all_gather")
         nbytes = x.numel() * x.element_size()
-        backend = self._route_all_gather(x, dim, nbytes)
-        self._count("all_gather", backend, nbytes)
+        key = (x.shape, dim, x.element_size())
+        hit = self._memo["all_gather"].get(key)
+        if hit is None:
+            hit = self._remember("all_gather", key, self._route_all_gather(x, dim, nbytes))
+        backend, cell = hit
+        cell[0] += 1
+        cell[1] += nbytes
         if backend == "nccl":
             return self._nccl_all_gather(x, dim)
         try:
-            return torch.ops.tpcomm.custom_all_gather(x, dim, self.handle, _ALGO[backend])
+            return _custom("custom_all_gather")(x, dim, self.handle, _ALGO[backend])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
@@ -278,14 +298,18 @@ class Communicator:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
         nbytes = x.numel() * x.element_size()
-        backend = self._route_reduce_scatter(x, nbytes)
-        self._count("reduce_scatter", backend, nbytes)
+        hit = self._memo["reduce_scatter"].get((x.dtype, nbytes))
+        if hit is None:
+            hit = self._remember("reduce_scatter", (x.dtype, nbytes), self._route_reduce_scatter(x, nbytes))
+        backend, cell = hit
+        cell[0] += 1
+        cell[1] += nbytes
         parts = x.movedim(dim, 0) if dim else x
         if backend == "nccl":
             y = self._nccl_reduce_scatter(parts.contiguous())
         else:
             try:
-                y = torch.ops.tpcomm.custom_reduce_scatter(parts, self.handle, _ALGO[backend])
+                y = _custom("custom_reduce_scatter")(parts, self.handle, _ALGO[backend])
             except RuntimeError as e:
                 raise _lib.translated(e) from None
         return y.movedim(0, dim).contiguous() if dim else y
@@ -342,14 +366,20 @@ class Communicator:
                          f"output {self.max_bytes} B)")
         return "; ".join(parts)
 
-    def _count(self, op, backend, nbytes):
-        self._calls[op, backend] += 1
-        self._bytes[op, backend] += nbytes
+    def _remember(self, op, key, backend):
+        """Memoises a route (a few thousand shapes at most: a serving engine
+        sees a handful per batch size) with the stats cell it counts into."""
+        memo = self._memo[op]
+        if len(memo) >= _ROUTE_MEMO_MAX:
+            memo.clear()
+        cell = self._stat_cells.setdefault((op, backend), [0, 0])
+        memo[key] = (backend, cell)
+        return memo[key]
 
     def stats(self) -> dict:
         """Calls and input bytes per rank so far, per (op, backend):
         {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}."""
-        return {key: {"calls": calls, "bytes": self._bytes[key]} for key, calls in self._calls.items()}
+        return {key: {"calls": c[0], "bytes": c[1]} for key, c in self._stat_cells.items() if c[0]}
 
     def check(self) -> None:
         """Raises the recorded error if an op failed on the device: a peer

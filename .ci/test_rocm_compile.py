@@ -1,7 +1,9 @@
 """The same sources compile for AMD (scripts/rocm_compile.sh): every kernel
 for gfx90a and gfx940 with hipcc, device code for gfx942 with clang-19, the
-C core against the HIP headers, all with -Werror. CI installs the compilers
-(.ci/run); elsewhere the test skips with the reason. No AMD GPU runs here."""
+C core against the HIP headers, all with -Werror. It needs compilers that
+pip cannot install, so it lives here, beside .ci/run, which installs them
+with apt and runs it after the README's test command (which then skips
+nothing but the GPU suite). No AMD GPU runs here."""
 import os
 import shutil
 import subprocess
