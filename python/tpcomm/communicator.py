@@ -15,6 +15,8 @@ import torch.distributed as dist
 from . import _fake, _lib, ops, policy, topology
 from ._log import log_once
 from ._shapes import checked_dim
+from .backends.kernels import Kernels
+from .backends.nccl import Nccl
 from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
 
@@ -22,16 +24,7 @@ KiB = 1024
 MiB = 1024 * KiB
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_ALGO = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
 _ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
-_OVERLOADS = {}  # custom op name -> its OpOverload, looked up once: the eager path calls it directly
-
-
-def _custom(name):
-    op = _OVERLOADS.get(name)
-    if op is None:
-        op = _OVERLOADS[name] = getattr(torch.ops.tpcomm, name).default
-    return op
 # Communicators created so far on each group (keyed by the group's name):
 # every rank of a group must create them in the same order, whatever other
 # groups (TP inside PP, DP replicas) it also belongs to.
@@ -99,6 +92,8 @@ class Communicator:
         self._lib = None
         self._closed = False
         self.disabled_reason = None
+        self._nccl = Nccl(self.group)  # the fallback; the custom path adds self._kernels
+        self._kernels = None
         self._stat_cells = {}    # (op, backend) -> [calls, input bytes per rank]
         # Per op, the route of each (dtype or layout, size) seen, with its stats
         # cell: the eager path looks its route up instead of walking the bands.
@@ -193,6 +188,7 @@ class Communicator:
         if reason is None:
             self._comm = comm
             self.handle = self._id = int(lib.tpc_comm_id(comm))
+            self._kernels = Kernels(self.handle)
             _fake.WORLD_SIZES[self.handle] = self.world_size
             # algo=0 on a raw op (the C core's AUTO) follows the same table
             _lib.check(lib, comm, lib.tpc_comm_set_cutover(
@@ -234,6 +230,13 @@ class Communicator:
     def enabled(self) -> bool:
         return self.handle != 0
 
+    @property
+    def kernels(self) -> "Kernels | None":
+        """tpcomm's kernels for this communicator, called with the algorithm
+        forced ("packet" or "bulk"): what the benchmark and tune measure. None
+        when the custom path is off."""
+        return self._kernels
+
     def all_reduce(self, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """Sum of x over the group. Returns a new tensor, or writes into `out`
         (which may be x itself) and returns it. fp32/fp16/bf16 of a byte size
@@ -256,14 +259,8 @@ class Communicator:
         cell[0] += 1
         cell[1] += nbytes
         if backend == "nccl":
-            return self._nccl_all_reduce(x, out)
-        try:
-            if out is None:
-                return _custom("custom_all_reduce")(x, self.handle, _ALGO[backend])
-            _custom("custom_all_reduce_out")(x, out, self.handle, _ALGO[backend])
-        except RuntimeError as e:
-            raise _lib.translated(e) from None
-        return out
+            return self._nccl.all_reduce(x, out)
+        return self._kernels.all_reduce(x, backend, out)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenation of every rank's x along `dim` (negative dims count
@@ -280,11 +277,8 @@ class Communicator:
         cell[0] += 1
         cell[1] += nbytes
         if backend == "nccl":
-            return self._nccl_all_gather(x, dim)
-        try:
-            return _custom("custom_all_gather")(x, dim, self.handle, _ALGO[backend])
-        except RuntimeError as e:
-            raise _lib.translated(e) from None
+            return self._nccl.all_gather(x, dim)
+        return self._kernels.all_gather(x, dim, backend)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's share of the sum over the group: x is split along `dim`
@@ -306,12 +300,9 @@ class Communicator:
         cell[1] += nbytes
         parts = x.movedim(dim, 0) if dim else x
         if backend == "nccl":
-            y = self._nccl_reduce_scatter(parts.contiguous())
+            y = self._nccl.reduce_scatter(parts.contiguous())
         else:
-            try:
-                y = _custom("custom_reduce_scatter")(parts, self.handle, _ALGO[backend])
-            except RuntimeError as e:
-                raise _lib.translated(e) from None
+            y = self._kernels.reduce_scatter(parts, backend)
         return y.movedim(0, dim).contiguous() if dim else y
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
@@ -491,49 +482,6 @@ class Communicator:
             raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")
-
-    def _nccl_all_reduce(self, x, out):
-        if torch.compiler.is_compiling():
-            import torch.distributed._functional_collectives as funcol
-
-            y = funcol.all_reduce(x, "sum", self.group)
-            return y if out is None else out.copy_(y)
-        y = x.clone() if out is None else (out.copy_(x) if out.data_ptr() != x.data_ptr() else out)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-    def _nccl_reduce_scatter(self, x):
-        """Part `rank` of the sum of x (contiguous, dim 0 divisible by the world size)."""
-        if torch.compiler.is_compiling():
-            import torch.distributed._functional_collectives as funcol
-
-            return funcol.reduce_scatter_tensor(x, "sum", 0, self.group)
-        if x.device.type != "cuda":  # gloo has no reduce_scatter_tensor: reduce, then take our part
-            y = x.clone()
-            dist.all_reduce(y, group=self.group)
-            return y.chunk(self.world_size)[self.rank].contiguous()
-        out = torch.empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=self.group)
-        return out
-
-    def _nccl_all_gather(self, x, dim):
-        x = x.contiguous()
-        dim = dim % x.dim()
-        if torch.compiler.is_compiling():
-            import torch.distributed._functional_collectives as funcol
-
-            return funcol.all_gather_tensor(x, dim, self.group)
-        if x.device.type != "cuda":  # gloo: list gather
-            parts = [torch.empty_like(x) for _ in range(self.world_size)]
-            dist.all_gather(parts, x, group=self.group)
-            return torch.cat(parts, dim)
-        stacked = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(stacked, x, group=self.group)
-        if dim == 0:
-            return stacked
-        shape = list(x.shape)
-        shape[dim] *= self.world_size
-        return stacked.reshape((self.world_size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
 
 
 def _resolve_device(device):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import topology
 from . import report
-from .backends import Resources, Unavailable, agree, describe, make_case
+from .cases import Resources, Unavailable, agree, describe, make_case
 from .progress import Progress
 from .report import BACKENDS, OPS, human_bytes  # noqa: F401 - re-exported
 

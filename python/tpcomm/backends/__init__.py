@@ -1,0 +1,24 @@
+"""The backends a collective can run on, one small module each, defined once
+and used both by the dispatcher (tpcomm.Communicator) and by the benchmark
+(tpcomm.bench), so what is measured is what runs.
+
+Every backend is an object made for one process group (its set-up, where it
+needs any, is collective and fails on every rank alike) with:
+
+* the ops it runs, as methods: all_reduce, all_gather, reduce_scatter (the
+  subset it has), each taking tensors on the group's device;
+* what it needs under CUDA graph capture, in its docstring (nothing beyond
+  the tensors for NCCL and tpcomm's kernels; buffers registered at set-up
+  for the window and symmetric-memory backends, which run on views of them);
+* Unavailable, raised with the reason, when it cannot run a call.
+
+Modules: nccl (torch.distributed), kernels (tpcomm's packet and bulk kernels
+through the torch ops), nccl_window (NCCL's symmetric kernels on a
+registered MemPool), symm_mem (torch SymmetricMemory one-shot / two-shot
+all-reduce). AMD's AITER all-reduce is wrapped in tpcomm.aiter_backend
+(ROCm only, not a route yet).
+"""
+
+
+class Unavailable(Exception):
+    """A backend cannot run this call (or at all); the message says why."""

@@ -1,0 +1,45 @@
+"""tpcomm's own kernels (csrc/kernels) through the torch ops, for one
+communicator id: "packet" (barrier-free, small and medium sizes) and "bulk"
+(two barriers, large sizes). They read only their input and the buffers
+registered at init, so graph capture needs nothing more (Communicator.capture
+only marks the capture). Errors come back as tpcomm's exception classes."""
+import torch
+
+from .. import _lib
+
+ALGOS = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
+_OVERLOADS = {}  # op name -> its OpOverload, looked up once: the eager path calls it directly
+
+
+def custom(name):
+    op = _OVERLOADS.get(name)
+    if op is None:
+        op = _OVERLOADS[name] = getattr(torch.ops.tpcomm, name).default
+    return op
+
+
+class Kernels:
+    def __init__(self, handle):
+        self.handle = handle  # the communicator id the ops take
+
+    def all_reduce(self, x, algo, out=None):
+        try:
+            if out is None:
+                return custom("custom_all_reduce")(x, self.handle, ALGOS[algo])
+            custom("custom_all_reduce_out")(x, out, self.handle, ALGOS[algo])
+            return out
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
+
+    def all_gather(self, x, dim, algo):
+        try:
+            return custom("custom_all_gather")(x, dim, self.handle, ALGOS[algo])
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
+
+    def reduce_scatter(self, parts, algo):
+        """Part `rank` of the sum; parts: dim 0 holds world_size equal parts."""
+        try:
+            return custom("custom_reduce_scatter")(parts, self.handle, ALGOS[algo])
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
