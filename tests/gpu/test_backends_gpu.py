@@ -1,0 +1,89 @@
+"""The backend objects of tpcomm.backends (the ones the dispatcher and the
+benchmark both run) on 2 GPUs: every op of every backend bit for bit against
+NCCL on integer-valued data (exact in any summation order), eager and in a
+CUDA graph replayed with new inputs."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import tpcomm
+from tpcomm.backends.nccl import Nccl
+from tpcomm.backends.nccl_window import NcclWindow
+from tpcomm.backends.symm_mem import SymmMem
+from test_all_reduce_gpu import _assert_bits_equal, _int_valued
+
+pytestmark = pytest.mark.gpu
+
+KiB = 1024
+
+
+def _references(x, world):
+    full = x.clone()
+    dist.all_reduce(full)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    return full, torch.cat(parts), full.view(world, -1)[dist.get_rank()].clone()
+
+
+def body_backends(rank, world):
+    group = dist.group.WORLD
+    device = torch.device("cuda", rank)
+    comm = tpcomm.Communicator(max_bytes=4 << 20)
+    assert comm.enabled and comm.kernels is not None, comm.disabled_reason
+    nccl = Nccl(group)
+    window = NcclWindow(group, device, 1 << 20, world << 20)
+    window.allocate()
+    window.register()
+    symm = SymmMem(group, device, 1 << 20)
+    symm.allocate()
+    symm.rendezvous()
+    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    for numel in (8 * world, 4 * KiB * world, 96 * KiB * world):  # packet, packet, bulk-sized
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _int_valued(numel, dtype, gen)
+            ar, ag, rs = _references(x, world)
+            what = f"{numel} x {dtype}"
+            y = x.clone()
+            _assert_bits_equal(nccl.all_reduce(y, out=y), ar, f"nccl all_reduce in place {what}")
+            _assert_bits_equal(nccl.all_gather(x, 0), ag, f"nccl all_gather {what}")
+            _assert_bits_equal(nccl.reduce_scatter(x), rs, f"nccl reduce_scatter {what}")
+            for algo in ("packet", "bulk"):
+                if algo == "packet" and numel * x.element_size() > comm.packet_max_bytes:
+                    continue
+                _assert_bits_equal(comm.kernels.all_reduce(x, algo), ar, f"{algo} all_reduce {what}")
+                _assert_bits_equal(comm.kernels.all_gather(x, 0, algo), ag, f"{algo} all_gather {what}")
+                _assert_bits_equal(comm.kernels.reduce_scatter(x, algo), rs, f"{algo} reduce_scatter {what}")
+            w = window.view("in", dtype, numel)
+            w.copy_(x)
+            _assert_bits_equal(window.all_gather(w), ag, f"window all_gather {what}")
+            _assert_bits_equal(window.reduce_scatter(w), rs, f"window reduce_scatter {what}")
+            _assert_bits_equal(window.all_reduce(w), ar, f"window all_reduce {what}")
+            for kind in ("one_shot", "two_shot"):
+                s = symm.view(dtype, numel)
+                s.copy_(x)
+                _assert_bits_equal(symm.all_reduce(s, kind).clone(), ar, f"symm {kind} {what}")
+
+    # A graph of every backend, replayed with new inputs.
+    x = torch.zeros(4 * KiB * world, dtype=torch.bfloat16, device=device)
+    w = window.view("in", x.dtype, x.numel())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        w.copy_(x)
+        outs = [comm.kernels.all_reduce(x, "packet"), comm.kernels.all_gather(x, 0, "bulk"),
+                window.all_gather(w).clone(), nccl.reduce_scatter(x)]
+    for step in range(3):
+        x.copy_(_int_valued(x.numel(), x.dtype, gen))
+        graph.replay()
+        ar, ag, rs = _references(x, world)
+        for got, want, name in zip(outs, (ar, ag, ag, rs), ("packet all_reduce", "bulk all_gather",
+                                                            "window all_gather", "nccl reduce_scatter")):
+            _assert_bits_equal(got, want, f"graph replay {step}: {name}")
+    torch.cuda.synchronize()
+    window.close()
+    comm.close()
+
+
+def test_backend_objects():
+    harness.run(body_backends, world=2, timeout_s=240)
