@@ -4,6 +4,8 @@ The C core (csrc/core/*.c) is compiled as C11 by the C compiler and linked in
 as objects; torch's BuildExtension compiles the CUDA C kernels (nvcc, or
 hipcc after hipify on a ROCm torch) and the one C++ binding file.
 CUDA targets default to 8.0 and 9.0 plus PTX; set TORCH_CUDA_ARCH_LIST to change.
+On a ROCm torch the targets default to gfx90a and gfx942 (MI200, MI300); set
+PYTORCH_ROCM_ARCH to change.
 """
 import os
 import subprocess
@@ -22,8 +24,11 @@ def _extension():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, ROCM_HOME, CUDAExtension
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     rocm = torch.version.hip is not None
+    if rocm:
+        os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx90a;gfx942")
+    else:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     macros = ["-DUSE_ROCM=1", "-D__HIP_PLATFORM_AMD__=1"] if rocm else ["-DUSE_CUDA"]
     gpu_include = os.path.join(ROCM_HOME if rocm else CUDA_HOME, "include")
     return CUDAExtension(

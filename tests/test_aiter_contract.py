@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from tpcomm import aiter_backend
+from tpcomm.backends import aiter as aiter_backend
 
 SOURCE = aiter_backend.AITER_MODULE.replace(".", "/") + ".py"
 

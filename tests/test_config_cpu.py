@@ -15,16 +15,18 @@ KiB, MiB = 1024, 1024 * 1024
 
 def test_defaults_and_env(monkeypatch):
     for name in ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_PACKET_MAX_BYTES",
-                 "TPCOMM_TABLE", "TPCOMM_FORCE", "TPCOMM_FORBID"):
+                 "TPCOMM_TABLE", "TPCOMM_FORCE", "TPCOMM_FORBID", "TPCOMM_AITER"):
         monkeypatch.delenv(name, raising=False)
-    assert Config.from_env() == Config()
+    assert Config.from_env() == Config() and Config().aiter is True
     monkeypatch.setenv("TPCOMM_MAX_BYTES", "0x400000")
     monkeypatch.setenv("TPCOMM_PACKET_MAX_BYTES", "65536")
     monkeypatch.setenv("TPCOMM_TIMEOUT_S", "2.5")
     monkeypatch.setenv("TPCOMM_FORCE", "all_gather=nccl")
     monkeypatch.setenv("TPCOMM_FORBID", "bulk")
     monkeypatch.setenv("TPCOMM_TABLE", "/some/table.json")
+    monkeypatch.setenv("TPCOMM_AITER", "off")
     c = Config.from_env()
+    assert c.aiter is False and c.describe()["aiter"] == "False"
     assert (c.max_bytes, c.packet_max_bytes, c.timeout_s) == (4 * MiB, 64 * KiB, 2.5)
     assert c.force == (("all_gather", "nccl"),) and c.forbid == ("bulk",) and c.table == "/some/table.json"
     assert c.replace(max_bytes=MiB, timeout_s=None).max_bytes == MiB  # None leaves a field as it is
@@ -39,6 +41,7 @@ def test_defaults_and_env(monkeypatch):
     ("TPCOMM_FORCE", "all_to_all=nccl", "force all_to_all=nccl"),
     ("TPCOMM_FORBID", "nccl", "forbid 'nccl'"),
     ("TPCOMM_TIMEOUT_S", "0", "TPCOMM_TIMEOUT_S='0' must be positive"),
+    ("TPCOMM_AITER", "maybe", "TPCOMM_AITER='maybe'"),
 ])
 def test_bad_env_values_name_them(monkeypatch, name, value, needle):
     monkeypatch.setenv(name, value)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from . import _fake, _lib, ops, policy, topology
 from ._log import log_once
 from ._shapes import checked_dim
+from .backends import aiter
 from .backends.kernels import Kernels
 from .backends.nccl import Nccl
 from .config import Config
@@ -94,6 +95,8 @@ class Communicator:
         self.disabled_reason = None
         self._nccl = Nccl(self.group)  # the fallback; the custom path adds self._kernels
         self._kernels = None
+        self._aiter = None       # AMD AITER's all-reduce, on ROCm where it imports (backends/aiter.py)
+        self.aiter_reason = None  # why it is not used, or None
         self._stat_cells = {}    # (op, backend) -> [calls, input bytes per rank]
         # Per op, the route of each (dtype or layout, size) seen, with its stats
         # cell: the eager path looks its route up instead of walking the bands.
@@ -105,6 +108,7 @@ class Communicator:
             self.disabled_reason = self._agree(self._local_reason())
             if self.disabled_reason is None:
                 self.disabled_reason = self._open_custom()
+            self.aiter_reason = self._open_aiter()
         ops.register(self)
         if self.disabled_reason is not None:
             log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
@@ -200,6 +204,34 @@ class Communicator:
             lib.tpc_comm_destroy(comm)
         return reason
 
+    def _open_aiter(self):
+        """AITER's CustomAllreduce where it can run on every rank (a verdict
+        exchange first, so no rank waits in a set-up the others skip).
+        Returns why it is not used, or None."""
+        if self.config.disable:
+            local = "off (TPCOMM_DISABLE)"
+        elif not self.config.aiter:
+            local = "off (TPCOMM_AITER=0 or Config.aiter=False)"
+        else:
+            ok, local = aiter.available()
+        reason = _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(local))])
+        if reason is None:
+            made, error = None, None
+            try:
+                made = aiter.AiterAllReduce(self.group, self.device, self.max_bytes)  # collective
+            except Exception as e:  # noqa: BLE001 - a reason, never a crash
+                error = f"AITER's CustomAllreduce failed: {type(e).__name__}: {e}"
+            reason = _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
+            if reason is None:
+                self._aiter = made
+                log_once(logging.INFO, "tpcomm: AMD AITER's custom all-reduce is tried first for all_reduce and "
+                                       "all_gather along dim 0 (what it declines: tpcomm's kernels, then RCCL)")
+                return None
+            if made is not None:
+                made.close()
+        log_once(logging.INFO, f"tpcomm: AITER backend not used: {reason}")
+        return reason
+
     def _open_peers(self, comm, entries):
         lib = self._lib
         error = None
@@ -254,10 +286,17 @@ class Communicator:
         nbytes = x.numel() * x.element_size()
         hit = self._memo["all_reduce"].get((x.dtype, nbytes))
         if hit is None:
-            hit = self._remember("all_reduce", (x.dtype, nbytes), self._route_all_reduce(x, nbytes))
+            backend = "aiter" if self._aiter is not None and self._aiter.can_take(x) else \
+                self._route_all_reduce(x, nbytes)
+            hit = self._remember("all_reduce", (x.dtype, nbytes), backend)
         backend, cell = hit
         cell[0] += 1
         cell[1] += nbytes
+        if backend == "aiter":
+            y = self._aiter.all_reduce(x)
+            if y is not None:
+                return y if out is None else out.copy_(y)
+            backend = self._route_all_reduce(x, nbytes)  # declined after all (rank-invariant: shape-based)
         if backend == "nccl":
             return self._nccl.all_reduce(x, out)
         return self._kernels.all_reduce(x, backend, out)
@@ -272,10 +311,16 @@ class Communicator:
         key = (x.shape, dim, x.element_size())
         hit = self._memo["all_gather"].get(key)
         if hit is None:
-            hit = self._remember("all_gather", key, self._route_all_gather(x, dim, nbytes))
+            hit = self._remember("all_gather", key, self._aiter_all_gather_route(x, dim, nbytes)
+                                 or self._route_all_gather(x, dim, nbytes))
         backend, cell = hit
         cell[0] += 1
         cell[1] += nbytes
+        if backend == "aiter":
+            flat = self._aiter.all_gather(x.contiguous())
+            if flat is not None:
+                return flat.view((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
+            backend = self._route_all_gather(x, dim, nbytes)
         if backend == "nccl":
             return self._nccl.all_gather(x, dim)
         return self._kernels.all_gather(x, dim, backend)
@@ -304,6 +349,15 @@ class Communicator:
         else:
             y = self._kernels.reduce_scatter(parts, backend)
         return y.movedim(0, dim).contiguous() if dim else y
+
+    def _aiter_all_gather_route(self, x, dim, nbytes):
+        """"aiter" where AITER's flat all-gather is the layout asked for (dim
+        0; the input is made contiguous) and its buffer holds the output;
+        else None."""
+        if (self._aiter is None or dim != 0 or nbytes * self.world_size > self.max_bytes
+                or not self._aiter.can_take(x.contiguous())):
+            return None
+        return "aiter"
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
         """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
@@ -401,7 +455,11 @@ class Communicator:
         device (an error found inside a capture would abort it)."""
         self._check_open()
         self.check()
-        yield self
+        if self._aiter is None:
+            yield self
+            return
+        with self._aiter.capture():  # AITER registers the graph's buffers when it exits
+            yield self
 
     def close(self, timeout_s: "float | None" = None) -> None:
         """Frees the registered buffers. Collective: every rank calls it. Waits
@@ -409,7 +467,10 @@ class Communicator:
         the peers to arrive; if one does not (it died, or never calls close),
         the communicator is aborted instead (see abort()) and
         CollectiveTimeout names the missing ranks."""
-        if not self._mark_closed() or self._comm is None:
+        if not self._mark_closed():
+            return
+        self._close_aiter()
+        if self._comm is None:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         # Our own kernels end within timeout_s (every wait is bounded).
@@ -429,8 +490,15 @@ class Communicator:
         retired. The registered GPU memory stays allocated until the process
         exits, since a kernel may still be running on it. Use it when a peer
         died; close() is the orderly, collective way."""
-        if self._mark_closed() and self._comm is not None:
-            self._release(self._lib.tpc_comm_abort, "abort")
+        if self._mark_closed():
+            self._close_aiter()
+            if self._comm is not None:
+                self._release(self._lib.tpc_comm_abort, "abort")
+
+    def _close_aiter(self):
+        aiter_backend, self._aiter = self._aiter, None
+        if aiter_backend is not None:
+            aiter_backend.close()
 
     def _mark_closed(self):
         """False when it already was; else closes it to callers and to the

@@ -9,6 +9,8 @@ the TPCOMM_* variables; every bad value raises ValueError naming it.
     TPCOMM_TABLE=path.json              routing table (default: tpcomm/tables/h200x2.json)
     TPCOMM_FORCE=all_reduce=nccl,...    one backend for every size of an op
     TPCOMM_FORBID=bulk,...              backends never used (their sizes go to NCCL)
+    TPCOMM_AITER=0                      AMD AITER's all-reduce off (on by default where it
+                                        imports: ROCm only)
 """
 import dataclasses
 import os
@@ -28,6 +30,7 @@ class Config:
     force: tuple = ()          # ((op, backend), ...)
     forbid: tuple = ()         # (backend, ...)
     disable: bool = False
+    aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
 
     @classmethod
     def from_env(cls):
@@ -46,6 +49,8 @@ class Config:
             fields["table"] = env["TPCOMM_TABLE"].strip()
         if env.get("TPCOMM_FORCE", "").strip():
             fields["force"] = _parse_force(env["TPCOMM_FORCE"], "TPCOMM_FORCE")
+        if env.get("TPCOMM_AITER", "").strip():
+            fields["aiter"] = topology.env_flag("TPCOMM_AITER")
         if env.get("TPCOMM_FORBID", "").strip():
             fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
         try:
@@ -75,7 +80,7 @@ class Config:
     def describe(self):
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
-                "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable)}
+                "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter)}
 
 
 def _parse_force(text, name):

@@ -15,8 +15,8 @@ needs any, is collective and fails on every rank alike) with:
 Modules: nccl (torch.distributed), kernels (tpcomm's packet and bulk kernels
 through the torch ops), nccl_window (NCCL's symmetric kernels on a
 registered MemPool), symm_mem (torch SymmetricMemory one-shot / two-shot
-all-reduce). AMD's AITER all-reduce is wrapped in tpcomm.aiter_backend
-(ROCm only, not a route yet).
+all-reduce), aiter (AMD AITER's custom all-reduce: ROCm only, tried first by
+the dispatcher there).
 """
 
 

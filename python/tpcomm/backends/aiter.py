@@ -1,13 +1,17 @@
 """AMD AITER's custom all-reduce (`amd-aiter` on PyPI) as a tpcomm backend,
 for ROCm: AITER's CustomAllreduce on a gloo group of the same ranks.
 
+The dispatcher (tpcomm.Communicator) tries it first for all_reduce, and for
+all_gather along dim 0, on ROCm where `aiter` imports and TPCOMM_AITER (or
+Config.aiter) is not off; what AITER declines (should_custom_ar) goes on to
+tpcomm's kernels and then RCCL. Its capture() is entered inside the
+Communicator's. On CUDA, or where `aiter` does not import, available() says
+why and nothing is created.
+
 Everything this adapter calls on AITER is listed in CONTRACT, and
 tests/test_aiter_contract.py checks that list against the pinned wheel's
 source (parsed, not imported: `import aiter` builds HIP code and works only on
 a ROCm machine), so an AITER API change fails CI instead of a server.
-
-Not wired into the dispatcher's routing yet; on CUDA, or where `aiter` does
-not import, available() says why and nothing is created.
 """
 import contextlib
 
@@ -45,6 +49,8 @@ def available():
 class AiterAllReduce:
     """all_reduce (and a flat all_gather) through AITER for the ranks of
     `group`. Collective: every rank of the group constructs it."""
+
+    name = "aiter"
 
     def __init__(self, group, device, max_size):
         ok, why = available()
