@@ -143,31 +143,29 @@ TPC_DEVICE void tpc_grid_release(void) {
 #endif
 }
 
-/* A split block barrier (named barrier 1, every thread of the block): the
- * control warp arrives without waiting, the data warps wait for it. Shared
- * memory the control warp wrote before arriving is visible to the waiters.
- * HIP has no split barrier: both sides meet at a full one. */
 /* The lanes of one warp see each other's shared-memory writes (on HIP the
- * block barrier that follows does it). */
+ * full barrier of tpc_block_handoff that follows does it). */
 TPC_DEVICE void tpc_warp_sync(void) {
 #ifndef TPC_HIP
   __syncwarp();
 #endif
 }
 
-TPC_DEVICE void tpc_block_arrive(void) {
+/* A split block barrier (named barrier 1, every thread of the block): the
+ * givers (the control warp) arrive without waiting, the others wait for
+ * them. Shared memory the givers wrote before arriving is visible to the
+ * waiters. HIP has no split barrier, and AMD's barrier is per wavefront (a
+ * 32-thread control "warp" shares its wavefront with data threads), so there
+ * every thread meets at one full barrier. */
+TPC_DEVICE void tpc_block_handoff(int giver) {
 #ifdef TPC_HIP
+  (void)giver;
   __syncthreads();
 #else
-  asm volatile("bar.arrive 1, %0;" ::"r"(blockDim.x) : "memory");
-#endif
-}
-
-TPC_DEVICE void tpc_block_sync(void) {
-#ifdef TPC_HIP
-  __syncthreads();
-#else
-  asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x) : "memory");
+  if (giver)
+    asm volatile("bar.arrive 1, %0;" ::"r"(blockDim.x) : "memory");
+  else
+    asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x) : "memory");
 #endif
 }
 

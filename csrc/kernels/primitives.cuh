@@ -99,32 +99,31 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
     block_epoch = epoch;
     block_refused = refused;
   }
+  /* The control warp hands the slot to the block without waiting for it
+   * (tpc_block_handoff). The data threads first wait for the previous kernel
+   * (the input and the buffers may still be written by it) and start loading
+   * their input (prefetch): that load overlaps the control load when the
+   * previous kernel has already finished. The handoff is one call site for
+   * every thread, as AMD's wave-wide barrier needs. */
   if (control_warp) {
-    /* The control warp hands the slot to the block without waiting for it
-     * (tpc_block_arrive) and advances the epoch before waiting for the
-     * previous kernel. The op under the last epoch advances it only after
-     * the wrap (tpc_op_end) and lets the next kernel start only when it has
-     * finished. */
     tpc_warp_sync();
-    tpc_block_arrive();
-    op.epoch = block_epoch;
-    op.refused = block_refused;
+  } else {
+    tpc_grid_wait();
+    prefetch();
+  }
+  tpc_block_handoff(control_warp);
+  op.epoch = block_epoch;
+  op.refused = block_refused;
+  if (control_warp) {
+    /* The epoch is advanced before waiting for the previous kernel. The op
+     * under the last epoch advances it only after the wrap (tpc_op_end) and
+     * lets the next kernel start only when it has finished. */
     if (lead && !op.refused && op.epoch != TPC_EPOCH_LAST) tpc_epoch_advance(&op);
     tpc_grid_wait();
     /* Released only now, after the previous kernel: one kernel ahead is
      * enough to hide the epoch, and a deeper cascade of waiting blocks slows
      * the large ops (measured: 1 MiB bulk all_reduce 14.6 -> 16.6 us). */
     if (lead && op.epoch != TPC_EPOCH_LAST) tpc_grid_release();
-  } else {
-    /* The data threads wait for the previous kernel (the input and the
-     * buffers may still be written by it), start loading their input
-     * (prefetch), and only then take the slot: that load overlaps the
-     * control load when the previous kernel has already finished. */
-    tpc_grid_wait();
-    prefetch();
-    tpc_block_sync();
-    op.epoch = block_epoch;
-    op.refused = block_refused;
   }
   op.deadline_ns = 0; /* set by the first slow wait: no clock read on the fast path */
   op.timeout_ns = a->timeout_ns;
