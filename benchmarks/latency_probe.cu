@@ -220,6 +220,7 @@ int main(int argc, char **argv) {
     a.world = world;
     a.dtype = TPC_BFLOAT16;
     a.poison_out = 1;
+    CHECK(cudaDeviceGetAttribute(&a.max_blocks, cudaDevAttrMultiProcessorCount, r));
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -238,7 +239,7 @@ int main(int argc, char **argv) {
     if (quick && n == 262144) continue;
     set_size(n, TPC_OP_ALL_REDUCE);
     const uint64_t items = n / TPC_PACKET_DATA_BYTES;
-    const tpc_geometry g = tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS);
+    const tpc_geometry g = tpc_packet_geometry(&ranks[0].args, items);
     report("all_reduce packet (tpcomm)", n,
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
     check_all_reduce(n);

@@ -29,6 +29,7 @@ struct tpc_comm {
   int failed;
   size_t all_reduce_packet_max; /* TPC_ALGO_AUTO cutovers */
   size_t all_gather_packet_max;
+  int multiprocessors;          /* of the device: the packet kernels' block cap */
   void *last_stream;            /* where the previous eager op was enqueued */
   int have_last_stream;         /* the default stream is NULL: can't be the marker */
   char last_error[512];
@@ -123,6 +124,10 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   void *own = NULL;
   if ((code = rt->set_device(config->device)) != 0) {
     r = runtime_fail(NULL, rt, code, "selecting the device");
+    goto undo;
+  }
+  if ((code = rt->multiprocessor_count(config->device, &comm->multiprocessors)) != 0) {
+    r = runtime_fail(NULL, rt, code, "reading the device's multiprocessor count");
     goto undo;
   }
   if ((code = rt->device_malloc(&own, comm->layout.total_bytes)) != 0) {
@@ -552,6 +557,7 @@ static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, 
   a->world = comm->cfg.world_size;
   a->dtype = dtype;
   a->op = op;
+  a->max_blocks = comm->multiprocessors;
 }
 
 /* Launches on the communicator's device whatever the caller's current device

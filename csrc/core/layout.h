@@ -117,7 +117,7 @@ typedef struct {
   int32_t dtype;              /* tpc_dtype, all-reduce only */
   int32_t op;                 /* TPC_OP_* */
   int32_t poison_out;         /* out is floating point: fill it with NaN on failure */
-  int32_t pad_;
+  int32_t max_blocks;         /* multiprocessors of the device: packet kernels spread over at most this many */
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

@@ -31,6 +31,8 @@ typedef struct {
   int (*stream_synchronize)(void *stream);
   int (*stream_is_capturing)(void *stream, int *capturing);
   const char *(*error_string)(int code);
+  /* Streaming multiprocessors (CUDA) or compute units (AMD) of a device. */
+  int (*multiprocessor_count)(int device, int *count);
   /* n control slots (device memory, zeroed) and n error records (host-mapped,
    * zeroed, with their device view) that are never freed (registry.c). */
   int (*alloc_control_chunk)(void **control, void **records, void **records_device, size_t n);

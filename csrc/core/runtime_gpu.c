@@ -122,12 +122,19 @@ static int stream_is_capturing(void *stream, int *capturing) {
   return code;
 }
 static const char *error_string(int code) { return GPU(GetErrorString)((gpu_error)code); }
+static int multiprocessor_count(int device, int *count) {
+#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
+  return (int)hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device);
+#else
+  return (int)cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+#endif
+}
 
 static const tpc_runtime gpu_runtime = {
     set_device,         get_device,         alloc_shared,       device_free,           device_memset,
     memcpy_any,         host_alloc_mapped,  host_free,             ipc_export,
     ipc_open,           ipc_close,          device_synchronize,    stream_synchronize,
-    stream_is_capturing, error_string,      alloc_control_chunk,   write_async,
+    stream_is_capturing, error_string,      multiprocessor_count,  alloc_control_chunk,   write_async,
     tpc_launch_all_reduce, tpc_launch_all_gather, tpc_launch_reduce_scatter,
 };
 

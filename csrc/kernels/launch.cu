@@ -14,9 +14,18 @@ typedef hipStream_t tpc_stream; /* spelled out: a direct hipcc build has no cuda
 typedef cudaStream_t tpc_stream;
 #endif
 
-/* Packet kernels use no barrier flags, so they may spread over more blocks
- * than TPC_MAX_BLOCKS; bulk kernels are bounded by the flag arrays. */
-#define TPC_PACKET_MAX_BLOCKS 132
+/* Packet kernels use no barrier flags, so they may spread over one block per
+ * multiprocessor of the device (132 on an H100/H200, 304 compute units on an
+ * MI300X, 110 on an MI250X die: read at communicator creation), whatever
+ * TPC_MAX_BLOCKS is; bulk kernels are bounded by the flag arrays. */
+#define TPC_PACKET_BLOCKS_FALLBACK 132 /* a device that reported no count */
+#define TPC_PACKET_BLOCKS_CEILING 1024
+
+static unsigned tpc_packet_max_blocks(const tpc_kernel_args *args) {
+  const int n = args->max_blocks;
+  if (n <= 0) return TPC_PACKET_BLOCKS_FALLBACK;
+  return n < TPC_PACKET_BLOCKS_CEILING ? (unsigned)n : TPC_PACKET_BLOCKS_CEILING;
+}
 #define TPC_SINGLE_BLOCK_ITEMS 256 /* up to here one block: no cross-block count */
 /* Remote stores from one SM saturate early: small packet ops spread thin
  * blocks over many SMs; large ones use fat blocks to keep more in flight. */
@@ -45,9 +54,13 @@ static tpc_geometry tpc_geometry_for(uint64_t items, unsigned threads, unsigned 
   return g;
 }
 
-static unsigned tpc_packet_threads(uint64_t items) {
-  return items <= (uint64_t)TPC_PACKET_MAX_BLOCKS * TPC_PACKET_THIN_THREADS ? TPC_PACKET_THIN_THREADS
-                                                                           : TPC_PACKET_FAT_THREADS;
+static unsigned tpc_packet_threads(uint64_t items, unsigned max_blocks) {
+  return items <= (uint64_t)max_blocks * TPC_PACKET_THIN_THREADS ? TPC_PACKET_THIN_THREADS : TPC_PACKET_FAT_THREADS;
+}
+
+static tpc_geometry tpc_packet_geometry(const tpc_kernel_args *args, uint64_t items) {
+  const unsigned max_blocks = tpc_packet_max_blocks(args);
+  return tpc_geometry_for(items, tpc_packet_threads(items, max_blocks), max_blocks);
 }
 
 typedef void (*tpc_kernel)(const tpc_kernel_args);
@@ -77,7 +90,7 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
     return tpc_launch(tpc_all_reduce_packet_kernel,
-                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
+                      tpc_packet_geometry(args, items), args, stream);
   }
   /* two-shot: the busiest phase handles one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
@@ -88,7 +101,7 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = (args->nbytes / 4 + 1) / 2;
     return tpc_launch(tpc_all_gather_packet_kernel,
-                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
+                      tpc_packet_geometry(args, items), args, stream);
   }
   return tpc_launch(tpc_all_gather_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
                     args, stream);
@@ -98,7 +111,7 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
     return tpc_launch(tpc_reduce_scatter_packet_kernel,
-                      tpc_geometry_for(items, tpc_packet_threads(items), TPC_PACKET_MAX_BLOCKS), args, stream);
+                      tpc_packet_geometry(args, items), args, stream);
   }
   return tpc_launch(tpc_reduce_scatter_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
                     args, stream);

@@ -129,7 +129,7 @@ const char *fake_entry_name(fake_entry entry) {
       "set_device",         "get_device",         "device_malloc",      "device_free",     "device_memset",
       "memcpy_any",         "host_alloc_mapped",  "host_free",       "ipc_export",
       "ipc_open",           "ipc_close",          "device_synchronize", "stream_synchronize",
-      "stream_is_capturing", "alloc_control_chunk", "write_async", "launch_all_reduce",
+      "stream_is_capturing", "multiprocessor_count", "alloc_control_chunk", "write_async", "launch_all_reduce",
       "launch_all_gather",  "launch_reduce_scatter",
   };
   return (unsigned)entry < FK_COUNT ? names[entry] : "?";
@@ -338,6 +338,15 @@ static int f_stream_is_capturing(void *stream, int *capturing) {
   return 0;
 }
 
+/* Every fake device has FAKE_MULTIPROCESSORS. */
+static int f_multiprocessor_count(int device, int *count) {
+  (void)device;
+  int code = enter(FK_MULTIPROCESSOR_COUNT);
+  if (code) return code;
+  *count = FAKE_MULTIPROCESSORS;
+  return 0;
+}
+
 /* Like runtime_gpu.c: n zeroed control slots and n zeroed records, with a
  * device view of the records at another address (a separate block filled
  * with garbage, never read by the core: passing it where the host view
@@ -440,6 +449,7 @@ static const tpc_runtime fake_runtime = {
     .stream_synchronize = f_stream_synchronize,
     .stream_is_capturing = f_stream_is_capturing,
     .error_string = f_error_string,
+    .multiprocessor_count = f_multiprocessor_count,
     .alloc_control_chunk = f_alloc_control_chunk,
     .write_async = f_write_async,
     .launch_all_reduce = f_launch_all_reduce,

@@ -16,6 +16,8 @@
 
 #include "runtime.h"
 
+#define FAKE_MULTIPROCESSORS 77 /* what every fake device reports (the packet kernels' block cap) */
+
 typedef enum {
   FK_SET_DEVICE,
   FK_GET_DEVICE,
@@ -31,6 +33,7 @@ typedef enum {
   FK_DEVICE_SYNCHRONIZE,
   FK_STREAM_SYNCHRONIZE,
   FK_STREAM_IS_CAPTURING,
+  FK_MULTIPROCESSOR_COUNT,
   FK_ALLOC_CONTROL_CHUNK,
   FK_WRITE_ASYNC,
   FK_LAUNCH_ALL_REDUCE,
