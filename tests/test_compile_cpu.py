@@ -63,6 +63,4 @@ def _body_compiled_models(rank, world_size):
 
 
 def test_compiled_model_matches_eager():
-    # One compile thread: inductor's pool of compile workers, alive at exit,
-    # sometimes ended a rank with std::terminate after the test had passed.
-    run_ranks(2, _body_compiled_models, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=600)
+    run_ranks(2, _body_compiled_models, timeout=600)
