@@ -28,12 +28,9 @@ Writes benchmarks/results/tp_decode_<gpu>x<n>.json (or --out).
 """
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tpcomm.bench.measure import environment, free_port  # the benchmark's: GPU, driver, torch, NCCL, date
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256)
@@ -194,10 +193,8 @@ def rank_main(rank, world, port, args, backends, result_path):
             ref = outs.get("nccl") or outs.get("nccl_nomix")
             if "tpcomm" in outs:
                 entry["tokens_agree"] = bool(torch.equal(outs["tpcomm"][1], ref[1]))
-                entry["logits_bit_equal"] = bool(torch.equal(outs["tpcomm"][0].view(torch.int16 if dtype != torch.float32
-                                                                                    else torch.int32),
-                                                             ref[0].view(torch.int16 if dtype != torch.float32
-                                                                         else torch.int32)))
+                as_bits = torch.int32 if dtype == torch.float32 else torch.int16
+                entry["logits_bit_equal"] = bool(torch.equal(outs["tpcomm"][0].view(as_bits), ref[0].view(as_bits)))
                 entry["logits_max_abs_diff"] = float((outs["tpcomm"][0].float() - ref[0].float()).abs().max())
         if not cpu:
             entry["ms_per_step"] = _time_interleaved(graphs, backends, args.rounds, args.replays)
@@ -238,12 +235,6 @@ def _time_interleaved(graphs, backends, rounds, replays):
 
 
 # ------------------------------------------------------------------ driver
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_set(world, args, backends, env):
     """One set of processes (one per GPU, or 2 on the CPU) with `env` added."""
     saved = {k: os.environ.get(k) for k in env}
@@ -251,7 +242,7 @@ def run_set(world, args, backends, env):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rank0.json")
-            mp.start_processes(rank_main, args=(world, _free_port(), args, backends, path), nprocs=world,
+            mp.start_processes(rank_main, args=(world, free_port(), args, backends, path), nprocs=world,
                                join=True, start_method="spawn")
             with open(path) as f:
                 return json.load(f)
@@ -261,18 +252,6 @@ def run_set(world, args, backends, env):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def environment(world):
-    env = {"date": datetime.date.today().isoformat(), "world_size": world, "torch": torch.__version__}
-    try:
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
-    except Exception as e:  # noqa: BLE001 - report, do not fail
-        env["note"] = f"no GPU facts: {type(e).__name__}: {e}"
-    return env
 
 
 def summarize(runs):

@@ -297,12 +297,12 @@ def _sim_rank(rank, world, port, out_path, errors, merge_path=None):
     os._exit(0)
 
 
-def test_measurement_loop_on_cpu_with_gloo(tmp_path):
-    out_path = str(tmp_path / "sim.json")
+def _run_sim(out_path, merge_path=None):
+    """The measurement loop on 2 gloo ranks (_sim_rank); the results it wrote."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_sim_rank, args=(2, _free_port(), out_path, errors), nprocs=2, join=False,
-                               start_method="spawn")
+    procs = mp.start_processes(_sim_rank, args=(2, _free_port(), out_path, errors, merge_path), nprocs=2,
+                               join=False, start_method="spawn")
     try:
         import time
 
@@ -318,7 +318,12 @@ def test_measurement_loop_on_cpu_with_gloo(tmp_path):
         for p in procs.processes:
             if p.is_alive():
                 p.kill()
-    data = json.loads(open(out_path).read())
+    return json.loads(open(out_path).read())
+
+
+def test_measurement_loop_on_cpu_with_gloo(tmp_path):
+    out_path = str(tmp_path / "sim.json")
+    data = _run_sim(out_path)
     assert set(data) == {"env", "rows", "not_run"}
     assert data["env"]["complete"] is True
     sizes = report.size_list(64, 4 * MiB, 16)
@@ -477,26 +482,7 @@ def test_merged_rows_of_the_nomix_run_land_in_the_results(tmp_path):
         json.dump({"env": {"complete": True, "elapsed_s": 1.0, "backends": {"nccl_nomix": "help"}},
                    "rows": [merged_row], "not_run": []}, f)
     out_path = str(tmp_path / "sim.json")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_sim_rank, args=(2, _free_port(), out_path, errors, merge_path), nprocs=2,
-                               join=False, start_method="spawn")
-    try:
-        import time
-
-        deadline = time.monotonic() + 240
-        while not procs.join(timeout=1.0):
-            assert time.monotonic() < deadline, "simulation still running after 240 s"
-    except ProcessException:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        pytest.fail("\n".join(msgs) or "a rank failed")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-    data = json.loads(open(out_path).read())
+    data = _run_sim(out_path, merge_path)
     mine = [r for r in data["rows"] if r["backend"] == "nccl_nomix"]
     assert [(r["op"], r["bytes_per_rank"], r["median_us"]) for r in mine] == [("all_reduce", 64, 3.25)]
     assert data["env"]["merged_run"]["backends"] == ["nccl_nomix"]

@@ -116,9 +116,6 @@ std::vector<int64_t> sizes_of(const Tensor &t) {
   for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
   return sizes;
 }
-Tensor new_contiguous(const Tensor &like, const std::vector<int64_t> &sizes) {
-  return torch::stable::new_empty(like, sizes);
-}
 Tensor contiguous_input(const Tensor &t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
 void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) {
@@ -132,14 +129,14 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   const tpc_dtype dtype = reduce_dtype(input);
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const Tensor in = aligned_input(input);
-  Tensor dst = aligned16(out) ? out : new_contiguous(out, sizes_of(out));
+  Tensor dst = aligned16(out) ? out : torch::stable::new_empty(out, sizes_of(out));
   check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
                              static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
 Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
-  Tensor out = new_contiguous(input, sizes_of(input));
+  Tensor out = torch::stable::new_empty(input, sizes_of(input));
   all_reduce_into(input, out, comm, algo);
   return out;
 }
@@ -161,7 +158,7 @@ Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
   const Tensor x = aligned_input(contiguous_input(input));
   std::vector<int64_t> sizes = sizes_of(x);
   sizes[0] /= world;
-  Tensor out = new_contiguous(x, sizes);
+  Tensor out = torch::stable::new_empty(x, sizes);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
   check(comm, tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype,
                                  static_cast<tpc_algo>(algo), current_stream(x.get_device_index())));
@@ -188,7 +185,7 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
     if (d >= dim) row *= sizes[d];
   }
   sizes[dim] *= tpc_comm_world_size(comm);
-  Tensor out = new_contiguous(x, sizes);
+  Tensor out = torch::stable::new_empty(x, sizes);
   const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,

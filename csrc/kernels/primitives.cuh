@@ -327,20 +327,18 @@ TPC_DEVICE char *tpc_packet_slot(const tpc_kernel_args *a, int owner, uint32_t e
  *    (tpc_packet_wait), which frees block 0's control warp. */
 TPC_DEVICE int tpc_header_folded(int packet) { return packet && gridDim.x > 1; }
 
-TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op, int folded) {
-  if (folded) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    for (int i = 1; i < a->world; ++i) {
-      const int peer = (a->rank + i) % a->world;
-      uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
-      tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch), tpc_packet_half(a->kind, op->epoch));
-    }
-    return;
-  }
-  const int peer = tpc_control_peer(a);
-  if (peer < 0) return;
+TPC_DEVICE void tpc_header_store(const tpc_kernel_args *a, const tpc_op *op, int peer) {
   uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
   tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch), tpc_packet_half(a->kind, op->epoch));
+}
+
+TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op, int folded) {
+  if (!folded) {
+    const int peer = tpc_control_peer(a);
+    if (peer >= 0) tpc_header_store(a, op, peer);
+  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int i = 1; i < a->world; ++i) tpc_header_store(a, op, (a->rank + i) % a->world);
+  }
 }
 
 /* The control warp's check (not folded). */

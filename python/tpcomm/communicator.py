@@ -139,6 +139,11 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def _first_rank_error(self, error):
+        """Collective: every rank's error (or None) exchanged; the first one,
+        naming its rank, or None when no rank has one."""
+        return _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
+
     def _agree(self, reason):
         """Every rank ends with the same verdict (a rank that cannot use the
         custom path turns it off for all, or peers would wait for it)."""
@@ -208,20 +213,25 @@ class Communicator:
         """AITER's CustomAllreduce where it can run on every rank (a verdict
         exchange first, so no rank waits in a set-up the others skip).
         Returns why it is not used, or None."""
+        # The switches are in the configuration every rank compared in _agree,
+        # and every rank runs the same torch build: no exchange is needed to
+        # agree that AITER is off for those reasons (it would be start-up work
+        # on every CUDA communicator).
         if self.config.disable:
-            local = "off (TPCOMM_DISABLE)"
+            reason = "off (TPCOMM_DISABLE)"
         elif not self.config.aiter:
-            local = "off (TPCOMM_AITER=0 or Config.aiter=False)"
+            reason = "off (TPCOMM_AITER=0 or Config.aiter=False)"
+        elif getattr(torch.version, "hip", None) is None:
+            reason = aiter.available()[1]
         else:
-            ok, local = aiter.available()
-        reason = _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(local))])
+            reason = self._first_rank_error(aiter.available()[1])
         if reason is None:
             made, error = None, None
             try:
                 made = aiter.AiterAllReduce(self.group, self.device, self.max_bytes)  # collective
             except Exception as e:  # noqa: BLE001 - a reason, never a crash
                 error = f"AITER's CustomAllreduce failed: {type(e).__name__}: {e}"
-            reason = _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
+            reason = self._first_rank_error(error)
             if reason is None:
                 self._aiter = made
                 log_once(logging.INFO, "tpcomm: AMD AITER's custom all-reduce is tried first for all_reduce and "
@@ -245,9 +255,9 @@ class Communicator:
             error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
         # Probe: every rank wrote a token into every peer; after the gather
         # (a host barrier) each checks that all tokens arrived.
-        errors = self._gather(error)
-        if any(errors):
-            return _first_error([{"rank": i, "error": e} for i, e in enumerate(errors)])
+        reason = self._first_rank_error(error)
+        if reason is not None:
+            return reason
         mask = ctypes.c_uint32()
         if lib.tpc_comm_probe_read(comm, ctypes.byref(mask)) != _lib.OK:
             error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
@@ -255,7 +265,7 @@ class Communicator:
             missing = [p for p in range(self.world_size) if p != self.rank and not mask.value >> p & 1]
             if missing:
                 error = f"P2P probe: writes from ranks {missing} did not arrive"
-        return _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
+        return self._first_rank_error(error)
 
     # ------------------------------------------------------------ public API
     @property

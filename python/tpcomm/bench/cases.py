@@ -248,12 +248,9 @@ def make_case(backend, op, x0, res):
         comm = res.comm
         x = x0.clone()
         if backend == "tpcomm":
-            route = {"all_reduce": comm.route_all_reduce, "all_gather": comm.route_all_gather,
-                     "reduce_scatter": comm.route_reduce_scatter}[op](x)
-            if route == "nccl":
+            if getattr(comm, f"route_{op}")(x) == "nccl":  # route_all_reduce, ...
                 raise Unavailable(f"the dispatcher sends {human_bytes(nbytes)} to NCCL (policy cap)")
-            run = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
-                   "reduce_scatter": comm.reduce_scatter}[op]
+            run = getattr(comm, op)
             return Case(lambda: run(x))
         algo = "packet" if backend == "tpcomm_packet" else "bulk"
         packet_bytes = nbytes // world if op == "reduce_scatter" else nbytes  # the packet kernel's unit: a part

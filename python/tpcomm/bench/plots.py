@@ -125,7 +125,8 @@ def render(data, stem, dtype=None):
             by_size = {}
             for r in sel:
                 by_size.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
-            nccl = {n: report.best_nccl_us(c) for n, c in by_size.items() if report.best_nccl_us(c)}
+            best = {n: report.best_nccl_us(c) for n, c in by_size.items()}
+            nccl = {n: t for n, t in best.items() if t}
             for b in SPEEDUP_BACKENDS:
                 pts = sorted((r["bytes_per_rank"], nccl[r["bytes_per_rank"]] / r["median_us"])
                              for r in sel if r["backend"] == b and r["bytes_per_rank"] in nccl)

@@ -280,8 +280,9 @@ def format_summary(data):
             for r in rows:
                 if (r["op"], r["dtype"], r["mode"]) == (op, dtype, mode):
                     by_size.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
-            best = [(n, best_nccl_us(c) / c["tpcomm"]["median_us"]) for n, c in sorted(by_size.items())
-                    if "tpcomm" in c and best_nccl_us(c) and _finite_positive(c["tpcomm"]["median_us"])]
+            best = [(n, b / c["tpcomm"]["median_us"])
+                    for n, c, b in ((n, c, best_nccl_us(c)) for n, c in sorted(by_size.items()))
+                    if "tpcomm" in c and b and _finite_positive(c["tpcomm"]["median_us"])]
             if best:
                 lines.append(f"tpcomm over the best NCCL measured, {op} {dtype} {mode}: "
                              + ", ".join(f"{x:.2f}x@{human_bytes(n)}" for n, x in best))
