@@ -19,15 +19,8 @@
 #include <vector>
 
 #include "../csrc/kernels/launch.cu"
+#include "probe_check.h"
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
 
 static const int OPS = 50, REPLAYS = 40, WARMUP = 5;
 static int world = 2;

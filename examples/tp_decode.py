@@ -201,16 +201,21 @@ def rank_main(rank, world, port, args, backends, result_path):
             say(f"batch {batch}: ms per step {entry['ms_per_step']}")
         results[batch] = entry
     if comm is not None:
-        entry_stats = {f"{op}/{b}": v["calls"] for (op, b), v in comm.stats().items()}
-        results["tpcomm_calls"] = entry_stats
-        comm.close()
-    if rank == 0:
-        with open(result_path, "w") as f:
+        results["tpcomm_calls"] = {f"{op}/{b}": v["calls"] for (op, b), v in comm.stats().items()}
+    if rank == 0:  # first, so nothing that follows can lose the measurements
+        with open(result_path + ".part", "w") as f:
             json.dump(results, f)
+        os.replace(result_path + ".part", result_path)
+    say("results written")
+    del graphs  # the captured graphs hold NCCL and tpcomm work: gone before either is torn down
+    if comm is not None:
+        comm.close()
     dist.barrier()
-    dist.destroy_process_group()
+    say("done")
     sys.stdout.flush()
-    os._exit(0)  # skip NCCL/CUDA teardown at exit: the work is done
+    # No destroy_process_group: NCCL's teardown after graph capture has been
+    # seen to hang here, and the process exits now without running it.
+    os._exit(0)
 
 
 def _time_interleaved(graphs, backends, rounds, replays):
@@ -242,8 +247,9 @@ def run_set(world, args, backends, env):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rank0.json")
-            mp.start_processes(rank_main, args=(world, free_port(), args, backends, path), nprocs=world,
-                               join=True, start_method="spawn")
+            ctx = mp.start_processes(rank_main, args=(world, free_port(), args, backends, path), nprocs=world,
+                                     join=False, start_method="spawn")
+            _join(ctx, path)
             with open(path) as f:
                 return json.load(f)
     finally:
@@ -252,6 +258,20 @@ def run_set(world, args, backends, env):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _join(ctx, result_path, grace_s=60.0):
+    """Waits for the ranks; once rank 0 has written its results, gives them
+    grace_s to exit and then stops them (a hang in teardown costs no data)."""
+    written_at = None
+    while not ctx.join(timeout=1.0):  # raises if a rank failed
+        if written_at is None and os.path.exists(result_path):
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > grace_s:
+            print(f"ranks still running {grace_s:.0f} s after writing their results: stopped", flush=True)
+            for p in ctx.processes:
+                p.kill()
+            return
 
 
 def summarize(runs):

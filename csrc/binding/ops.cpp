@@ -107,14 +107,31 @@ uint64_t nan_pattern(ScalarType t) {
 bool aligned16(const Tensor &t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 Tensor aligned_input(const Tensor &t) { return aligned16(t) ? t : torch::stable::clone(t); }
 
-// The eager path's allocations and copies go through the shim's direct entry
-// points (new_empty), and a contiguous input is not "made contiguous": the
-// stable empty_like and contiguous look their aten op up by name in the
-// boxed dispatcher on every call, microseconds each.
+// The eager path allocates its outputs through the shim's empty_strided, one
+// dispatcher call (new_empty goes through two: new_empty, then empty), and a
+// contiguous input is not "made contiguous": the stable empty_like and
+// contiguous look their aten op up by name in the boxed dispatcher on every
+// call, microseconds each.
 std::vector<int64_t> sizes_of(const Tensor &t) {
   std::vector<int64_t> sizes(t.dim());
   for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
   return sizes;
+}
+// A contiguous tensor of `sizes` with like's dtype and device.
+Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= sizes[d] > 1 ? sizes[d] : 1;  // torch's contiguous strides treat size 0 as 1
+  }
+  int32_t dtype = 0, device_type = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  AtenTensorHandle handle = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                                                  dtype, device_type, like.get_device_index(), &handle));
+  return Tensor(handle);
 }
 Tensor contiguous_input(const Tensor &t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
@@ -129,14 +146,14 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   const tpc_dtype dtype = reduce_dtype(input);
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const Tensor in = aligned_input(input);
-  Tensor dst = aligned16(out) ? out : torch::stable::new_empty(out, sizes_of(out));
+  Tensor dst = aligned16(out) ? out : new_output(out, sizes_of(out));
   check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
                              static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
 Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
-  Tensor out = torch::stable::new_empty(input, sizes_of(input));
+  Tensor out = new_output(input, sizes_of(input));
   all_reduce_into(input, out, comm, algo);
   return out;
 }
@@ -158,7 +175,7 @@ Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
   const Tensor x = aligned_input(contiguous_input(input));
   std::vector<int64_t> sizes = sizes_of(x);
   sizes[0] /= world;
-  Tensor out = torch::stable::new_empty(x, sizes);
+  Tensor out = new_output(x, sizes);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
   check(comm, tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype,
                                  static_cast<tpc_algo>(algo), current_stream(x.get_device_index())));
@@ -185,7 +202,7 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
     if (d >= dim) row *= sizes[d];
   }
   sizes[dim] *= tpc_comm_world_size(comm);
-  Tensor out = torch::stable::new_empty(x, sizes);
+  Tensor out = new_output(x, sizes);
   const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,

@@ -1363,6 +1363,10 @@ static void test_stream_switch(void) {
   CHECK_PTR(fake.last_synced_stream, STREAM_A);
   CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
+  /* the same stream again: no capture query (a driver call per op) */
+  const int queries = fake.calls[FK_STREAM_IS_CAPTURING];
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_EQ(fake.calls[FK_STREAM_IS_CAPTURING], queries);
 
   /* while capturing: no synchronisation (illegal during capture), and the
    * captured stream does not become the eager one */

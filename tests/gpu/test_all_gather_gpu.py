@@ -61,9 +61,8 @@ def _inputs_of_all_ranks(shape, dtype, seed, world):
 def _nccl_path(comm, x, dim):
     """What the NCCL fallback returns (all_gather_into_tensor, then moved)."""
     if x.dtype == torch.bool or x.dtype.itemsize == 1:
-        y = comm._nccl_all_gather(x.view(torch.uint8) if x.dtype != torch.bool else x.view(torch.uint8), dim)
-        return y.view(x.dtype)
-    return comm._nccl_all_gather(x, dim)
+        return comm._nccl.all_gather(x.view(torch.uint8), dim).view(x.dtype)
+    return comm._nccl.all_gather(x, dim)
 
 
 CASES = (

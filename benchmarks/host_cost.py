@@ -1,0 +1,139 @@
+"""Host cost of one eager collective call: how many microseconds of CPU time
+the Python call path spends before the GPU could start, at 64 KiB bf16 (the
+dispatcher issue's eager targets: Communicator.all_reduce <= 8 us, the raw
+torch op <= 6 us).
+
+    python benchmarks/host_cost.py [--bytes 65536] [--calls 2000] [--rounds 15]
+
+Each rank issues --calls back-to-back calls and times the host loop with
+perf_counter, without synchronising inside it. The kernels (2-3 us) are
+shorter than the host cost measured, so the GPU never holds the host back and
+the loop time is the host's own; the figure is the median over rounds of the
+loop time per call, rank 0's and rank 1's side by side. Writes JSON (--out).
+"""
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tpcomm.bench.measure import environment, free_port
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bytes", type=int, default=64 << 10, help="bytes per rank (default 64 KiB)")
+    p.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
+    p.add_argument("--rounds", type=int, default=15, help="timed loops per path (median)")
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    return p.parse_args(argv)
+
+
+def paths(comm, x):
+    """name -> a no-argument call issuing one all_reduce of x."""
+    from tpcomm.backends.kernels import ALGOS
+    algo = ALGOS.get(comm.route_all_reduce(x))
+    out = {
+        "Communicator.all_reduce": lambda: comm.all_reduce(x),
+        "torch.ops.tpcomm.all_reduce (dispatcher op, group name)":
+            lambda: torch.ops.tpcomm.all_reduce(x, comm.group_name),
+        "torch.distributed.all_reduce (NCCL, in place)": lambda: dist.all_reduce(x),
+    }
+    if algo is not None:
+        out["torch.ops.tpcomm.custom_all_reduce (raw op)"] = \
+            lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo)
+        # Where the raw op's time goes: the same call on its OpOverload, the
+        # out= variant (no allocation), and the C core alone through ctypes.
+        raw = torch.ops.tpcomm.custom_all_reduce.default
+        raw_out = torch.ops.tpcomm.custom_all_reduce_out.default
+        y = torch.empty_like(x)
+        out["  .default overload"] = lambda: raw(x, comm.handle, algo)
+        out["  custom_all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.handle, algo)
+        c_all_reduce = comm._lib.tpc_all_reduce
+        c_all_reduce.restype = ctypes.c_int
+        c_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_void_p]
+        args = (comm._comm, x.data_ptr(), y.data_ptr(), x.numel() * 2, 2, algo,  # 2: TPC_BFLOAT16
+                torch.cuda.current_stream().cuda_stream)
+        out["  C core alone (tpc_all_reduce through ctypes)"] = lambda: c_all_reduce(*args)
+    z = torch.zeros_like(x)
+    out["reference: z.add_(1.0), one native torch kernel"] = lambda: z.add_(1.0)
+    out["reference: torch.empty_like(x)"] = lambda: torch.empty_like(x)
+    out["reference: an empty Python call"] = lambda: None
+    return out
+
+
+def host_us_per_call(call, calls, rounds):
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times), min(times)
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    import tpcomm
+    comm = tpcomm.Communicator(dist.group.WORLD)
+    if not comm.enabled:
+        raise SystemExit(f"tpcomm: custom path off on rank {rank}: {comm.disabled_reason}")
+    x = torch.ones(args.bytes // 2, device="cuda", dtype=torch.bfloat16)
+    rows = {}
+    for name, call in paths(comm, x).items():
+        med, best = host_us_per_call(call, args.calls, args.rounds)
+        rows[name] = {"median_us": round(med, 2), "min_us": round(best, 2)}
+    result = {"rank": rank, "route": comm.route_all_reduce(x), "rows": rows}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        queue.put(gathered)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    world = torch.cuda.device_count()
+    if world < 2:
+        sys.exit("host_cost: needs 2 or more GPUs")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    ranks = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    env = environment(world)
+    print(f"host cost per eager call, {args.bytes} B bf16, {world} ranks, route {ranks[0]['route']}:")
+    for name in ranks[0]["rows"]:
+        cells = "  ".join(f"rank{r['rank']} {r['rows'][name]['median_us']:6.2f} us" for r in ranks)
+        print(f"  {name:58s} {cells}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": env, "bytes": args.bytes, "dtype": "bfloat16", "calls": args.calls,
+                       "rounds": args.rounds, "ranks": ranks}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
