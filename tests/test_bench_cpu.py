@@ -487,3 +487,26 @@ def test_merged_rows_of_the_nomix_run_land_in_the_results(tmp_path):
     assert [(r["op"], r["bytes_per_rank"], r["median_us"]) for r in mine] == [("all_reduce", 64, 3.25)]
     assert data["env"]["merged_run"]["backends"] == ["nccl_nomix"]
     assert data["env"]["merged_run"]["env"] == "NCCL_GRAPH_MIXING_SUPPORT=0"
+
+
+def test_dispatcher_is_checked_against_the_fastest_backend():
+    """The summary counts the dispatcher's rows within 5 % of the fastest
+    other backend of the same op, dtype and size, and names the rest and the
+    sizes where the dispatcher has no row."""
+    def row(backend, nbytes, us, **extra):
+        return {"op": "all_reduce", "backend": backend, "dtype": "bfloat16", "bytes_per_rank": nbytes,
+                "mode": "graph", "median_us": us, "correct": True, **extra}
+    rows = [row("nccl", 64, 3.0), row("tpcomm_packet", 64, 2.0), row("tpcomm", 64, 2.08, route="packet"),
+            row("symm_two_shot", 4 * MiB, 20.0), row("tpcomm", 4 * MiB, 25.0, route="bulk"),
+            row("nccl", 64 * MiB, 250.0),
+            row("tpcomm_packet", 256, 2.0), row("tpcomm", 256, 1.0, correct=False)]  # a wrong row never counts
+    checked = report.dispatcher_vs_fastest(rows)
+    assert [(c[2], c[5], c[7]) for c in checked] == [(64, "tpcomm_packet", pytest.approx(1.04)),
+                                                   (256, "tpcomm_packet", None),
+                                                   (4 * MiB, "symm_two_shot", pytest.approx(1.25)),
+                                                   (64 * MiB, "nccl", None)]
+    text = report.format_dispatcher_check(rows)
+    assert text.startswith("dispatcher within 5 % of the fastest backend, all_reduce graph: 1 of 4 dtype x size rows")
+    assert "bf16 4 MiB 25.00 us (bulk) vs symm_two_shot 20.00 (1.25x)" in text
+    assert "no dispatcher row: bf16 256 B, bf16 64 MiB" in text
+    assert text in report.format_summary({"rows": rows})

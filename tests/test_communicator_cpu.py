@@ -446,6 +446,17 @@ def _t(nbytes, dtype=torch.float32, shape=None):
     return torch.empty(shape or (nbytes // esize,), dtype=dtype, device="meta")
 
 
+def test_shipped_bands_past_max_bytes_apply_only_to_a_larger_communicator():
+    """The shipped table's last bulk band reaches 64 MiB (measured faster than
+    NCCL there); a communicator's max_bytes still sends anything larger than
+    it to NCCL."""
+    default = _routing_comm(table=None)
+    large = _routing_comm(table=None, max_bytes=128 * MiB)
+    assert default.route_all_reduce(_t(64 * MiB)) == "nccl"
+    assert large.route_all_reduce(_t(64 * MiB)) == "bulk"
+    assert large.route_all_reduce(_t(64 * MiB + 16)) == "nccl"  # past the last band
+
+
 def test_route_all_reduce():
     c = _routing_comm()
     assert c.enabled
@@ -505,10 +516,11 @@ def test_route_all_gather():
 
 def test_route_default_tables():
     """With the shipped table, a size the table gives to a kernel goes to
-    that kernel (within the default caps), and past the table to NCCL."""
+    that kernel (on a communicator whose caps hold it), and past the table to
+    NCCL."""
     shipped = policy.load_table()
     for world_size in (2, 4, 8):
-        c = _routing_comm(world_size=world_size, table=None)
+        c = _routing_comm(world_size=world_size, table=None, max_bytes=64 * MiB)
         for dtype in (torch.float32, torch.bfloat16):
             rows = policy.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
             for limit, backend in rows:

@@ -399,7 +399,8 @@ def _run(rank, world, device, args, queue):
                         else:
                             worst = max(x for x, _ in got)
                             rows.append({"op": op, "backend": backend, "dtype": dname, "bytes_per_rank": nbytes,
-                                         "mode": mode, "median_us": round(worst, 3), "correct": ok})
+                                         "mode": mode, "median_us": round(worst, 3), "correct": ok,
+                                         **({"route": case.route} if case.route else {})})
                         progress.advance(1, f"{label} {mode}")
                     del case
             if rank == 0:

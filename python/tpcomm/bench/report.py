@@ -286,6 +286,59 @@ def format_summary(data):
             if best:
                 lines.append(f"tpcomm over the best NCCL measured, {op} {dtype} {mode}: "
                              + ", ".join(f"{x:.2f}x@{human_bytes(n)}" for n, x in best))
+    check = format_dispatcher_check(rows)
+    if check:
+        lines.append(check)
+    return "\n".join(lines)
+
+
+DISPATCHER_SLACK = 1.05  # the dispatcher's row may be 5 % slower than the fastest backend
+
+
+def dispatcher_vs_fastest(rows, mode="graph"):
+    """Per (op, dtype, size) measured in `mode`, ordered: (op, dtype, bytes,
+    the dispatcher's median or None where it has no row, the backend it
+    routed to, the fastest other backend, its median, dispatcher / fastest).
+    Only correct rows count."""
+    cells = {}
+    for r in rows:
+        if r.get("mode") == mode and r.get("correct") is not False and _finite_positive(r.get("median_us")):
+            cells.setdefault((r["op"], r["dtype"], r["bytes_per_rank"]), {})[r["backend"]] = r
+    out = []
+    order = {op: i for i, op in enumerate(OPS)}
+    for key in sorted(cells, key=lambda k: (order.get(k[0], len(order)), k[1], k[2])):
+        others = {b: r["median_us"] for b, r in cells[key].items() if b != "tpcomm"}
+        if not others:
+            continue
+        fastest = min(others, key=others.get)
+        mine = cells[key].get("tpcomm")
+        us = mine["median_us"] if mine else None
+        out.append((*key, us, mine.get("route") if mine else None, fastest, others[fastest],
+                    us / others[fastest] if mine else None))
+    return out
+
+
+def format_dispatcher_check(rows, mode="graph"):
+    """Per op: how many (dtype, size) rows of the dispatcher are within
+    DISPATCHER_SLACK of the fastest backend measured, and the others."""
+    lines = []
+    checked = dispatcher_vs_fastest(rows, mode)
+    for op in _ordered({c[0] for c in checked}, OPS):
+        mine = [c for c in checked if c[0] == op]
+        ok = [c for c in mine if c[7] is not None and c[7] <= DISPATCHER_SLACK]
+        line = (f"dispatcher within {100 * (DISPATCHER_SLACK - 1):.0f} % of the fastest backend, {op} {mode}: "
+                f"{len(ok)} of {len(mine)} dtype x size rows")
+        slow = [c for c in mine if c[7] is not None and c[7] > DISPATCHER_SLACK]
+        if slow:
+            line += "; slower: " + ", ".join(
+                f"{DTYPE_SHORT.get(d, d)} {human_bytes(n)} {us:.2f} us{f' ({route})' if route else ''} vs {b} {best:.2f} "
+                f"({x:.2f}x)"
+                for _, d, n, us, route, b, best, x in slow)
+        missing = [c for c in mine if c[3] is None]
+        if missing:
+            line += "; no dispatcher row: " + ", ".join(f"{DTYPE_SHORT.get(c[1], c[1])} {human_bytes(c[2])}"
+                                                        for c in missing)
+        lines.append(line)
     return "\n".join(lines)
 
 
