@@ -51,6 +51,9 @@ extern "C" {
 #define TPC_IPC_HANDLE_BYTES 144
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
+/* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:
+ * 512 threads x 8 packet units of 8 bytes, held in registers. */
+#define TPC_NORM_MAX_ROW_BYTES 32768
 
 typedef struct tpc_comm tpc_comm;
 
@@ -137,6 +140,19 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
  * depends on a pointer). in == out is allowed. */
 tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           tpc_dtype dtype, tpc_algo algo, void *stream);
+
+/* All-reduce, residual add and RMSNorm of the rows of a 16-bit tensor (the
+ * last dimension, row_bytes long, is a row; nbytes is the whole input), in one
+ * launch of the packet kernel. With z = (sum over ranks in fp32, in rank order)
+ * + residual, in fp32:
+ *   residual_out = round(z), normed = round(z * rsqrt(mean(z^2) + eps) * weight),
+ * identical bits on every rank whose residual is the same. Float16 or
+ * bfloat16; row_bytes a multiple of 16 up to TPC_NORM_MAX_ROW_BYTES dividing
+ * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned; normed
+ * may be in and residual_out may be residual. */
+tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const void *residual, const void *weight,
+                                       void *normed, void *residual_out, size_t nbytes, size_t row_bytes,
+                                       tpc_dtype dtype, float eps, void *stream);
 
 /* Gather nbytes from every rank. The output is the concatenation along a
  * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):

@@ -15,7 +15,11 @@ cache of --context positions (random, fixed shape, so the step can be
 captured); rotary embeddings are left out, since they add no communication.
 
 Backends: "none" skips every collective (its tokens are wrong; it is the
-floor), "nccl" is torch.distributed, "tpcomm" is tpcomm.Communicator. Each
+floor), "nccl" is torch.distributed, "tpcomm" is tpcomm.Communicator, and
+"tpcomm_fused" (asked for with --backends) runs the residual add and the
+RMSNorm that follow each row-parallel matmul inside the all-reduce
+(Communicator.all_reduce_add_rms_norm on the fused kernel; its sums stay in
+fp32 up to the norm, so its logits are close to NCCL's, not equal). Each
 (batch size, backend) step is captured once as a CUDA graph; then in every
 round each backend replays its graph --replays times, the order rotating from
 round to round, so no backend profits from running first or last. The figure
@@ -90,39 +94,54 @@ class Shard:
         self.hd = hd
 
 
-def rms_norm(x, weight, eps=1e-5):
+EPS = 1e-5
+
+
+def rms_norm(x, weight, eps=EPS):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def decode_step(m, tokens, comm):
     """Logits (batch, vocab) and the next tokens for one decode step;
-    comm = (all_reduce, all_gather_last_dim)."""
-    all_reduce, all_gather = comm
+    comm = (all_reduce, all_gather_last_dim, add_norm), where
+    add_norm(y, x, weight) -> (rms_norm(x + all_reduce(y)) * weight, x + all_reduce(y))
+    is what follows every row-parallel matmul."""
+    all_reduce, all_gather, add_norm = comm
     b = tokens.shape[0]
     local = tokens - m.vocab_start
     mine = (local >= 0) & (local < m.vocab_part)
     x = m.embed[local.clamp(0, m.vocab_part - 1)] * mine.unsqueeze(-1).to(m.embed.dtype)
     x = all_reduce(x)
+    h = rms_norm(x, m.layers[0]["norm1"])
     qn, kvn, hd = m.q_heads, m.kv_heads, m.hd
-    for layer in m.layers:
-        qkv = rms_norm(x, layer["norm1"]) @ layer["qkv"]
-        q, k, v = qkv.split([qn * hd, kvn * hd, kvn * hd], dim=-1)
+    for i, layer in enumerate(m.layers):
+        q, k, v = (h @ layer["qkv"]).split([qn * hd, kvn * hd, kvn * hd], dim=-1)
         k_cache, v_cache = layer["k_cache"][:b], layer["v_cache"][:b]
         k_cache[:, :, -1] = k.view(b, kvn, hd)  # this step's position: the cache's last
         v_cache[:, :, -1] = v.view(b, kvn, hd)
         att = torch.nn.functional.scaled_dot_product_attention(
             q.view(b, qn, 1, hd), k_cache, v_cache, enable_gqa=True)
-        x = x + all_reduce(att.reshape(b, qn * hd) @ layer["o"])
-        gate, up = (rms_norm(x, layer["norm2"]) @ layer["gate_up"]).chunk(2, dim=-1)
-        x = x + all_reduce((torch.nn.functional.silu(gate) * up) @ layer["down"])
-    logits = all_gather(rms_norm(x, m.final_norm) @ m.lm_head)
+        h, x = add_norm(att.reshape(b, qn * hd) @ layer["o"], x, layer["norm2"])
+        gate, up = (h @ layer["gate_up"]).chunk(2, dim=-1)
+        following = m.layers[i + 1]["norm1"] if i + 1 < len(m.layers) else m.final_norm
+        h, x = add_norm((torch.nn.functional.silu(gate) * up) @ layer["down"], x, following)
+    logits = all_gather(h @ m.lm_head)
     return logits, logits.argmax(-1)
+
+
+def unfused_add_norm(all_reduce):
+    def add_norm(y, x, weight):
+        x = x + all_reduce(y)
+        return rms_norm(x, weight), x
+    return add_norm
 
 
 def collectives(backend, comm):
     if backend == "none":
-        return (lambda t: t, lambda t: torch.cat([t] * dist.get_world_size(), dim=-1))
+        def identity(t):
+            return t
+        return identity, lambda t: torch.cat([t] * dist.get_world_size(), dim=-1), unfused_add_norm(identity)
     if backend.startswith("nccl"):
         def all_reduce(t):
             t = t.contiguous()
@@ -134,8 +153,17 @@ def collectives(backend, comm):
             out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(out, t.contiguous())
             return out.view((world,) + tuple(t.shape)).movedim(0, -2).reshape(t.shape[:-1] + (-1,))
-        return all_reduce, all_gather
-    return (lambda t: comm.all_reduce(t), lambda t: comm.all_gather(t, dim=-1))
+        return all_reduce, all_gather, unfused_add_norm(all_reduce)
+
+    def all_reduce(t):
+        return comm.all_reduce(t)
+
+    if backend == "tpcomm_fused":  # the add and the norm inside the all-reduce: one launch
+        def add_norm(y, x, weight):
+            return comm.all_reduce_add_rms_norm(y, x, weight, EPS)
+    else:
+        add_norm = unfused_add_norm(all_reduce)
+    return all_reduce, lambda t: comm.all_gather(t, dim=-1), add_norm
 
 
 # ---------------------------------------------------------------- one rank
@@ -164,7 +192,12 @@ def rank_main(rank, world, port, args, backends, result_path):
         f"{os.environ.get('NCCL_GRAPH_MIXING_SUPPORT', 'unset')})")
     model = Shard(cfg, rank, world, device, dtype, args.context, max(batches))
     say("weights and KV cache built")
-    comm = tpcomm.Communicator(device=device) if "tpcomm" in backends else None
+    comm = None
+    if any(b.startswith("tpcomm") for b in backends):
+        # tpcomm_fused asks for the fused kernel (Config.fused_kernel); the
+        # other tpcomm backend never calls the fused op, so one Communicator serves both
+        comm = tpcomm.Communicator(device=device, config=tpcomm.Config.from_env().replace(
+            fused_kernel=True if "tpcomm_fused" in backends else None))
     if comm is not None and not cpu and not comm.enabled:
         raise RuntimeError(f"tpcomm's custom path is off: {comm.disabled_reason}")
     results = {}
@@ -181,7 +214,8 @@ def rank_main(rank, world, port, args, backends, result_path):
                     step()
                 torch.cuda.current_stream().wait_stream(s)
                 graph = torch.cuda.CUDAGraph()
-                with (comm.capture() if backend == "tpcomm" else contextlib.nullcontext()), torch.cuda.graph(graph):
+                with (comm.capture() if backend.startswith("tpcomm") else contextlib.nullcontext()), \
+                        torch.cuda.graph(graph):
                     captured = step()
                 graph.replay()
                 torch.cuda.synchronize()
@@ -191,11 +225,15 @@ def rank_main(rank, world, port, args, backends, result_path):
         entry = {"tokens": outs[backends[-1]][1].tolist()}
         if "nccl" in outs or "nccl_nomix" in outs:
             ref = outs.get("nccl") or outs.get("nccl_nomix")
+            as_bits = torch.int32 if dtype == torch.float32 else torch.int16
             if "tpcomm" in outs:
                 entry["tokens_agree"] = bool(torch.equal(outs["tpcomm"][1], ref[1]))
-                as_bits = torch.int32 if dtype == torch.float32 else torch.int16
                 entry["logits_bit_equal"] = bool(torch.equal(outs["tpcomm"][0].view(as_bits), ref[0].view(as_bits)))
                 entry["logits_max_abs_diff"] = float((outs["tpcomm"][0].float() - ref[0].float()).abs().max())
+            if "tpcomm_fused" in outs:  # fp32 between the sum and the norm: not NCCL's bits, nearly its tokens
+                entry["fused_tokens_agree"] = bool(torch.equal(outs["tpcomm_fused"][1], ref[1]))
+                entry["fused_logits_max_abs_diff"] = float(
+                    (outs["tpcomm_fused"][0].float() - ref[0].float()).abs().max())
         if not cpu:
             entry["ms_per_step"] = _time_interleaved(graphs, backends, args.rounds, args.replays)
             say(f"batch {batch}: ms per step {entry['ms_per_step']}")
@@ -289,14 +327,16 @@ def summarize(runs):
                 row["ms_per_step"][name] = ms
                 if b != "none" and floor:
                     row["over_floor_pct"][b] = round(100.0 * (ms / floor - 1.0), 1)
-            for k in ("tokens_agree", "logits_bit_equal", "logits_max_abs_diff"):
+            for k in ("tokens_agree", "logits_bit_equal", "logits_max_abs_diff", "fused_tokens_agree",
+                      "fused_logits_max_abs_diff"):
                 if k in entry:
                     row[f"{k} ({label})"] = entry[k]
     for row in out.values():
         ms = row["ms_per_step"]
-        if "tpcomm" in ms and any(b in ms for b in ("nccl", "nccl_nomix")):
-            row["tpcomm_faster_than_pct"] = {b: round(100.0 * (1.0 - ms["tpcomm"] / ms[b]), 1)
-                                             for b in ("nccl", "nccl_nomix") if b in ms}
+        for mine in ("tpcomm", "tpcomm_fused"):
+            if mine in ms and any(b in ms for b in ("nccl", "nccl_nomix")):
+                row[f"{mine}_faster_than_pct"] = {b: round(100.0 * (1.0 - ms[mine] / ms[b]), 1)
+                                                  for b in ("nccl", "nccl_nomix") if b in ms}
     return out
 
 

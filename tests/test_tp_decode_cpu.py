@@ -34,6 +34,24 @@ def test_tiny_model_over_two_gloo_ranks(tmp_path):
     assert data["model"]["ranks"] == 2 and data["model"]["layers"] == layers
 
 
+def test_fused_backend_on_two_gloo_ranks(tmp_path):
+    """tpcomm_fused (all_reduce_add_rms_norm after every row-parallel
+    matmul; its unfused path on gloo) gives NCCL's tokens, one fused call in
+    place of each layer's all_reduce."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
+                           "--batches", "2", "--context", "16", "--backends", "nccl,tpcomm_fused", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"]["mixing default"]
+    assert run["2"]["fused_tokens_agree"] is True
+    assert run["2"]["fused_logits_max_abs_diff"] < 1e-3
+    layers = tp_decode.TINY["layers"]
+    # the embedding's all_reduce (fp32 inside the unfused path's all-reduces too), 2 fused ops per layer
+    assert run["tpcomm_calls"] == {"all_reduce/nccl": 1 + 2 * layers, "all_gather/nccl": 1,
+                                   "all_reduce_add_rms_norm/unfused": 2 * layers}
+
+
 def test_summary_arithmetic():
     runs = {"mixing default": {"1": {"ms_per_step": {"none": 10.0, "nccl": 12.2, "tpcomm": 10.9},
                                      "tokens_agree": True}},

@@ -162,6 +162,52 @@ void custom_all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo)
   all_reduce_into(input, out, comm, algo);
 }
 
+tpc_dtype norm_dtype(const Tensor &t) {
+  switch (t.scalar_type()) {
+    case ScalarType::Half: return TPC_FLOAT16;
+    case ScalarType::BFloat16: return TPC_BFLOAT16;
+    default: break;
+  }
+  fail("tpcomm: all_reduce_add_rms_norm takes float16 or bfloat16");
+}
+
+// The sum of input over the ranks plus residual, and its RMSNorm over the last
+// dimension times weight, into residual_out and normed (which may be residual
+// and input themselves: the in-place variant). Misaligned views are copied,
+// as for all_reduce, so the kernel's choice never depends on a pointer.
+void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
+                                        Tensor residual_out, int64_t id) {
+  Held held(id);
+  tpc_comm *comm = held.get();
+  const Tensor *all[] = {&input, &residual, &weight, &normed, &residual_out};
+  const char *names[] = {"input", "residual", "weight", "normed", "residual_out"};
+  for (int i = 0; i < 5; ++i) {
+    check_tensor(comm, *all[i], names[i]);
+    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_add_rms_norm: %s must be contiguous", names[i]);
+    if (all[i]->scalar_type() != input.scalar_type())
+      fail("tpcomm: all_reduce_add_rms_norm: %s has another dtype than the input", names[i]);
+  }
+  const tpc_dtype dtype = norm_dtype(input);
+  if (input.dim() < 1) fail("tpcomm: all_reduce_add_rms_norm needs a tensor with at least one dimension");
+  const int64_t hidden = input.size(input.dim() - 1);
+  if (residual.numel() != input.numel() || normed.numel() != input.numel() || residual_out.numel() != input.numel())
+    fail("tpcomm: all_reduce_add_rms_norm: residual and the outputs must have the input's size");
+  if (weight.numel() != hidden)
+    fail("tpcomm: all_reduce_add_rms_norm: weight has %lld values, the last dimension %lld",
+         static_cast<long long>(weight.numel()), static_cast<long long>(hidden));
+  const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
+  const size_t row_bytes = static_cast<size_t>(hidden) * input.element_size();
+  const Tensor in = aligned_input(input), res = aligned_input(residual), w = aligned_input(weight);
+  Tensor normed_dst = aligned16(normed) ? normed : new_output(normed, sizes_of(normed));
+  Tensor residual_dst = aligned16(residual_out) ? residual_out : new_output(residual_out, sizes_of(residual_out));
+  check(comm, tpc_all_reduce_add_rms_norm(comm, in.const_data_ptr(), res.const_data_ptr(), w.const_data_ptr(),
+                                          normed_dst.mutable_data_ptr(), residual_dst.mutable_data_ptr(), nbytes,
+                                          row_bytes, dtype, static_cast<float>(eps),
+                                          current_stream(input.get_device_index())));
+  if (!aligned16(normed)) torch::stable::copy_(normed, normed_dst);
+  if (!aligned16(residual_out)) torch::stable::copy_(residual_out, residual_dst);
+}
+
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
 // (NCCL's reduce_scatter_tensor layout); the output is the sum of part r.
 Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
@@ -219,6 +265,8 @@ STABLE_TORCH_LIBRARY(tpcomm, m) {
   m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
   m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
   m.def("custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor");
+  m.def("custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
+        "Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
@@ -226,4 +274,5 @@ STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
   m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
   m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
   m.impl("custom_reduce_scatter", TORCH_BOX(&custom_reduce_scatter));
+  m.impl("custom_all_reduce_add_rms_norm_out", TORCH_BOX(&custom_all_reduce_add_rms_norm_out));
 }

@@ -575,7 +575,10 @@ static tpc_result launch_on_device(tpc_comm *comm, int op, const tpc_kernel_args
   if (current != comm->cfg.device && (code = rt->set_device(comm->cfg.device)) != 0)
     return runtime_fail(comm, rt, code, "selecting the communicator's device");
   const char *what = "launching reduce_scatter";
-  if (op == TPC_OP_ALL_REDUCE) {
+  if (op == TPC_OP_ALL_REDUCE_NORM) {
+    code = rt->launch_all_reduce_norm(a, stream);
+    what = "launching all_reduce_add_rms_norm";
+  } else if (op == TPC_OP_ALL_REDUCE) {
     code = rt->launch_all_reduce(a, algo, stream);
     what = "launching all_reduce";
   } else if (op == TPC_OP_ALL_GATHER) {
@@ -633,6 +636,40 @@ tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t 
     return fail(comm, TPC_ERR_TOO_LARGE, "reduce_scatter chunk of %zu bytes", chunk_bytes);
   return reduce_op(comm, TPC_OP_REDUCE_SCATTER, "reduce_scatter", in, out, chunk_bytes, chunk_bytes * world,
                    dtype, algo, stream);
+}
+
+tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const void *residual, const void *weight,
+                                       void *normed, void *residual_out, size_t nbytes, size_t row_bytes,
+                                       tpc_dtype dtype, float eps, void *stream) {
+  static const char name[] = "all_reduce_add_rms_norm";
+  tpc_result r = begin_op(comm, in, normed, stream);
+  if (r != TPC_OK) return r;
+  if (!residual || !weight || !residual_out)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s: NULL residual, weight or residual output", name);
+  if (dtype != TPC_FLOAT16 && dtype != TPC_BFLOAT16)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s: dtype %d is not float16 or bfloat16", name, dtype);
+  if (row_bytes == 0 || row_bytes % 16 || row_bytes > TPC_NORM_MAX_ROW_BYTES)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s: a row of %zu bytes: a multiple of 16 up to %d is needed", name,
+                row_bytes, TPC_NORM_MAX_ROW_BYTES);
+  if (nbytes == 0 || nbytes % row_bytes)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive number of %zu-byte rows is needed", name,
+                nbytes, row_bytes);
+  if (nbytes > comm->cfg.packet_max_bytes)
+    return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
+                comm->cfg.packet_max_bytes);
+  if (misaligned(in, 16) || misaligned(residual, 16) || misaligned(weight, 16) || misaligned(normed, 16) ||
+      misaligned(residual_out, 16))
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s: every tensor must be 16-byte aligned", name);
+  if (!(eps >= 0.0f) || eps > 1.0f)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s: eps %g is not in [0, 1]", name, (double)eps);
+  tpc_kernel_args a;
+  fill_args(comm, &a, in, normed, nbytes, nbytes, row_bytes, dtype, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET,
+            reduce_nan[dtype]);
+  a.residual = residual;
+  a.weight = weight;
+  a.out2 = residual_out;
+  a.eps = eps;
+  return launch_on_device(comm, TPC_OP_ALL_REDUCE_NORM, &a, TPC_ALGO_PACKET, stream);
 }
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,

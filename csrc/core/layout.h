@@ -85,7 +85,7 @@ typedef struct {
 } tpc_layout;
 
 /* What kind of op a header packet announces; peers must agree. */
-enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3 };
+enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 };
 
 /* The header's kind word: op, algorithm, dtype and a fold of the row length,
  * so peers that disagree on any of them fail with a CollectiveMismatch that
@@ -118,6 +118,12 @@ typedef struct {
   int32_t op;                 /* TPC_OP_* */
   int32_t poison_out;         /* out is floating point: fill it with NaN on failure */
   int32_t max_blocks;         /* multiprocessors of the device: packet kernels spread over at most this many */
+  /* all_reduce + residual add + RMSNorm only: out is the normed output */
+  const void *residual;       /* added to the sum; read before out2 is written (may alias it) */
+  const void *weight;         /* the norm's weight, one row */
+  void *out2;                 /* residual out: the sum plus the residual */
+  float eps;
+  int32_t pad_;
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

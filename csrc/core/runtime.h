@@ -43,6 +43,7 @@ typedef struct {
   int (*launch_all_reduce)(const tpc_kernel_args *args, int algo, void *stream);
   int (*launch_all_gather)(const tpc_kernel_args *args, int algo, void *stream);
   int (*launch_reduce_scatter)(const tpc_kernel_args *args, int algo, void *stream);
+  int (*launch_all_reduce_norm)(const tpc_kernel_args *args, void *stream);
 } tpc_runtime;
 
 /* Defined by whichever runtime the library is linked with. */

@@ -47,6 +47,7 @@ _Static_assert(sizeof(gpu_ipc_handle) <= TPC_ALLOC_HANDLE_BYTES, "IPC handle lar
 int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream);
 int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream);
 int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *stream);
+int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *stream);
 
 static int set_device(int device) { return (int)GPU(SetDevice)(device); }
 static int get_device(int *device) { return (int)GPU(GetDevice)(device); }
@@ -135,7 +136,7 @@ static const tpc_runtime gpu_runtime = {
     memcpy_any,         host_alloc_mapped,  host_free,             ipc_export,
     ipc_open,           ipc_close,          device_synchronize,    stream_synchronize,
     stream_is_capturing, error_string,      multiprocessor_count,  alloc_control_chunk,   write_async,
-    tpc_launch_all_reduce, tpc_launch_all_gather, tpc_launch_reduce_scatter,
+    tpc_launch_all_reduce, tpc_launch_all_gather, tpc_launch_reduce_scatter, tpc_launch_all_reduce_norm,
 };
 
 const tpc_runtime *tpc_runtime_get(void) { return &gpu_runtime; }

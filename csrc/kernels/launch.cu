@@ -4,6 +4,7 @@
  */
 #include "all_gather.cuh"
 #include "all_reduce.cuh"
+#include "all_reduce_norm.cuh"
 #include "reduce_scatter.cuh"
 
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
@@ -115,4 +116,18 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
   }
   return tpc_launch(tpc_reduce_scatter_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
                     args, stream);
+}
+
+/* One block per row, up to one per multiprocessor; as many data threads as
+ * the row has packet units (a multiple of 32, at most TPC_NORM_THREADS: the
+ * rest is looped over, TPC_NORM_UNITS per thread at most). */
+extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *stream) {
+  const uint64_t rows = args->nbytes / args->row_bytes;
+  const uint64_t row_units = args->row_bytes / TPC_PACKET_DATA_BYTES;
+  const unsigned max_blocks = tpc_packet_max_blocks(args);
+  tpc_geometry g;
+  g.blocks = (unsigned)(rows < max_blocks ? rows : max_blocks);
+  g.threads = (unsigned)(row_units < TPC_NORM_THREADS ? (row_units + 31) / 32 * 32 : TPC_NORM_THREADS) +
+              TPC_CONTROL_THREADS;
+  return tpc_launch(tpc_all_reduce_norm_kernel, g, args, stream);
 }

@@ -169,6 +169,27 @@ TPC_DEVICE void tpc_block_handoff(int giver) {
 #endif
 }
 
+/* Lanes of a warp (CUDA) or wavefront (AMD: 64 on CDNA, 32 on RDNA; HIP's
+ * warpSize, which every ROCm version has), and the sum of v over them, the
+ * same bits in every lane: a butterfly, so the order of the additions is
+ * fixed. */
+#ifdef TPC_HIP
+#define TPC_WARP_LANES warpSize
+#else
+#define TPC_WARP_LANES 32
+#endif
+
+TPC_DEVICE float tpc_warp_sum(float v) {
+  for (int offset = TPC_WARP_LANES / 2; offset > 0; offset /= 2) {
+#ifdef TPC_HIP
+    v += __shfl_xor(v, offset, TPC_WARP_LANES);
+#else
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+#endif
+  }
+  return v;
+}
+
 /* 0, computed from v in a way the compiler cannot see through: an operation
  * using it cannot issue before v has been loaded. */
 TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {

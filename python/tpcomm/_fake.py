@@ -25,6 +25,10 @@ def register():
     def _all_reduce_out_fake(input, out, comm, algo=0):
         return None
 
+    @torch.library.register_fake("tpcomm::custom_all_reduce_add_rms_norm_out")
+    def _all_reduce_add_rms_norm_out_fake(input, residual, weight, eps, normed, residual_out, comm):
+        return None
+
     @torch.library.register_fake("tpcomm::custom_reduce_scatter")
     def _reduce_scatter_fake(input, comm, algo=0):
         world = _world_size(comm)

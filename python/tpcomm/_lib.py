@@ -13,6 +13,7 @@ from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, T
 
 IPC_HANDLE_BYTES = 144  # csrc/tpcomm.h: two allocation handles and an offset
 MAX_RANKS = 8
+NORM_MAX_ROW_BYTES = 32768  # csrc/tpcomm.h: the longest row the fused norm kernel takes
 
 # tpc_result codes (csrc/tpcomm.h)
 (OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE,

@@ -361,6 +361,70 @@ class Communicator:
             y = self._kernels.reduce_scatter(parts, backend)
         return y.movedim(0, dim).contiguous() if dim else y
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float = 1e-6, *, in_place: bool = False) -> "tuple[torch.Tensor, torch.Tensor]":
+        """What a transformer layer does after its row-parallel matmul, in one
+        call: with z = all_reduce(x) + residual, returns
+        (rms_norm(z) * weight, z), the norm over the last dimension. Computed
+        in fp32 and rounded once: z is not rounded before the norm. With
+        in_place=True the normed result is written into x and z into
+        residual, and (x, residual) are returned, as serving engines' fused
+        add-norm kernels do.
+
+        On tpcomm's fused kernel (one launch; fp16/bf16, the row at most
+        32 KiB, the input within the packet cap, Config.fused_kernel) the sum
+        is in rank order: residual_out is the fp32 reference rounded once, bit
+        for bit, and normed within 1 ulp of it (its mean of squares is summed
+        in another order). Otherwise x is all-reduced in fp32 through the
+        dispatcher and the rest done by torch in fp32: the same reference
+        within 1 ulp (NCCL's order of summation on more than 2 ranks)."""
+        self._check_input(x, "input")
+        self._check_input(residual, "residual")
+        self._check_input(weight, "weight")
+        if x.dim() < 1 or residual.shape != x.shape or weight.shape != x.shape[-1:]:
+            raise ValueError(f"tpcomm: all_reduce_add_rms_norm needs residual of the input's shape {tuple(x.shape)} "
+                             f"and weight of its last dimension; got {tuple(residual.shape)} and "
+                             f"{tuple(weight.shape)}")
+        if not (x.is_floating_point() and residual.dtype == x.dtype and weight.is_floating_point()):
+            raise TypeError(f"tpcomm: all_reduce_add_rms_norm needs a floating-point input, residual of its dtype "
+                            f"and a floating-point weight; got {x.dtype}, {residual.dtype}, {weight.dtype}")
+        if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
+            raise ValueError(f"tpcomm: eps={eps!r} must be a number in [0, 1]")
+        route = self._route_add_rms_norm(x, weight)
+        cell = self._stat_cells.setdefault(("all_reduce_add_rms_norm", route), [0, 0])
+        cell[0] += 1
+        cell[1] += x.numel() * x.element_size()
+        if route == "fused":
+            xc, rc = x.contiguous(), residual.contiguous()
+            direct = in_place and xc is x and rc is residual
+            normed, summed = (x, residual) if direct else (torch.empty_like(xc), torch.empty_like(rc))
+            self._kernels.all_reduce_add_rms_norm(xc, rc, weight.contiguous(), eps, normed, summed)
+        else:
+            summed32 = self.all_reduce(x.float()) + residual.float()
+            normed = summed32 * torch.rsqrt(summed32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+            normed, summed = normed.to(x.dtype), summed32.to(x.dtype)
+        if not in_place:
+            return normed, summed
+        if normed is not x:
+            x.copy_(normed)
+        if summed is not residual:
+            residual.copy_(summed)
+        return x, residual
+
+    def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
+        """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
+        kernel) or "unfused" (all_reduce in fp32, then torch)."""
+        return self._route_add_rms_norm(x, weight)
+
+    def _route_add_rms_norm(self, x, weight):
+        nbytes = x.numel() * x.element_size()
+        row = x.shape[-1] * x.element_size() if x.dim() else 0
+        if (self.enabled and self.config.fused_kernel and x.dtype in (torch.float16, torch.bfloat16)
+                and weight.dtype == x.dtype and 0 < nbytes <= self.packet_max_bytes and row and row % 16 == 0
+                and row <= _lib.NORM_MAX_ROW_BYTES):
+            return "fused"
+        return "unfused"
+
     def _aiter_all_gather_route(self, x, dim, nbytes):
         """"aiter" where AITER's flat all-gather is the layout asked for (dim
         0; the input is made contiguous) and its buffer holds the output;

@@ -31,6 +31,7 @@ class Config:
     forbid: tuple = ()         # (backend, ...)
     disable: bool = False
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
+    fused_kernel: bool = False  # all_reduce_add_rms_norm on the fused kernel (not yet run on a GPU: off)
 
     @classmethod
     def from_env(cls):
@@ -51,6 +52,8 @@ class Config:
             fields["force"] = _parse_force(env["TPCOMM_FORCE"], "TPCOMM_FORCE")
         if env.get("TPCOMM_AITER", "").strip():
             fields["aiter"] = topology.env_flag("TPCOMM_AITER")
+        if env.get("TPCOMM_FUSED_KERNEL", "").strip():
+            fields["fused_kernel"] = topology.env_flag("TPCOMM_FUSED_KERNEL")
         if env.get("TPCOMM_FORBID", "").strip():
             fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
         try:
@@ -80,7 +83,8 @@ class Config:
     def describe(self):
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
-                "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter)}
+                "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
+                "fused_kernel": str(self.fused_kernel)}
 
 
 def _parse_force(text, name):

@@ -3,12 +3,13 @@
     y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
     z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
     w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
 routes each call (tpcomm's kernels or NCCL) exactly as Communicator.all_reduce
 does, and keeps working when the Communicator of the group is replaced.
-Both are opaque to the compiler (torch.library custom ops with fake
+They are opaque to the compiler (torch.library custom ops with fake
 implementations), so fullgraph=True traces through them and mode=
 "reduce-overhead" captures them in CUDA graphs (the kernels are graph-safe).
 """
@@ -73,3 +74,16 @@ def _reduce_scatter_fake(x, dim, group_name):
     shape = list(x.shape)
     shape[checked_dim(x, dim, "reduce_scatter")] //= communicator_for(group_name).world_size
     return x.new_empty(shape)
+
+
+@torch.library.custom_op("tpcomm::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
+    group named group_name (new tensors)."""
+    return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
+
+
+@all_reduce_add_rms_norm.register_fake
+def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
+    return torch.empty_like(x), torch.empty_like(residual)

@@ -130,7 +130,7 @@ const char *fake_entry_name(fake_entry entry) {
       "memcpy_any",         "host_alloc_mapped",  "host_free",       "ipc_export",
       "ipc_open",           "ipc_close",          "device_synchronize", "stream_synchronize",
       "stream_is_capturing", "multiprocessor_count", "alloc_control_chunk", "write_async", "launch_all_reduce",
-      "launch_all_gather",  "launch_reduce_scatter",
+      "launch_all_gather",  "launch_reduce_scatter", "launch_all_reduce_norm",
   };
   return (unsigned)entry < FK_COUNT ? names[entry] : "?";
 }
@@ -433,6 +433,10 @@ static int f_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *
   return record_launch(FK_LAUNCH_REDUCE_SCATTER, args, algo, stream);
 }
 
+static int f_launch_all_reduce_norm(const tpc_kernel_args *args, void *stream) {
+  return record_launch(FK_LAUNCH_ALL_REDUCE_NORM, args, TPC_ALGO_PACKET, stream);
+}
+
 static const tpc_runtime fake_runtime = {
     .set_device = f_set_device,
     .get_device = f_get_device,
@@ -455,6 +459,7 @@ static const tpc_runtime fake_runtime = {
     .launch_all_reduce = f_launch_all_reduce,
     .launch_all_gather = f_launch_all_gather,
     .launch_reduce_scatter = f_launch_reduce_scatter,
+    .launch_all_reduce_norm = f_launch_all_reduce_norm,
 };
 
 const tpc_runtime *tpc_runtime_get(void) { return &fake_runtime; }

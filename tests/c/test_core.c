@@ -886,6 +886,72 @@ static void test_reduce_scatter(void) {
   CHECK_ALL_RELEASED();
 }
 
+static void test_all_reduce_add_rms_norm(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  tpc_comm *c = w.comm[1];
+  unsigned char *in = scratch_in, *res = scratch_in + MAX_BYTES, *weight = scratch_in + 2 * MAX_BYTES;
+  unsigned char *normed = scratch_out, *res_out = scratch_out + MAX_BYTES;
+  static const struct {
+    size_t nbytes, row_bytes;
+    int dtype;
+    size_t misalign; /* added to the weight pointer */
+    float eps;
+    tpc_result want;
+    const char *needle;
+  } cases[] = {
+      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "dtype 0 is not float16 or bfloat16"},
+      {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: a multiple of 16 up to 32768"},
+      {64, 0, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 0 bytes"},
+      {TPC_NORM_MAX_ROW_BYTES + 16, TPC_NORM_MAX_ROW_BYTES + 16, TPC_FLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG,
+       "up to 32768"},
+      {96, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "of 96 bytes: a positive number of 64-byte rows"},
+      {0, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "of 0 bytes"},
+      {PACKET_MAX + 64, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_TOO_LARGE, "of 1088 bytes is over the packet cap of 1024"},
+      {64, 64, TPC_BFLOAT16, 8, 1e-6f, TPC_ERR_INVALID_ARG, "every tensor must be 16-byte aligned"},
+      {64, 64, TPC_BFLOAT16, 0, -1.0f, TPC_ERR_INVALID_ARG, "eps -1 is not in [0, 1]"},
+      {64, 64, TPC_BFLOAT16, 0, 0.0f / 0.0f, TPC_ERR_INVALID_ARG, "is not in [0, 1]"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight + cases[i].misalign, normed, res_out, cases[i].nbytes,
+                                            cases[i].row_bytes, (tpc_dtype)cases[i].dtype, cases[i].eps, STREAM_A),
+             cases[i].want);
+    CHECK_MSG(c, cases[i].needle);
+  }
+  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, NULL, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f, STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "NULL residual, weight or residual output");
+  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 0);
+  /* 16 rows of 64 bytes (32 bf16 values), the packet cap exactly; in place */
+  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, in, res, PACKET_MAX, 64, TPC_BFLOAT16, 1e-5f, STREAM_A),
+           TPC_OK);
+  CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_REDUCE_NORM);
+  check_args(&w, 1, in, in, PACKET_MAX, 64, TPC_BFLOAT16, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, NAN_BF16);
+  CHECK_PTR(fake.last_args.residual, res);
+  CHECK_PTR(fake.last_args.weight, weight);
+  CHECK_PTR(fake.last_args.out2, res);
+  CHECK(fake.last_args.eps == 1e-5f);
+  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, normed, res_out, 128, 128, TPC_FLOAT16, 0.0f, STREAM_A),
+           TPC_OK);
+  check_args(&w, 1, in, normed, 128, 128, TPC_FLOAT16, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, NAN_F16);
+  CHECK_PTR(fake.last_args.out2, res_out);
+  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 2);
+  /* the other ops leave the norm's fields empty */
+  CHECK_RC(c, tpc_all_reduce(c, in, normed, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_PTR(fake.last_args.residual, NULL);
+  CHECK_PTR(fake.last_args.out2, NULL);
+  fake_fail_nth(FK_LAUNCH_ALL_REDUCE_NORM, 1, 78);
+  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f, STREAM_A),
+           TPC_ERR_RUNTIME);
+  CHECK_MSG(c, "launching all_reduce_add_rms_norm failed");
+  CHECK_RC(NULL, tpc_all_reduce_add_rms_norm(NULL, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f,
+                                             STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
 static void test_all_reduce_validation(void) {
   fake_reset();
   world w;
@@ -2297,6 +2363,7 @@ int main(void) {
   RUN(test_probe);
   RUN(test_all_reduce_validation);
   RUN(test_reduce_scatter);
+  RUN(test_all_reduce_add_rms_norm);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);
   RUN(test_async_error);

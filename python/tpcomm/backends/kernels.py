@@ -1,6 +1,6 @@
 """tpcomm's own kernels (csrc/kernels) through the torch ops, for one
 communicator id: "packet" (barrier-free, small and medium sizes) and "bulk"
-(two barriers, large sizes). They read only their input and the buffers
+(two barriers, large sizes), and the fused all-reduce + add + RMSNorm (packet). They read only their input and the buffers
 registered at init, so graph capture needs nothing more (Communicator.capture
 only marks the capture). Errors come back as tpcomm's exception classes."""
 import torch
@@ -30,6 +30,15 @@ class Kernels:
                 return self._all_reduce(x, self.handle, ALGOS[algo])
             self._all_reduce_out(x, out, self.handle, ALGOS[algo])
             return out
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
+
+    def all_reduce_add_rms_norm(self, x, residual, weight, eps, normed, residual_out):
+        """The fused kernel: writes normed and residual_out (they may be x and
+        residual); every tensor contiguous, of x's 16-bit dtype."""
+        try:
+            custom("custom_all_reduce_add_rms_norm_out")(x, residual, weight, float(eps), normed, residual_out,
+                                                         self.handle)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 

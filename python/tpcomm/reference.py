@@ -1,0 +1,44 @@
+"""The numerics the fused all-reduce + residual add + RMSNorm is held to, in
+plain torch: what tests on the CPU and on GPUs compare with.
+
+reference_add_rms_norm takes every rank's input and computes, in fp32, the
+sum in rank order 0..n-1 (from -0.0, as the kernels start), adds the
+residual, and normalises over the last dimension, rounding once at the end.
+ulp_distance measures how far apart two 16-bit or 32-bit float tensors are,
+in units in the last place of their dtype (0 where the bits are equal)."""
+import torch
+
+
+def reference_add_rms_norm(inputs, residual, weight, eps):
+    """(normed, residual_out) of the fused op for the ranks' `inputs`, in
+    their dtype: z = (((-0 + x_0) + x_1) + ...) + residual in fp32,
+    residual_out = z rounded, normed = z * rsqrt(mean(z^2) + eps) * weight
+    rounded."""
+    z = torch.full_like(inputs[0], -0.0, dtype=torch.float32)
+    for x in inputs:
+        z = z + x.float()
+    z = z + residual.float()
+    normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return normed.to(inputs[0].dtype), z.to(inputs[0].dtype)
+
+
+_INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def ulp_distance(a, b):
+    """Per element, how many representable values of the dtype lie between
+    a and b (0: the same bits, -0.0 and +0.0 count as 1 apart). NaNs must
+    match by position; their distance is 0."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"ulp_distance of {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}")
+    bits = 8 * a.element_size()
+    sign = 1 << (bits - 1)
+
+    def ordered(t):  # the bit patterns mapped to integers in the order of the values
+        i = t.contiguous().view(_INT_OF[t.dtype]).to(torch.int64) & ((1 << bits) - 1)
+        return torch.where(i >= sign, sign - 1 - i, i)
+
+    nan = torch.isnan(a) | torch.isnan(b)
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        raise AssertionError("NaNs at different positions")
+    return torch.where(nan, torch.zeros_like(ordered(a)), (ordered(a) - ordered(b)).abs())

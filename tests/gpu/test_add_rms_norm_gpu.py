@@ -1,0 +1,142 @@
+"""all_reduce_add_rms_norm on real GPUs against the fp32 reference
+(tpcomm.reference: the sum in rank order, the residual added, RMSNorm,
+rounded once): on the fused kernel residual_out bit for bit and normed within
+1 ulp (its mean of squares is summed in another order), identical bits on
+every rank, in place and out of place, graph replays with new inputs and a
+random rank late, NaN and inf where the reference has them, and the unfused
+path for what the kernel declines. Every body checks the route it expects
+through stats()."""
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import tpcomm
+from tpcomm.config import Config
+from tpcomm.reference import reference_add_rms_norm, ulp_distance
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1024, 1024 * 1024
+EPS = 1e-5
+
+
+def _comm():
+    comm = tpcomm.Communicator(packet_max_bytes=1 * MiB, config=Config(fused_kernel=True))
+    assert comm.enabled, comm.disabled_reason
+    return comm
+
+
+def _shared(shape, dtype, seed):
+    """Residual and weight, the same on every rank (tensor parallelism)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    residual = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    weight = (torch.rand(shape[-1:], generator=g, device="cuda") + 0.5).to(dtype)
+    return residual, weight
+
+
+def _gathered(x):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+def _check(normed, summed, x, residual, weight, what):
+    ref_normed, ref_summed = reference_add_rms_norm(_gathered(x), residual, weight, EPS)
+    assert int(ulp_distance(summed, ref_summed).max()) == 0, f"residual_out {what}"
+    assert int(ulp_distance(normed, ref_normed).max()) <= 1, f"normed {what}"
+    for t, name in ((normed, "normed"), (summed, "residual_out")):
+        parts = _gathered(t)
+        assert all(torch.equal(p.view(torch.int16), parts[0].view(torch.int16)) for p in parts), \
+            f"{name} differs across ranks: {what}"
+
+
+def body_shapes(rank, world):
+    comm = _comm()
+    rng = random.Random(5)
+    shapes = [(1, 4096), (1, 8192), (8, 4096), (32, 4096), (3, 2048), (1, 16384), (2, 5120), (64, 8192),
+              (17, 2048), (128, 4096)]
+    shapes += [(rng.randrange(1, 33), rng.choice([2048, 3072, 4096, 6144, 8192])) for _ in range(6)]
+    gen = torch.Generator(device="cuda").manual_seed(40 + rank)
+    for i, (tokens, hidden) in enumerate(shapes):
+        for dtype in (torch.bfloat16, torch.float16):
+            x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * (1 + rank)).to(dtype)
+            residual, weight = _shared((tokens, hidden), dtype, 1000 + i)
+            route = comm.route_all_reduce_add_rms_norm(x, weight)
+            assert route == ("fused" if tokens * hidden * 2 <= 1 * MiB else "unfused"), (tokens, hidden, route)
+            what = f"{tokens}x{hidden} {dtype} ({route})"
+            normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
+            _check(normed, summed, x, residual, weight, what)
+            xi, ri = x.clone(), residual.clone()
+            comm.all_reduce_add_rms_norm(xi, ri, weight, EPS, in_place=True)
+            assert torch.equal(xi.view(torch.int16), normed.view(torch.int16)), f"in place normed {what}"
+            assert torch.equal(ri.view(torch.int16), summed.view(torch.int16)), f"in place residual {what}"
+    # tokens 4096 of hidden 4096: over the packet cap, the unfused path
+    x = torch.randn(4096, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    residual, weight = _shared((4096, 4096), torch.bfloat16, 7)
+    assert comm.route_all_reduce_add_rms_norm(x, weight) == "unfused"
+    normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
+    ref_normed, ref_summed = reference_add_rms_norm(_gathered(x), residual, weight, EPS)
+    assert int(ulp_distance(summed, ref_summed).max()) <= 1 and int(ulp_distance(normed, ref_normed).max()) <= 1
+    stats = comm.stats()
+    assert stats[("all_reduce_add_rms_norm", "fused")]["calls"] > 20, stats
+    comm.close()
+
+
+def body_nan_inf(rank, world):
+    comm = _comm()
+    x = torch.ones(4, 4096, device="cuda", dtype=torch.bfloat16)
+    residual, weight = _shared((4, 4096), torch.bfloat16, 3)
+    if rank == world - 1:
+        x[1, 7] = float("nan")
+        x[2, 9] = float("inf")
+    normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
+    ref_normed, ref_summed = reference_add_rms_norm(_gathered(x), residual, weight, EPS)
+    for got, ref, name in ((normed, ref_normed, "normed"), (summed, ref_summed, "residual_out")):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"NaN positions of {name}"
+        assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"inf positions of {name}"
+    assert torch.isnan(normed[1]).all()  # the row's mean of squares is NaN
+    assert torch.isnan(normed[2, 9]) and (normed[2, :9] == 0).all()  # inf: the scale is 0, inf * 0 NaN
+    assert not torch.isnan(normed[0]).any() and not torch.isnan(normed[3]).any()
+    comm.close()
+
+
+def body_graph_and_skew(rank, world):
+    comm = _comm()
+    gen = torch.Generator(device="cuda").manual_seed(80 + rank)
+    rng = random.Random(9)
+    shapes = [(1, 4096), (8, 4096), (32, 8192)]
+    static_x = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+    static_res = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+    weights = [_shared(s, torch.bfloat16, 50 + i)[1] for i, s in enumerate(shapes)]
+    delays = [(rng.randrange(world), rng.uniform(0, 60)) for _ in shapes]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        outs = []
+        for x, r, w, (who, us) in zip(static_x, static_res, weights, delays):
+            if who == rank:
+                torch.cuda._sleep(int(us * 1980))
+            outs.append(comm.all_reduce_add_rms_norm(x, r, w, EPS))
+    for replay in range(20):
+        kept = []
+        for i, (x, r) in enumerate(zip(static_x, static_res)):
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype))
+            r.copy_(_shared(x.shape, x.dtype, 100 * replay + i)[0])
+            kept.append((x.clone(), r.clone()))
+        graph.replay()
+        for x, r in zip(static_x, static_res):  # overwritten right after the replay
+            x.fill_(float("nan"))
+            r.fill_(float("nan"))
+        for i, ((x, r), w, (normed, summed)) in enumerate(zip(kept, weights, outs)):
+            _check(normed, summed, x, r, w, f"replay {replay} op {i}")
+    comm.check()
+    assert comm.stats()[("all_reduce_add_rms_norm", "fused")]["calls"] == len(shapes)  # captured once
+    comm.close()
+
+
+@pytest.mark.parametrize("body", [body_shapes, body_nan_inf, body_graph_and_skew], ids=lambda f: f.__name__[5:])
+def test_all_reduce_add_rms_norm(body):
+    harness.run(body, timeout_s=300)

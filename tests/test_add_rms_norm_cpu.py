@@ -1,0 +1,192 @@
+"""all_reduce_add_rms_norm without a GPU: the unfused path (all-reduce in
+fp32 through the dispatcher, then torch) on gloo ranks against the fp32
+reference, the in-place variant, the dispatcher-level torch op, errors, the
+route to the fused kernel, the raw op's schema and the fake shapes."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tpcomm
+from tpcomm import _fake, _lib, policy
+from tpcomm.config import Config
+from tpcomm.reference import reference_add_rms_norm, ulp_distance
+
+from test_communicator_cpu import run_ranks
+
+KiB = 1024
+SHAPES = [(1, 64), (3, 128), (2, 2, 256), (5, 4096)]
+
+
+def _inputs(rank, shape, dtype, seed, world_size):
+    """Random floats on 2 ranks, where a + b is the same in every order; on
+    more ranks multiples of 1/8 below 8, whose sums are exact in fp32 in any
+    order (gloo's order is not the reference's rank order)."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    if world_size == 2:
+        return (torch.randn(shape, generator=g) * (1 + rank)).to(dtype)
+    return (torch.randint(-64, 65, shape, generator=g) / 8).to(dtype)
+
+
+def _shared(shape, dtype, seed):
+    """Residual and weight: the same on every rank, as in tensor parallelism."""
+    g = torch.Generator().manual_seed(7919 * seed)
+    return torch.randn(shape, generator=g).to(dtype), (torch.rand(shape[-1:], generator=g) + 0.5).to(dtype)
+
+
+def _body_unfused_matches_the_reference(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    for seed, (shape, dtype) in enumerate([(s, d) for s in SHAPES for d in (torch.bfloat16, torch.float16,
+                                                                             torch.float32)]):
+        x = _inputs(rank, shape, dtype, seed, world_size)
+        residual, weight = _shared(shape, dtype, seed)
+        assert comm.route_all_reduce_add_rms_norm(x, weight) == "unfused"
+        x_before, residual_before = x.clone(), residual.clone()
+        normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "out of place wrote its inputs"
+        ref_normed, ref_summed = reference_add_rms_norm(
+            [_inputs(r, shape, dtype, seed, world_size) for r in range(world_size)], residual, weight, 1e-5)
+        what = f"{dtype} {shape} on {world_size} ranks"
+        # the sums are the reference's bit for bit (see _inputs), and the norm
+        # is the same fp32 torch expression as the reference's: equal bits
+        assert int(ulp_distance(summed, ref_summed).max()) == 0, f"residual_out {what}"
+        assert int(ulp_distance(normed, ref_normed).max()) == 0, f"normed {what}"
+        # every rank holds the same bits
+        for t, name in ((normed, "normed"), (summed, "residual_out")):
+            gathered = [torch.empty_like(t) for _ in range(world_size)]
+            dist.all_gather(gathered, t)
+            assert all(torch.equal(g, gathered[0]) for g in gathered), f"{name} differs across ranks: {what}"
+        # in place: the same bits, written into x and residual
+        xi, ri = x.clone(), residual.clone()
+        out = comm.all_reduce_add_rms_norm(xi, ri, weight, 1e-5, in_place=True)
+        assert out[0] is xi and out[1] is ri
+        assert torch.equal(xi, normed) and torch.equal(ri, summed), f"in place {what}"
+        # the dispatcher-level op of the group
+        n2, s2 = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, comm.group_name)
+        assert torch.equal(n2, normed) and torch.equal(s2, summed), f"torch op {what}"
+    # a non-contiguous input and residual, in place: written back through the views
+    base = _inputs(rank, (4, 128), torch.bfloat16, 99, world_size)
+    res_base, weight = _shared((4, 128), torch.bfloat16, 99)
+    x, residual = base[:, ::2], res_base[:, ::2]
+    normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight[::2], 1e-6)
+    comm.all_reduce_add_rms_norm(x, residual, weight[::2], 1e-6, in_place=True)
+    assert torch.equal(x, normed) and torch.equal(residual, summed)
+    stats = comm.stats()
+    assert stats[("all_reduce_add_rms_norm", "unfused")]["calls"] == 3 * len(SHAPES) * 3 + 2
+    comm.close()
+
+
+def test_unfused_on_two_ranks():
+    run_ranks(2, _body_unfused_matches_the_reference)
+
+
+def test_unfused_on_three_ranks():
+    run_ranks(3, _body_unfused_matches_the_reference)
+
+
+def _body_errors(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    r, w = torch.zeros_like(x), torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual of the input's shape"):
+        comm.all_reduce_add_rms_norm(x, r[:1], w)
+    with pytest.raises(ValueError, match="weight of its last dimension"):
+        comm.all_reduce_add_rms_norm(x, r, w[:32])
+    with pytest.raises(TypeError, match="residual of its dtype"):
+        comm.all_reduce_add_rms_norm(x, r.float(), w)
+    with pytest.raises(TypeError, match="floating-point input"):
+        comm.all_reduce_add_rms_norm(x.to(torch.int32), r.to(torch.int32), w)
+    with pytest.raises(ValueError, match=r"eps=-1\.0 must be a number in \[0, 1\]"):
+        comm.all_reduce_add_rms_norm(x, r, w, -1.0)
+    with pytest.raises(ValueError, match="residual is on meta"):
+        comm.all_reduce_add_rms_norm(x, r.to("meta"), w)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        comm.all_reduce_add_rms_norm(x, r, [1.0] * 64)
+    # nothing was collective: a later op still matches on every rank
+    assert comm.all_reduce(torch.ones(4))[0].item() == world_size
+    comm.close()
+
+
+def test_errors_name_what_is_wrong():
+    run_ranks(2, _body_errors)
+
+
+# The route is plain Python over shapes and the configuration; checked on a
+# Communicator whose set-up is skipped and that pretends to be enabled.
+def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True):
+    comm = object.__new__(tpcomm.Communicator)
+    comm.config = Config(fused_kernel=fused_kernel)
+    comm.packet_max_bytes = packet_max_bytes
+    comm.handle = 0x1000 if enabled else 0
+    return comm
+
+
+def _meta(shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_route_to_the_fused_kernel():
+    c = _comm()
+    w = _meta((4096,))
+    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "fused"
+    assert c.route_all_reduce_add_rms_norm(_meta((128, 4096)), w) == "fused"        # 1 MiB: the packet cap
+    assert c.route_all_reduce_add_rms_norm(_meta((129, 4096)), w) == "unfused"      # over it
+    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float16), _meta((4096,), torch.float16)) == "fused"
+    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float32), _meta((4096,), torch.float32)) == "unfused"
+    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), _meta((4096,), torch.float32)) == "unfused"  # weight
+    row = _lib.NORM_MAX_ROW_BYTES // 2
+    assert c.route_all_reduce_add_rms_norm(_meta((2, row)), _meta((row,))) == "fused"
+    assert c.route_all_reduce_add_rms_norm(_meta((1, row + 8)), _meta((row + 8,))) == "unfused"  # row too long
+    assert c.route_all_reduce_add_rms_norm(_meta((2, 36)), _meta((36,))) == "unfused"  # 72-byte rows
+    assert c.route_all_reduce_add_rms_norm(_meta((0, 64)), _meta((64,))) == "unfused"
+    assert _comm(fused_kernel=False).route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "unfused"
+    assert _comm(enabled=False).route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "unfused"
+    assert _comm(packet_max_bytes=64 * KiB).route_all_reduce_add_rms_norm(_meta((9, 4096)), w) == "unfused"
+
+
+def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
+    assert Config().fused_kernel is False
+    monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "1")
+    cfg = Config.from_env()
+    assert cfg.fused_kernel is True and cfg.describe()["fused_kernel"] == "True"
+    monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="TPCOMM_FUSED_KERNEL='maybe'"):
+        Config.from_env()
+
+
+def test_raw_op_schema_and_fake():
+    tpcomm.load()
+    schema = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_out.default._schema
+    assert str(schema) == ("tpcomm::custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
+                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()")
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["normed", "residual_out"]
+    h = 0x7F00_0000_0000 + 0x77
+    _fake.WORLD_SIZES[h] = 2
+    try:
+        with FakeTensorMode():
+            x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
+            out = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_out(
+                x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
+                torch.empty_like(x), torch.empty_like(x), h)
+            assert out is None
+    finally:
+        _fake.WORLD_SIZES.pop(h, None)
+
+
+def test_dispatcher_op_schema_and_fake_shapes():
+    schema = torch.ops.tpcomm.all_reduce_add_rms_norm.default._schema
+    assert str(schema) == ("tpcomm::all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, "
+                           "str group_name) -> (Tensor, Tensor)")
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 512, device="cuda", dtype=torch.float16)
+        normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(
+            x, torch.empty_like(x), torch.empty(512, device="cuda", dtype=torch.float16), 1e-6, "any group")
+        for t in (normed, summed):
+            assert tuple(t.shape) == (2, 3, 512) and t.dtype == torch.float16 and t.device.type == "cuda"
+
+
+def test_policy_does_not_route_the_fused_op():
+    """The fused op has its own route (shape and configuration), not a band
+    of the routing table: the table's ops stay the three collectives."""
+    assert "all_reduce_add_rms_norm" not in policy.OPS
