@@ -190,3 +190,109 @@ def test_policy_does_not_route_the_fused_op():
     """The fused op has its own route (shape and configuration), not a band
     of the routing table: the table's ops stay the three collectives."""
     assert "all_reduce_add_rms_norm" not in policy.OPS
+
+
+class _Layer(torch.nn.Module):
+    """A row-parallel output followed by the fused add + norm, as a compiled
+    model holds it: through the group-name op."""
+
+    def __init__(self, group_name, weight):
+        super().__init__()
+        self.group_name, self.weight = group_name, weight
+
+    def forward(self, x, residual):
+        return torch.ops.tpcomm.all_reduce_add_rms_norm(x * 2.0, residual, self.weight, 1e-5, self.group_name)
+
+
+def _body_compiled(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    x = _inputs(rank, (3, 64), torch.float32, 11, world_size)
+    residual, weight = _shared((3, 64), torch.float32, 11)
+    layer = _Layer(comm.group_name, weight)
+    eager = layer(x, residual)
+    for kwargs in ({"backend": "aot_eager", "fullgraph": True}, {"fullgraph": True}):
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, **kwargs)
+        for _ in range(2):
+            got = compiled(x, residual)
+            assert all(torch.equal(g, e) for g, e in zip(got, eager)), f"compiled {kwargs}"
+    comm.close()
+
+
+def test_compiled_layer_matches_eager():
+    run_ranks(2, _body_compiled, timeout=600)
+
+
+# ------------------------------------------------------ the compile pass
+
+class _UnfusedLayer(torch.nn.Module):
+    """What a model writes: all-reduce, residual add, RMSNorm (and z kept)."""
+
+    def __init__(self, group_name, weight, order="residual first"):
+        super().__init__()
+        self.group_name, self.weight, self.order = group_name, weight, order
+
+    def forward(self, y, residual):
+        reduced = torch.ops.tpcomm.all_reduce(y, self.group_name)
+        z = residual + reduced if self.order == "residual first" else reduced + residual
+        h = torch.nn.functional.rms_norm(z, (y.shape[-1],), self.weight, 1e-5)
+        return h * 1.0, z
+
+
+def _capture(model, *args):
+    """The graph Dynamo hands a backend, and the backend's count of rewrites."""
+    seen = {}
+
+    def spy(gm, example_inputs):
+        seen["fused"] = tpcomm.fusion.fuse_all_reduce_add_rms_norm(gm)
+        seen["targets"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=spy, fullgraph=True)(*args)
+    return out, seen
+
+
+def _body_pass(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    y = _inputs(rank, (3, 64), torch.float32, 21, world_size)
+    residual, weight = _shared((3, 64), torch.float32, 21)
+    for order in ("residual first", "all_reduce first"):
+        model = _UnfusedLayer(comm.group_name, weight, order)
+        eager = model(y, residual)
+        (h, z), seen = _capture(model, y, residual)
+        assert seen["fused"] == 1, order
+        assert torch.ops.tpcomm.all_reduce_add_rms_norm.default in seen["targets"]
+        assert torch.ops.tpcomm.all_reduce not in seen["targets"]
+        assert torch.equal(z, eager[1]), f"z {order}"  # the same fp32 sum, in another spelling
+        torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)  # F.rms_norm vs the op's fp32 norm
+    # not fused: the all-reduce's result used elsewhere, no weight, another dtype
+    class KeepsSum(_UnfusedLayer):
+        def forward(self, y, residual):
+            reduced = torch.ops.tpcomm.all_reduce(y, self.group_name)
+            z = residual + reduced
+            return torch.nn.functional.rms_norm(z, (y.shape[-1],), self.weight, 1e-5), reduced
+
+    class NoWeight(_UnfusedLayer):
+        def forward(self, y, residual):
+            z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+            return torch.nn.functional.rms_norm(z, (y.shape[-1],), None, 1e-5)
+
+    for model, args in ((KeepsSum(comm.group_name, weight), (y, residual)),
+                        (NoWeight(comm.group_name, weight), (y, residual)),
+                        (_UnfusedLayer(comm.group_name, weight), (y, residual.double()))):
+        _, seen = _capture(model, *args)
+        assert seen["fused"] == 0, type(model).__name__
+    # the backend itself, with inductor after the pass
+    torch._dynamo.reset()
+    model = _UnfusedLayer(comm.group_name, weight)
+    h, z = torch.compile(model, backend=tpcomm.fusion.backend(), fullgraph=True)(y, residual)
+    eager = model(y, residual)
+    assert torch.equal(z, eager[1])
+    torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)
+    assert comm.stats()[("all_reduce_add_rms_norm", "unfused")]["calls"] >= 3
+    comm.close()
+
+
+def test_compile_pass_fuses_all_reduce_add_rms_norm():
+    run_ranks(2, _body_pass, timeout=600)

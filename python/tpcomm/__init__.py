@@ -22,7 +22,7 @@ from ._log import log_once as _log_once
 from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
-from . import policy
+from . import fusion, policy
 
 # The ops exist as soon as tpcomm is imported (a model can name
 # torch.ops.tpcomm.* before any Communicator). A missing or broken build is
@@ -35,5 +35,5 @@ except ImportError as _e:
                                 "Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "load", "policy"]
+           "fusion", "load", "policy"]
 __version__ = "0.1.0"
