@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device-machine call: build, GPU test suite, benchmark. What comes back
-# (at most 8 files) lands under $OUT: gpu_tests.log, the benchmark's JSON, its
-# table (.txt) and its plots packed in one plots.tar (untar them beside the
-# JSON). The build log stays in /tmp and is shown on failure.
-# Usage (on the device machine, repo root): bash scripts/device_run.sh [tests|bench|tune|all] [pytest args...]
+# One device-machine call: build, GPU test suite, benchmark, decode example,
+# host cost. What comes back (at most 8 files) lands under $OUT:
+# gpu_tests.log, the benchmark's JSON, its table (.txt) and its plots packed in
+# one plots.tar (untar them beside the JSON), tp_decode_<gpu>.json and
+# host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
+# Usage (on the device machine, repo root):
+#   bash scripts/device_run.sh [tests|bench|tune|decode|host|all] [pytest args...]
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
@@ -28,4 +30,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   cp "$bench/h200x2.json" "$OUT/" 2>/dev/null
   (cd "$bench" && tar -cf "$OUT/plots.tar" *.png) 2>/dev/null
   echo "bench done: $(( $(date +%s) - start )) s"
+fi
+gpus=h200x$(nvidia-smi -L | wc -l)
+if [ "$what" = decode ] || [ "$what" = all ]; then
+  # tpcomm_fused: the fused all-reduce + add + RMSNorm kernel beside the rest
+  timeout 200 python3 examples/tp_decode.py --backends none,nccl,tpcomm,tpcomm_fused \
+    --out "$OUT/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
+  echo "decode done: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = host ] || [ "$what" = all ]; then
+  timeout 90 python3 benchmarks/host_cost.py --out "$OUT/host_cost_$gpus.json" 2>&1 | tail -12
 fi
