@@ -62,6 +62,17 @@ def paths(comm, x):
         args = (comm._comm, x.data_ptr(), y.data_ptr(), x.numel() * 2, 2, algo,  # 2: TPC_BFLOAT16
                 torch.cuda.current_stream().cuda_stream)
         out["  C core alone (tpc_all_reduce through ctypes)"] = lambda: c_all_reduce(*args)
+        # A candidate eager path without the torch dispatcher: allocate in
+        # Python, call the C core with the current stream (what the
+        # Communicator could do outside torch.compile).
+        device_index, nbytes = x.get_device(), x.numel() * x.element_size()
+
+        def ctypes_path():
+            y2 = torch.empty_like(x)
+            c_all_reduce(comm._comm, x.data_ptr(), y2.data_ptr(), nbytes, 2, algo,
+                         torch._C._cuda_getCurrentRawStream(device_index))
+            return y2
+        out["  candidate: empty_like + the C core through ctypes"] = ctypes_path
     z = torch.zeros_like(x)
     out["reference: z.add_(1.0), one native torch kernel"] = lambda: z.add_(1.0)
     out["reference: torch.empty_like(x)"] = lambda: torch.empty_like(x)
