@@ -239,6 +239,20 @@ class _UnfusedLayer(torch.nn.Module):
         return h * 1.0, z
 
 
+class _LlamaStyleLayer(torch.nn.Module):
+    """The same with the norm written out, as Hugging Face's LlamaRMSNorm does."""
+
+    def __init__(self, group_name, weight):
+        super().__init__()
+        self.group_name, self.weight = group_name, weight
+
+    def forward(self, y, residual):
+        z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+        h = z.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return self.weight * h.to(z.dtype), z
+
+
 def _capture(model, *args):
     """The graph Dynamo hands a backend, and the backend's count of rewrites."""
     seen = {}
@@ -266,6 +280,13 @@ def _body_pass(rank, world_size):
         assert torch.ops.tpcomm.all_reduce not in seen["targets"]
         assert torch.equal(z, eager[1]), f"z {order}"  # the same fp32 sum, in another spelling
         torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)  # F.rms_norm vs the op's fp32 norm
+    model = _LlamaStyleLayer(comm.group_name, weight)
+    eager = model(y, residual)
+    (h, z), seen = _capture(model, y, residual)
+    assert seen["fused"] == 1 and torch.ops.tpcomm.all_reduce_add_rms_norm.default in seen["targets"]
+    assert not any(t in seen["targets"] for t in (torch.rsqrt, torch.ops.tpcomm.all_reduce)), seen["targets"]
+    assert torch.equal(z, eager[1])
+    torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)
     # not fused: the all-reduce's result used elsewhere, no weight, another dtype
     class KeepsSum(_UnfusedLayer):
         def forward(self, y, residual):
@@ -278,7 +299,18 @@ def _body_pass(rank, world_size):
             z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
             return torch.nn.functional.rms_norm(z, (y.shape[-1],), None, 1e-5)
 
-    for model, args in ((KeepsSum(comm.group_name, weight), (y, residual)),
+    class KeepsFloatCopy(_LlamaStyleLayer):  # the norm's fp32 intermediate is returned: not replaceable
+        def forward(self, y, residual):
+            z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+            h = z.to(torch.float32)
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(z.dtype), h
+
+    # bf16, as served: the Llama-style norm's casts are recognised for that dtype too
+    yb, rb, wb = y.to(torch.bfloat16), residual.to(torch.bfloat16), weight.to(torch.bfloat16)
+    _, seen = _capture(_LlamaStyleLayer(comm.group_name, wb), yb, rb)
+    assert seen["fused"] == 1
+    for model, args in ((KeepsFloatCopy(comm.group_name, weight), (y, residual)),
+                        (KeepsSum(comm.group_name, weight), (y, residual)),
                         (NoWeight(comm.group_name, weight), (y, residual)),
                         (_UnfusedLayer(comm.group_name, weight), (y, residual.double()))):
         _, seen = _capture(model, *args)

@@ -8,19 +8,20 @@ In the graph Dynamo captures, every
 
     z = residual + torch.ops.tpcomm.all_reduce(y, group_name)      (either order of the add)
     h = torch.nn.functional.rms_norm(z, (hidden,), weight, eps)      (torch.nn.RMSNorm calls it)
+      or Llama-style model code (Hugging Face's LlamaRMSNorm and its copies):
+    h = weight * (z.to(float32) * torch.rsqrt(z.to(float32).pow(2).mean(-1, keepdim=True) + eps)).to(z.dtype)
 
 becomes h, z = torch.ops.tpcomm.all_reduce_add_rms_norm(y, residual, weight,
 eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
 residual of one shape and dtype, weight of that dtype and of the last
 dimension's length, an explicit weight and eps, and the all-reduce used only
 by the add (its result is not kept). Other users of z take the fused op's z.
-What does not match is left as it is. The fused op computes in fp32 from the
-sum to the norm and rounds once, where the unfused model rounds z first: the
-normed values can differ from the model's in the last bit.
-
-Hand-written norms (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-are not matched: they have many spellings; write them with F.rms_norm or
-call Communicator.all_reduce_add_rms_norm.
+What does not match is left as it is (other spellings of a norm included:
+write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+The fused op computes in fp32 from the sum to the norm and rounds once, where
+the unfused model rounds z first (and the Llama-style norm rounds again
+before the weight): the normed values can differ from the model's in the
+last bit or two.
 """
 import operator
 
@@ -48,8 +49,71 @@ def _norm_args(norm):
     return tuple(values[n] for n in names)
 
 
+def _functional_norm(z, hidden):
+    """z's F.rms_norm(z, (hidden,), weight, eps) user: (weight, eps, the
+    node to replace, the nodes to erase), or None."""
+    for norm in z.users:
+        if norm.op != "call_function" or norm.target not in _RMS_NORM:
+            continue
+        args = _norm_args(norm)
+        if args is None:
+            continue
+        source, shape, weight, eps = args
+        if source is z and isinstance(weight, torch.fx.Node) and isinstance(eps, float) and tuple(shape) == (hidden,):
+            return weight, eps, norm, [norm]
+    return None
+
+
+def _is_method(node, name, *args, **kwargs):
+    return (node.op == "call_method" and node.target == name and tuple(node.args[1:]) == args
+            and dict(node.kwargs) == kwargs)
+
+
+def _is_call(node, targets):
+    return node.op == "call_function" and node.target in targets
+
+
+def _only_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _written_norm(z, dtype):
+    """The norm of Llama-style model code (Hugging Face's LlamaRMSNorm and its
+    copies) on z: h = z.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True)
+    + eps), back to z's dtype, times weight. (weight, eps, the node to
+    replace, the nodes to erase), or None."""
+    for up in z.users:
+        if not (_is_method(up, "to", torch.float32) or _is_method(up, "float")) or len(up.users) != 2:
+            continue
+        square = next((u for u in up.users if _is_method(u, "pow", 2)), None)
+        scaled = next((u for u in up.users if _is_call(u, (operator.mul, torch.mul))), None)
+        mean = square and _only_user(square)
+        if scaled is None or mean is None or not (_is_method(mean, "mean", -1, keepdim=True)
+                                                  or _is_method(mean, "mean", -1, True)):
+            continue
+        plus = _only_user(mean)
+        if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
+                or not isinstance(plus.args[1], float) or plus.kwargs:
+            continue
+        root = _only_user(plus)
+        if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
+                or set(scaled.args) != {up, root} or scaled.kwargs:
+            continue
+        down = _only_user(scaled)
+        if down is None or not _is_method(down, "to", dtype):
+            continue
+        out = _only_user(down)
+        if out is None or not _is_call(out, (operator.mul, torch.mul)) or down not in out.args or out.kwargs:
+            continue
+        weight = out.args[1] if out.args[0] is down else out.args[0]
+        if isinstance(weight, torch.fx.Node):
+            return weight, plus.args[1], out, [out, down, scaled, root, plus, mean, square, up]
+    return None
+
+
 def _match(ar, order):
-    """The nodes of one all_reduce -> add -> rms_norm, or None."""
+    """One all_reduce -> add -> norm: (y, residual, weight, eps, group, add,
+    the node the normed output replaces, the nodes to erase), or None."""
     if len(ar.users) != 1:
         return None
     (add,) = ar.users
@@ -58,27 +122,22 @@ def _match(ar, order):
     residual = add.args[1] if add.args[0] is ar else add.args[0]
     if residual is ar or not isinstance(residual, torch.fx.Node):
         return None
-    for norm in add.users:
-        if norm.op != "call_function" or norm.target not in _RMS_NORM:
-            continue
-        args = _norm_args(norm)
-        if args is None:
-            continue
-        z, shape, weight, eps = args
-        if z is not add or not isinstance(weight, torch.fx.Node) or not isinstance(eps, float):
-            continue
-        if order[weight] > order[add]:  # the fused op goes where the add is: its inputs must exist there
-            continue
-        y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
-        group = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("group_name")
-        ty, tr, tw = _example(y), _example(residual), _example(weight)
-        if ty is None or tr is None or tw is None or not isinstance(group, str):
-            continue
-        if (ty.shape != tr.shape or ty.dtype != tr.dtype or tw.dtype != ty.dtype or ty.dim() < 1
-                or tuple(tw.shape) != (ty.shape[-1],) or tuple(shape) != (ty.shape[-1],)):
-            continue
-        return y, residual, weight, eps, group, add, norm
-    return None
+    y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
+    group = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("group_name")
+    ty, tr = _example(y), _example(residual)
+    if ty is None or tr is None or not isinstance(group, str) or ty.dim() < 1 \
+            or ty.shape != tr.shape or ty.dtype != tr.dtype:
+        return None
+    norm = _functional_norm(add, ty.shape[-1]) or _written_norm(add, ty.dtype)
+    if norm is None:
+        return None
+    weight, eps, out, erased = norm
+    tw = _example(weight)
+    if tw is None or tw.dtype != ty.dtype or tuple(tw.shape) != (ty.shape[-1],):
+        return None
+    if order[weight] > order[add]:  # the fused op goes where the add is: its inputs must exist there
+        return None
+    return y, residual, weight, eps, group, add, out, erased
 
 
 def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
@@ -93,20 +152,21 @@ def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
         found = _match(ar, order)
         if found is None:
             continue
-        y, residual, weight, eps, group, add, norm = found
+        y, residual, weight, eps, group, add, out, erased = found
         with graph.inserting_after(add):
             call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
                                        (y, residual, weight, eps, group))
         with graph.inserting_after(call):
             normed = graph.call_function(operator.getitem, (call, 0))
         with graph.inserting_after(normed):
-            summed = graph.call_function(operator.getitem, (normed.args[0], 1))
-        for node, example in ((normed, norm), (summed, add)):
+            summed = graph.call_function(operator.getitem, (call, 1))
+        for node, example in ((normed, out), (summed, add)):
             if "example_value" in example.meta:
                 node.meta["example_value"] = example.meta["example_value"]
-        norm.replace_all_uses_with(normed)
+        out.replace_all_uses_with(normed)
+        for node in erased:  # users first: each is unused once the ones after it are gone
+            graph.erase_node(node)
         add.replace_all_uses_with(summed)
-        graph.erase_node(norm)
         graph.erase_node(add)
         graph.erase_node(ar)
         fused += 1
