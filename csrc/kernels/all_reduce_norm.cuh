@@ -33,15 +33,6 @@ static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_N
               "the kernel's row capacity is what tpcomm.h announces");
 #endif
 
-/* Refused: both outputs are NaN (tpc_op_refuse fills out), nothing else touched. */
-TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
-  tpc_op_refuse(a, refused, epoch);
-  const uint64_t words = a->nbytes / 4;
-  uint32_t *out2 = (uint32_t *)a->out2;
-  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < words; w += (uint64_t)gridDim.x * blockDim.x)
-    out2[w] = tpc_poison_word(a, w);
-}
-
 /* The sum of v over the block, the same bits in every thread; every thread
  * of the block calls it. Also a barrier: returns in *broken whether any
  * thread of the block has failed. */
@@ -55,6 +46,14 @@ TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken) {
   for (unsigned w = 0; w < warps; ++w) sum += partial[w];
   __syncthreads(); /* partial is reused by the next row */
   return sum;
+}
+
+/* Refused: both outputs are NaN (tpc_op_refuse fills out), nothing else
+ * touched. Kept apart from tpc_op_refuse so the other kernels' cold path
+ * stays as it was measured. */
+TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
+  tpc_op_refuse(a, refused, epoch);
+  tpc_poison_fill(a, a->out2, a->nbytes);
 }
 
 __global__ void tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
@@ -89,15 +88,7 @@ __global__ void tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) z[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
-      for (int q = 0; q < a.world; ++q) {
-        const uint2 v = q == a.rank ? in[base + u]
-                                    : tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, q) +
-                                                               (base + u) * TPC_PACKET_BYTES,
-                                                      q, folded && base + u == 0);
-        const uint32_t words[2] = {v.x, v.y};
-        if (q == 0) tpc_start(z[k], words, 2, a.dtype);
-        else tpc_accumulate(z[k], words, 2, a.dtype);
-      }
+      tpc_accumulate_packet(&op, &a, in[base + u], base + u, folded, z[k]);
       const uint2 r = residual[base + u];
       const uint32_t words[2] = {r.x, r.y};
       tpc_accumulate(z[k], words, 2, a.dtype);

@@ -220,18 +220,21 @@ TPC_DEVICE void tpc_record_peer_stop(tpc_op *op, uint32_t stop) {
  * own timeout, a mismatch, a peer's stop word or abort() seen while waiting). */
 TPC_DEVICE int tpc_op_broken(const tpc_op *op) { return op->failed; }
 
+/* NaN over the first `bytes` of out, written by every thread of the grid. */
+TPC_DEVICE void tpc_poison_fill(const tpc_kernel_args *a, void *out, uint64_t bytes) {
+  uint32_t *words = (uint32_t *)out;
+  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < bytes / 4;
+       w += (uint64_t)gridDim.x * blockDim.x)
+    words[w] = tpc_poison_word(a, w);
+}
+
 /* The op was refused at its start (`refused`: the reason): record why (a
  * closed communicator's first refused op), fill a floating-point output with
  * NaN and touch nothing else. Every thread of the grid takes part. */
 TPC_COLD void tpc_op_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
   if (refused == TPC_ERR_CLOSED && blockIdx.x == 0 && threadIdx.x == 0)
     tpc_record_cold(a, epoch, TPC_ERR_CLOSED, -1, 0, 0, 0, 0);
-  if (!a->poison_out) return;
-  const uint64_t words = a->out_bytes / 4;
-  uint32_t *out = (uint32_t *)a->out;
-  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < words;
-       w += (uint64_t)gridDim.x * blockDim.x)
-    out[w] = tpc_poison_word(a, w);
+  if (a->poison_out) tpc_poison_fill(a, a->out, a->out_bytes);
 }
 
 /* The one bound on waiting for a peer: called from every polling loop. Checks

@@ -9,10 +9,11 @@
 #include "data_ops.cuh"
 #include "primitives.cuh"
 
-/* Packet unit u (8 data bytes): the peers' packets for this epoch, waited
- * for; with folded headers unit 0 also checks them (tpc_packet_wait). */
-TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded) {
-  float acc[4];
+/* Packet unit u (8 data bytes), 4 fp32 values in acc, not rounded: the
+ * peers' packets for this epoch, waited for; with folded headers unit 0 also
+ * checks them (tpc_packet_wait). */
+TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
+                                      float acc[4]) {
   for (int q = 0; q < a->world; ++q) {
     const uint2 v = q == a->rank ? own
                                  : tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
@@ -20,6 +21,12 @@ TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own,
     if (q == 0) tpc_start(acc, words, 2, a->dtype);
     else tpc_accumulate(acc, words, 2, a->dtype);
   }
+}
+
+/* The same, rounded once to the dtype. */
+TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded) {
+  float acc[4];
+  tpc_accumulate_packet(op, a, own, u, folded, acc);
   uint32_t sum[2];
   tpc_round(acc, sum, 2, a->dtype);
   return make_uint2(sum[0], sum[1]);
