@@ -155,15 +155,12 @@ def collectives(backend, comm):
             return out.view((world,) + tuple(t.shape)).movedim(0, -2).reshape(t.shape[:-1] + (-1,))
         return all_reduce, all_gather, unfused_add_norm(all_reduce)
 
-    def all_reduce(t):
-        return comm.all_reduce(t)
-
     if backend == "tpcomm_fused":  # the add and the norm inside the all-reduce: one launch
         def add_norm(y, x, weight):
             return comm.all_reduce_add_rms_norm(y, x, weight, EPS)
     else:
-        add_norm = unfused_add_norm(all_reduce)
-    return all_reduce, lambda t: comm.all_gather(t, dim=-1), add_norm
+        add_norm = unfused_add_norm(comm.all_reduce)
+    return comm.all_reduce, lambda t: comm.all_gather(t, dim=-1), add_norm
 
 
 # ---------------------------------------------------------------- one rank
@@ -226,14 +223,15 @@ def rank_main(rank, world, port, args, backends, result_path):
         if "nccl" in outs or "nccl_nomix" in outs:
             ref = outs.get("nccl") or outs.get("nccl_nomix")
             as_bits = torch.int32 if dtype == torch.float32 else torch.int16
-            if "tpcomm" in outs:
-                entry["tokens_agree"] = bool(torch.equal(outs["tpcomm"][1], ref[1]))
-                entry["logits_bit_equal"] = bool(torch.equal(outs["tpcomm"][0].view(as_bits), ref[0].view(as_bits)))
-                entry["logits_max_abs_diff"] = float((outs["tpcomm"][0].float() - ref[0].float()).abs().max())
-            if "tpcomm_fused" in outs:  # fp32 between the sum and the norm: not NCCL's bits, nearly its tokens
-                entry["fused_tokens_agree"] = bool(torch.equal(outs["tpcomm_fused"][1], ref[1]))
-                entry["fused_logits_max_abs_diff"] = float(
-                    (outs["tpcomm_fused"][0].float() - ref[0].float()).abs().max())
+            # tpcomm_fused keeps fp32 between the sum and the norm: not NCCL's bits, nearly its tokens
+            for name, key in (("tpcomm", ""), ("tpcomm_fused", "fused_")):
+                if name not in outs:
+                    continue
+                logits, tokens = outs[name]
+                entry[key + "tokens_agree"] = bool(torch.equal(tokens, ref[1]))
+                entry[key + "logits_max_abs_diff"] = float((logits.float() - ref[0].float()).abs().max())
+                if name == "tpcomm":
+                    entry["logits_bit_equal"] = bool(torch.equal(logits.view(as_bits), ref[0].view(as_bits)))
         if not cpu:
             entry["ms_per_step"] = _time_interleaved(graphs, backends, args.rounds, args.replays)
             say(f"batch {batch}: ms per step {entry['ms_per_step']}")
