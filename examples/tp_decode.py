@@ -191,10 +191,8 @@ def rank_main(rank, world, port, args, backends, result_path):
     say("weights and KV cache built")
     comm = None
     if any(b.startswith("tpcomm") for b in backends):
-        # tpcomm_fused asks for the fused kernel (Config.fused_kernel); the
-        # other tpcomm backend never calls the fused op, so one Communicator serves both
-        comm = tpcomm.Communicator(device=device, config=tpcomm.Config.from_env().replace(
-            fused_kernel=True if "tpcomm_fused" in backends else None))
+        # the tpcomm backend never calls the fused op, so one Communicator serves both
+        comm = tpcomm.Communicator(device=device)
     if comm is not None and not cpu and not comm.enabled:
         raise RuntimeError(f"tpcomm's custom path is off: {comm.disabled_reason}")
     results = {}

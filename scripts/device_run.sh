@@ -6,6 +6,9 @@
 # host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
 # Usage (on the device machine, repo root):
 #   bash scripts/device_run.sh [tests|bench|tune|decode|host|all] [pytest args...]
+#   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
+#     the GPU suite with every rank on GPU 0 (tests/gpu/harness.py: kernel
+#     results at that world size on any machine; one log per world size)
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
@@ -20,6 +23,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "TIMING|passed|failed|Error|error|assert|FAIL|SKIP|^E " | tail -80
   echo "tests done: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = shared ]; then
+  world=${TPCOMM_TEST_WORLD:-2}
+  CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
+    timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs tests/gpu "$@" 2>&1 \
+    | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
+  echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = tune ]; then
   timeout 330 python3 -m tpcomm.tune --out "$OUT/tpcomm_table_h200x$(nvidia-smi -L | wc -l).json" 2>&1 | tail -40

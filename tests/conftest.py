@@ -7,7 +7,8 @@
   spawns: these defaults are set in os.environ at import, which children
   inherit.
 * Tests marked `gpu` (tests/gpu/ holds them; everything collected there is
-  marked automatically) are skipped where fewer than 2 CUDA GPUs are visible.
+  marked automatically) are skipped where fewer than 2 CUDA GPUs are visible,
+  unless TPCOMM_SHARE_GPU=1 puts every rank on the one GPU (tests/gpu/harness.py).
 """
 import os
 import sys
@@ -19,11 +20,11 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
-from tpcomm.topology import force_multicast_off  # noqa: E402 - needs the path above
+from tpcomm.topology import env_flag, force_multicast_off  # noqa: E402 - needs the path above
 
 force_multicast_off()  # forced, never merely defaulted; spawned children inherit it
 
-GPU_SKIP_REASON = "needs 2 CUDA GPUs (run on the device machine: see README)"
+GPU_SKIP_REASON = "needs 2 CUDA GPUs, or 1 with TPCOMM_SHARE_GPU=1 (run on the device machine: see README)"
 GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep
 
 
@@ -47,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("gpu") is not None:
             gpu_items.append(item)
-    if gpu_items and cuda_device_count() < 2:
+    if gpu_items and cuda_device_count() < (1 if env_flag("TPCOMM_SHARE_GPU") else 2):
         skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
         for item in gpu_items:
             item.add_marker(skip)

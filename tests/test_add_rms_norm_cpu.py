@@ -145,10 +145,10 @@ def test_route_to_the_fused_kernel():
 
 
 def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
-    assert Config().fused_kernel is False
-    monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "1")
+    assert Config().fused_kernel is True  # on by default since it ran on 2xH200
+    monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "0")
     cfg = Config.from_env()
-    assert cfg.fused_kernel is True and cfg.describe()["fused_kernel"] == "True"
+    assert cfg.fused_kernel is False and cfg.describe()["fused_kernel"] == "False"
     monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "maybe")
     with pytest.raises(ValueError, match="TPCOMM_FUSED_KERNEL='maybe'"):
         Config.from_env()

@@ -499,14 +499,20 @@ def test_dispatcher_is_checked_against_the_fastest_backend():
     rows = [row("nccl", 64, 3.0), row("tpcomm_packet", 64, 2.0), row("tpcomm", 64, 2.08, route="packet"),
             row("symm_two_shot", 4 * MiB, 20.0), row("tpcomm", 4 * MiB, 25.0, route="bulk"),
             row("nccl", 64 * MiB, 250.0),
-            row("tpcomm_packet", 256, 2.0), row("tpcomm", 256, 1.0, correct=False)]  # a wrong row never counts
+            row("tpcomm_packet", 256, 2.0), row("tpcomm", 256, 1.0, correct=False),  # a wrong row never counts
+            row("tpcomm_packet", 1024, 2.0), row("tpcomm", 1024, 2.2, route="packet"),  # its own kernel, timed again
+            row("tpcomm_bulk", 2048, 2.0), row("tpcomm", 2048, 2.2, route="packet")]  # another kernel: slower
     checked = report.dispatcher_vs_fastest(rows)
     assert [(c[2], c[5], c[7]) for c in checked] == [(64, "tpcomm_packet", pytest.approx(1.04)),
                                                    (256, "tpcomm_packet", None),
+                                                   (1024, "tpcomm_packet", pytest.approx(1.1)),
+                                                   (2048, "tpcomm_bulk", pytest.approx(1.1)),
                                                    (4 * MiB, "symm_two_shot", pytest.approx(1.25)),
                                                    (64 * MiB, "nccl", None)]
     text = report.format_dispatcher_check(rows)
-    assert text.startswith("dispatcher within 5 % of the fastest backend, all_reduce graph: 1 of 4 dtype x size rows")
-    assert "bf16 4 MiB 25.00 us (bulk) vs symm_two_shot 20.00 (1.25x)" in text
+    assert text.startswith("dispatcher within 5 % of the fastest backend, all_reduce graph: 1 of 6 dtype x size rows; "
+                           "1 more routed to the fastest backend's own kernel (one kernel timed twice: bf16 1 KiB 1.10x)")
+    assert ("slower: bf16 2 KiB 2.20 us (packet) vs tpcomm_bulk 2.00 (1.10x), "
+            "bf16 4 MiB 25.00 us (bulk) vs symm_two_shot 20.00 (1.25x)") in text
     assert "no dispatcher row: bf16 256 B, bf16 64 MiB" in text
     assert text in report.format_summary({"rows": rows})

@@ -153,10 +153,30 @@ def _body_nvlink(rank, world_size):
     comm = _GpuLike(device="cpu")
     assert comm.disabled_reason == "two ranks share one GPU", comm.disabled_reason
     comm.close()
+    # Config.share_gpu (one-GPU kernel tests) lets the shared GPU through to the
+    # custom path, and the NVLink check is not asked about a GPU and itself.
+    topology.nvlink_between_all = lambda uuids: pytest.fail(f"NVLink asked about {uuids}")
+    comm = _SharedGpu(device="cpu", config=Config(share_gpu=True))
+    assert comm.disabled_reason == "custom path reached", comm.disabled_reason
+    comm.close()
+
+
+class _SharedGpu(_GpuLike):
+    def _open_custom(self):
+        return "custom path reached"
 
 
 def test_gpus_without_nvlink_or_shared_go_to_nccl():
     run_ranks(3, _body_nvlink)
+
+
+def test_share_gpu_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TPCOMM_SHARE_GPU", "1")
+    assert Config.from_env().share_gpu is True
+    assert Config.from_env().describe()["share_gpu"] == "True"
+    monkeypatch.setenv("TPCOMM_SHARE_GPU", "maybe")
+    with pytest.raises(ValueError, match="TPCOMM_SHARE_GPU"):
+        Config.from_env()
 
 
 def _body_stats(rank, world_size):

@@ -56,7 +56,12 @@ TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32
   tpc_poison_fill(a, a->out2, a->nbytes);
 }
 
-__global__ void tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+/* The launch bound caps registers so that a full block (17 warps) fits: the
+ * register file is split over 4 schedulers, so 98 registers a thread, what
+ * the compiler picks unbounded, allow only 16 warps (launch error 701;
+ * tests/test_kernel_resources.py checks every kernel against its block). */
+__global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
+    tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_norm_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);

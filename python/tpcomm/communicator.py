@@ -166,10 +166,11 @@ class Communicator:
         if n_nodes > 1:
             return f"the group spans {n_nodes} nodes; the custom kernels are intra-node"
         uuids = [f["gpu_uuid"] for f in facts]
-        if None not in uuids and len(set(uuids)) < len(uuids):
+        if None not in uuids and len(set(uuids)) < len(uuids) and not self.config.share_gpu:
             return "two ranks share one GPU"
-        if self.world_size > 2 and None not in uuids:
-            nvlink = topology.nvlink_between_all(uuids)
+        distinct = sorted(set(uuids)) if None not in uuids else []
+        if self.world_size > 2 and len(distinct) > 1:
+            nvlink = topology.nvlink_between_all(distinct)
             if nvlink is False:
                 return f"{self.world_size} GPUs without NVLink between every pair"
             if nvlink is None:

@@ -11,6 +11,10 @@ the TPCOMM_* variables; every bad value raises ValueError naming it.
     TPCOMM_FORBID=bulk,...              backends never used (their sizes go to NCCL)
     TPCOMM_AITER=0                      AMD AITER's all-reduce off (on by default where it
                                         imports: ROCm only)
+    TPCOMM_FUSED_KERNEL=0               all_reduce_add_rms_norm never on the fused kernel
+    TPCOMM_SHARE_GPU=1                  for testing kernels on a one-GPU machine: ranks that
+                                        share a GPU keep the custom path (their kernels
+                                        time-slice, so an op takes milliseconds; never for serving)
 """
 import dataclasses
 import os
@@ -31,7 +35,8 @@ class Config:
     forbid: tuple = ()         # (backend, ...)
     disable: bool = False
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
-    fused_kernel: bool = False  # all_reduce_add_rms_norm on the fused kernel (not yet run on a GPU: off)
+    fused_kernel: bool = True  # all_reduce_add_rms_norm on the fused kernel where it takes the call
+    share_gpu: bool = False    # ranks on one GPU keep the custom path: kernel tests on one GPU only
 
     @classmethod
     def from_env(cls):
@@ -54,6 +59,8 @@ class Config:
             fields["aiter"] = topology.env_flag("TPCOMM_AITER")
         if env.get("TPCOMM_FUSED_KERNEL", "").strip():
             fields["fused_kernel"] = topology.env_flag("TPCOMM_FUSED_KERNEL")
+        if env.get("TPCOMM_SHARE_GPU", "").strip():
+            fields["share_gpu"] = topology.env_flag("TPCOMM_SHARE_GPU")
         if env.get("TPCOMM_FORBID", "").strip():
             fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
         try:
@@ -84,7 +91,7 @@ class Config:
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
-                "fused_kernel": str(self.fused_kernel)}
+                "fused_kernel": str(self.fused_kernel), "share_gpu": str(self.share_gpu)}
 
 
 def _parse_force(text, name):

@@ -5,7 +5,14 @@ a child that is still running after `timeout_s` is killed and the test fails.
 By default rank r runs on GPU r over NCCL. `devices` places ranks on GPUs
 (several ranks may share one), `backend="gloo"` keeps NCCL out (for tests
 where a rank dies and NCCL's own teardown would wait for it), and
-`expect_killed` names ranks that are meant to die by a signal."""
+`expect_killed` names ranks that are meant to die by a signal.
+
+With TPCOMM_SHARE_GPU=1 on a one-GPU machine every rank runs on GPU 0 over
+gloo (NCCL refuses two ranks on one GPU) and the Communicator keeps its
+custom path there (Config.share_gpu): the kernels' results can be checked on
+one GPU, their speed cannot (the ranks' kernels time-slice).
+TPCOMM_TEST_WORLD sets how many ranks (2 unless set): 4 and 8 check the
+kernels at those world sizes before a machine with that many GPUs is lent."""
 import os
 import socket
 import time
@@ -45,8 +52,18 @@ def _child(rank, world, port, fn, args, errors, backend, device):
             pass
 
 
+def one_gpu_mode():
+    """Ranks share the only GPU (TPCOMM_SHARE_GPU=1 with one GPU visible)."""
+    from tpcomm.topology import env_flag
+
+    return env_flag("TPCOMM_SHARE_GPU") and torch.cuda.device_count() == 1
+
+
 def run(fn, *args, world=None, timeout_s=150, devices=None, backend="nccl", expect_killed=()):
     force_multicast_off()
+    if one_gpu_mode():
+        world = world or int(os.environ.get("TPCOMM_TEST_WORLD", "2"))
+        devices, backend = [0] * world, "gloo"
     world = world or torch.cuda.device_count()
     devices = list(devices) if devices is not None else list(range(world))
     ctx = mp.get_context("spawn")

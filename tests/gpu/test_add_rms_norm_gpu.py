@@ -24,7 +24,7 @@ EPS = 1e-5
 
 
 def _comm():
-    comm = tpcomm.Communicator(packet_max_bytes=1 * MiB, config=Config(fused_kernel=True))
+    comm = tpcomm.Communicator(packet_max_bytes=1 * MiB, config=Config.from_env().replace(fused_kernel=True))
     assert comm.enabled, comm.disabled_reason
     return comm
 
