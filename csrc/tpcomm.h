@@ -172,6 +172,13 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
 tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
                               tpc_dtype dtype, tpc_algo algo, void *stream);
 
+/* The same sums, written as fp32 and not rounded: out holds chunk_bytes /
+ * (element size) floats, 16-byte aligned. For the bulk path of
+ * all_reduce_add_rms_norm, which adds the residual before it rounds. A failed
+ * op fills out with fp32 NaN. */
+tpc_result tpc_reduce_scatter_f32(tpc_comm *comm, const void *in, float *out, size_t chunk_bytes,
+                                  tpc_dtype dtype, tpc_algo algo, void *stream);
+
 /* Reads the device-side error record (no synchronisation). */
 tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out);
 

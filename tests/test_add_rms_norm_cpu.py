@@ -15,6 +15,7 @@ from tpcomm.reference import reference_add_rms_norm, ulp_distance
 from test_communicator_cpu import run_ranks
 
 KiB = 1024
+MiB = 1024 * KiB
 SHAPES = [(1, 64), (3, 128), (2, 2, 256), (5, 4096)]
 
 
@@ -84,6 +85,50 @@ def test_unfused_on_three_ranks():
     run_ranks(3, _body_unfused_matches_the_reference)
 
 
+class _RankOrderReduceScatter:
+    """Stands in for tpcomm's kernels on gloo: reduce_scatter_f32 as the
+    kernel computes it (every rank's rows summed in fp32 in rank order from
+    -0.0, not rounded), so the "split" route's composition can run on CPUs."""
+
+    def reduce_scatter_f32(self, parts, algo):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        every = [torch.empty_like(parts) for _ in range(world)]
+        dist.all_gather(every, parts.contiguous())
+        sums = torch.full_like(parts, -0.0, dtype=torch.float32)
+        for p in every:
+            sums = sums + p.float()
+        return sums.chunk(world)[rank].contiguous()
+
+
+def _body_split_route(rank, world_size):
+    """The "split" route (reduce-scatter in fp32, the norm on this rank's
+    rows, all-gather of both results): z bit for bit the reference's, normed
+    within 1 ulp, the same on every rank, in place and out of place."""
+    comm = tpcomm.Communicator(device="cpu")
+    comm._kernels = _RankOrderReduceScatter()
+    for seed, (shape, dtype) in enumerate([((6, 64), torch.bfloat16), ((2, 3, 128), torch.float16),
+                                           ((12, 48), torch.bfloat16)]):
+        x = _inputs(rank, shape, dtype, seed, world_size)
+        residual, weight = _shared(shape, dtype, seed)
+        normed, summed = comm._add_rms_norm_by_rows(x, residual, weight, 1e-5)
+        assert normed.shape == x.shape and summed.shape == x.shape and normed.dtype == dtype
+        ref_normed, ref_summed = reference_add_rms_norm(
+            [_inputs(r, shape, dtype, seed, world_size) for r in range(world_size)], residual, weight, 1e-5)
+        what = f"{dtype} {shape} on {world_size} ranks"
+        assert int(ulp_distance(summed, ref_summed).max()) == 0, f"residual_out {what}"
+        assert int(ulp_distance(normed, ref_normed).max()) <= 1, f"normed {what}"
+        for t in (normed, summed):
+            gathered = [torch.empty_like(t) for _ in range(world_size)]
+            dist.all_gather(gathered, t.contiguous())
+            assert all(torch.equal(g, gathered[0]) for g in gathered), what
+    comm.close()
+
+
+def test_split_route_on_two_and_three_ranks():
+    run_ranks(2, _body_split_route)
+    run_ranks(3, _body_split_route)
+
+
 def _body_errors(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
@@ -113,10 +158,13 @@ def test_errors_name_what_is_wrong():
 
 # The route is plain Python over shapes and the configuration; checked on a
 # Communicator whose set-up is skipped and that pretends to be enabled.
-def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True):
+def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=2, forbid=()):
     comm = object.__new__(tpcomm.Communicator)
     comm.config = Config(fused_kernel=fused_kernel)
     comm.packet_max_bytes = packet_max_bytes
+    comm.max_bytes = 16 * MiB
+    comm.world_size = world_size
+    comm._routes = policy.effective_routes(policy.load_table(None), world_size, {}, forbid)
     comm.handle = 0x1000 if enabled else 0
     return comm
 
@@ -130,13 +178,20 @@ def test_route_to_the_fused_kernel():
     w = _meta((4096,))
     assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "fused"
     assert c.route_all_reduce_add_rms_norm(_meta((128, 4096)), w) == "fused"        # 1 MiB: the packet cap
-    assert c.route_all_reduce_add_rms_norm(_meta((129, 4096)), w) == "unfused"      # over it
+    assert c.route_all_reduce_add_rms_norm(_meta((129, 4096)), w) == "unfused"      # over it, 129 rows for 2 ranks
+    assert c.route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "split"         # 65 rows a rank
+    assert c.route_all_reduce_add_rms_norm(_meta((2048, 4096)), w) == "split"        # 16 MiB: max_bytes
+    assert c.route_all_reduce_add_rms_norm(_meta((2050, 4096)), w) == "unfused"     # over it: NCCL's
+    assert _comm(world_size=4).route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "unfused"  # 130 % 4
+    assert _comm(world_size=4).route_all_reduce_add_rms_norm(_meta((132, 4096)), w) == "split"
+    assert _comm(forbid=("packet", "bulk")).route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "unfused"
     assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float16), _meta((4096,), torch.float16)) == "fused"
     assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float32), _meta((4096,), torch.float32)) == "unfused"
     assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), _meta((4096,), torch.float32)) == "unfused"  # weight
     row = _lib.NORM_MAX_ROW_BYTES // 2
     assert c.route_all_reduce_add_rms_norm(_meta((2, row)), _meta((row,))) == "fused"
     assert c.route_all_reduce_add_rms_norm(_meta((1, row + 8)), _meta((row + 8,))) == "unfused"  # row too long
+    assert c.route_all_reduce_add_rms_norm(_meta((2, row + 8)), _meta((row + 8,))) == "split"  # for the kernel
     assert c.route_all_reduce_add_rms_norm(_meta((2, 36)), _meta((36,))) == "unfused"  # 72-byte rows
     assert c.route_all_reduce_add_rms_norm(_meta((0, 64)), _meta((64,))) == "unfused"
     assert _comm(fused_kernel=False).route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "unfused"

@@ -24,6 +24,7 @@ SCHEMAS = {
         "tpcomm::custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()",
     "custom_all_gather": "tpcomm::custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor",
     "custom_reduce_scatter": "tpcomm::custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor",
+    "custom_reduce_scatter_f32": "tpcomm::custom_reduce_scatter_f32(Tensor input, int comm, int algo=0) -> Tensor",
 }
 
 
@@ -116,8 +117,11 @@ def test_fake_reduce_scatter_shapes(lib, handle, world_size):
         for shape, dtype in [((world_size * 4, 8), torch.float32), ((world_size, 3, 16), torch.bfloat16)]:
             y = torch.ops.tpcomm.custom_reduce_scatter(torch.empty(shape, device="cuda", dtype=dtype), h, 0)
             assert tuple(y.shape) == (shape[0] // world_size,) + shape[1:] and y.dtype == dtype
-        with pytest.raises(ValueError, match="divisible by the world size"):
-            torch.ops.tpcomm.custom_reduce_scatter(torch.empty(world_size + 1, device="cuda"), h, 0)
+            y = torch.ops.tpcomm.custom_reduce_scatter_f32(torch.empty(shape, device="cuda", dtype=dtype), h, 0)
+            assert tuple(y.shape) == (shape[0] // world_size,) + shape[1:] and y.dtype == torch.float32
+        for op in (torch.ops.tpcomm.custom_reduce_scatter, torch.ops.tpcomm.custom_reduce_scatter_f32):
+            with pytest.raises(ValueError, match="divisible by the world size"):
+                op(torch.empty(world_size + 1, device="cuda"), h, 0)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

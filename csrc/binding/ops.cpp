@@ -117,8 +117,8 @@ std::vector<int64_t> sizes_of(const Tensor &t) {
   for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
   return sizes;
 }
-// A contiguous tensor of `sizes` with like's dtype and device.
-Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes) {
+// A contiguous tensor of `sizes` with like's device and dtype, or float32.
+Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes, bool float32 = false) {
   std::vector<int64_t> strides(sizes.size());
   int64_t stride = 1;
   for (size_t d = sizes.size(); d-- > 0;) {
@@ -126,7 +126,8 @@ Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes) {
     stride *= sizes[d] > 1 ? sizes[d] : 1;  // torch's contiguous strides treat size 0 as 1
   }
   int32_t dtype = 0, device_type = 0;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+  if (float32) dtype = aoti_torch_dtype_float32();
+  else TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
   AtenTensorHandle handle = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
@@ -209,8 +210,9 @@ void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor we
 }
 
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
-// (NCCL's reduce_scatter_tensor layout); the output is the sum of part r.
-Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
+// (NCCL's reduce_scatter_tensor layout); the output is the sum of part r, in
+// the input's dtype or (float32) as the fp32 sums, not rounded.
+Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float32) {
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
@@ -221,11 +223,21 @@ Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) {
   const Tensor x = aligned_input(contiguous_input(input));
   std::vector<int64_t> sizes = sizes_of(x);
   sizes[0] /= world;
-  Tensor out = new_output(x, sizes);
+  Tensor out = new_output(x, sizes, float32);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
-  check(comm, tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype,
-                                 static_cast<tpc_algo>(algo), current_stream(x.get_device_index())));
+  void *stream = current_stream(x.get_device_index());
+  const tpc_algo how = static_cast<tpc_algo>(algo);
+  check(comm, float32 ? tpc_reduce_scatter_f32(comm, x.const_data_ptr(), static_cast<float *>(out.mutable_data_ptr()),
+                                               chunk, dtype, how, stream)
+                      : tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype, how,
+                                           stream));
   return out;
+}
+
+Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter(input, id, algo, false); }
+
+Tensor custom_reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
+  return reduce_scatter(input, id, algo, true);
 }
 
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
@@ -265,6 +277,7 @@ STABLE_TORCH_LIBRARY(tpcomm, m) {
   m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
   m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
   m.def("custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor");
+  m.def("custom_reduce_scatter_f32(Tensor input, int comm, int algo=0) -> Tensor");
   m.def("custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
         "Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()");
 }
@@ -274,5 +287,6 @@ STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
   m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
   m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
   m.impl("custom_reduce_scatter", TORCH_BOX(&custom_reduce_scatter));
+  m.impl("custom_reduce_scatter_f32", TORCH_BOX(&custom_reduce_scatter_f32));
   m.impl("custom_all_reduce_add_rms_norm_out", TORCH_BOX(&custom_all_reduce_add_rms_norm_out));
 }

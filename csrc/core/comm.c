@@ -598,9 +598,11 @@ static const uint64_t reduce_nan[] = {0x7fc000007fc00000ull, 0x7e007e007e007e00u
 
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
  * chunk (the whole input for all_reduce, one chunk for reduce_scatter),
- * `in_bytes` the whole input. Checks, picks the kernel, launches. */
+ * `in_bytes` the whole input; out_f32: out takes the fp32 sums (reduce_scatter
+ * only). Checks, picks the kernel, launches. */
 static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void *in, void *out,
-                            size_t nbytes, size_t in_bytes, tpc_dtype dtype, tpc_algo algo, void *stream) {
+                            size_t nbytes, size_t in_bytes, tpc_dtype dtype, tpc_algo algo, int out_f32,
+                            void *stream) {
   tpc_result r = begin_op(comm, in, out, stream);
   if (r != TPC_OK) return r;
   if (dtype != TPC_FLOAT32 && dtype != TPC_FLOAT16 && dtype != TPC_BFLOAT16)
@@ -619,23 +621,37 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
                 comm->cfg.max_bytes);
   if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
+  /* fp32 sums take 4 bytes a value: twice the chunk of a 16-bit dtype */
+  const size_t out_bytes = out_f32 && dtype != TPC_FLOAT32 ? 2 * nbytes : nbytes;
   tpc_kernel_args a;
-  fill_args(comm, &a, in, out, nbytes, nbytes, nbytes, dtype, op, algo, reduce_nan[dtype]);
+  fill_args(comm, &a, in, out, nbytes, out_bytes, nbytes, dtype, op, algo,
+            reduce_nan[out_f32 ? TPC_FLOAT32 : dtype]);
+  a.out_f32 = out_f32;
   return launch_on_device(comm, op, &a, algo, stream);
 }
 
 tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           tpc_dtype dtype, tpc_algo algo, void *stream) {
-  return reduce_op(comm, TPC_OP_ALL_REDUCE, "all_reduce", in, out, nbytes, nbytes, dtype, algo, stream);
+  return reduce_op(comm, TPC_OP_ALL_REDUCE, "all_reduce", in, out, nbytes, nbytes, dtype, algo, 0, stream);
 }
 
-tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
-                              tpc_dtype dtype, tpc_algo algo, void *stream) {
+static tpc_result reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
+                                 tpc_dtype dtype, tpc_algo algo, int out_f32, void *stream) {
   const size_t world = comm ? (size_t)comm->cfg.world_size : 0;
   if (comm && chunk_bytes > ((size_t)1 << 40))
     return fail(comm, TPC_ERR_TOO_LARGE, "reduce_scatter chunk of %zu bytes", chunk_bytes);
   return reduce_op(comm, TPC_OP_REDUCE_SCATTER, "reduce_scatter", in, out, chunk_bytes, chunk_bytes * world,
-                   dtype, algo, stream);
+                   dtype, algo, out_f32, stream);
+}
+
+tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
+                              tpc_dtype dtype, tpc_algo algo, void *stream) {
+  return reduce_scatter(comm, in, out, chunk_bytes, dtype, algo, 0, stream);
+}
+
+tpc_result tpc_reduce_scatter_f32(tpc_comm *comm, const void *in, float *out, size_t chunk_bytes,
+                                  tpc_dtype dtype, tpc_algo algo, void *stream) {
+  return reduce_scatter(comm, in, out, chunk_bytes, dtype, algo, 1, stream);
 }
 
 tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const void *residual, const void *weight,

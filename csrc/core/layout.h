@@ -123,7 +123,7 @@ typedef struct {
   const void *weight;         /* the norm's weight, one row */
   void *out2;                 /* residual out: the sum plus the residual */
   float eps;
-  int32_t pad_;
+  int32_t out_f32;            /* reduce_scatter: out holds the fp32 sums, not rounded to the dtype */
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

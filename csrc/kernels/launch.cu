@@ -111,11 +111,11 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
 extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *stream) {
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
-    return tpc_launch(tpc_reduce_scatter_packet_kernel,
+    return tpc_launch(args->out_f32 ? tpc_reduce_scatter_packet_kernel<1> : tpc_reduce_scatter_packet_kernel<0>,
                       tpc_packet_geometry(args, items), args, stream);
   }
-  return tpc_launch(tpc_reduce_scatter_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
-                    args, stream);
+  return tpc_launch(args->out_f32 ? tpc_reduce_scatter_bulk_kernel<1> : tpc_reduce_scatter_bulk_kernel<0>,
+                    tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS), args, stream);
 }
 
 /* One block per row, up to one per multiprocessor; as many data threads as

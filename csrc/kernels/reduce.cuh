@@ -32,16 +32,23 @@ TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own,
   return make_uint2(sum[0], sum[1]);
 }
 
-/* 16-byte unit: sender q's value lies at peer_base + q * peer_stride in this
- * rank's bulk slots (read after the barrier that follows the pushes). */
-TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride) {
-  float acc[8];
+/* 16-byte unit, acc[0..values) in fp32, not rounded (8 values for 16-bit
+ * dtypes, 4 for fp32): sender q's value lies at peer_base + q * peer_stride in
+ * this rank's bulk slots (read after the barrier that follows the pushes). */
+TPC_DEVICE void tpc_accumulate16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride,
+                                 float acc[8]) {
   for (int q = 0; q < a->world; ++q) {
     const uint4 v = q == a->rank ? own : tpc_load16_from_peer(peer_base + (uint64_t)q * peer_stride);
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
     if (q == 0) tpc_start(acc, words, 4, a->dtype);
     else tpc_accumulate(acc, words, 4, a->dtype);
   }
+}
+
+/* The same, rounded once to the dtype. */
+TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride) {
+  float acc[8];
+  tpc_accumulate16(a, own, peer_base, peer_stride, acc);
   uint32_t s[4];
   tpc_round(acc, s, 4, a->dtype);
   return make_uint4(s[0], s[1], s[2], s[3]);

@@ -10,12 +10,30 @@
  * bulk: push chunk j into rank j's bulk slot for this sender, barrier, sum
  *   our chunk from the slots. Peers release the slots at the end
  *   (tpc_bulk_acquire), as for the other bulk kernels.
+ * Each comes in two builds: OutF32 = 0 rounds the sums to the input's dtype;
+ * OutF32 = 1 writes them as fp32, unrounded (a.out_f32: the bulk path of
+ * all_reduce_add_rms_norm adds the residual before it rounds). What moves
+ * between ranks is the same; only the local output differs.
  */
 #ifndef TPCOMM_REDUCE_SCATTER_CUH
 #define TPCOMM_REDUCE_SCATTER_CUH
 
 #include "reduce.cuh"
 
+/* Stores the fp32 sums of one unit (2 or 4 values for a packet unit, 4 or 8
+ * for a 16-byte one: fp32 or 16-bit input) at unit index u of a float output. */
+TPC_DEVICE void tpc_store_sums_f32(const tpc_kernel_args *a, uint64_t u, const float *acc, int values, int broken) {
+  uint32_t *out = (uint32_t *)a->out + u * (uint64_t)values;
+  for (int i = 0; i < values; i += 4) {
+    const uint4 v = broken ? tpc_poison16(a)
+                           : make_uint4(__float_as_uint(acc[i]), __float_as_uint(acc[i + 1]),
+                                        __float_as_uint(acc[i + 2]), __float_as_uint(acc[i + 3]));
+    if (values - i >= 4) *(uint4 *)(out + i) = v;
+    else *(uint2 *)(out + i) = make_uint2(v.x, v.y);
+  }
+}
+
+template <int OutF32>
 __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
@@ -33,12 +51,19 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
     }
   }
   for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u, folded);
-    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
+    if (OutF32) {
+      float acc[4];
+      tpc_accumulate_packet(&op, &a, in[me * units + u], u, folded, acc);
+      tpc_store_sums_f32(&a, u, acc, a.dtype == TPC_FLOAT32 ? 2 : 4, tpc_op_broken(&op));
+    } else {
+      const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u, folded);
+      ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
+    }
   }
   tpc_op_end(&a, &op, 0);
 }
 
+template <int OutF32>
 __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
@@ -60,8 +85,14 @@ __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kerne
   tpc_block_barrier(&a, &op, 0);
   const int broken = tpc_op_broken(&op);
   for (uint64_t k = span.first; k < units && (!broken || a.poison_out); k += span.stride) {
-    const uint4 s = tpc_sum16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes);
-    tpc_store16((char *)a.out + k * 16, broken ? tpc_poison16(&a) : s);
+    if (OutF32) {
+      float acc[8];
+      tpc_accumulate16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes, acc);
+      tpc_store_sums_f32(&a, k, acc, a.dtype == TPC_FLOAT32 ? 4 : 8, broken);
+    } else {
+      const uint4 s = tpc_sum16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes);
+      tpc_store16((char *)a.out + k * 16, broken ? tpc_poison16(&a) : s);
+    }
   }
 #undef SLOT
   tpc_op_end(&a, &op, 1);

@@ -31,16 +31,24 @@ def register():
 
     @torch.library.register_fake("tpcomm::custom_reduce_scatter")
     def _reduce_scatter_fake(input, comm, algo=0):
-        world = _world_size(comm)
-        if input.dim() == 0 or input.shape[0] % world:
-            raise ValueError(f"tpcomm: reduce_scatter needs dim 0 divisible by the world size {world}")
-        return input.new_empty((input.shape[0] // world,) + tuple(input.shape[1:]))
+        return input.new_empty(_scattered_shape(input, comm))
+
+    @torch.library.register_fake("tpcomm::custom_reduce_scatter_f32")
+    def _reduce_scatter_f32_fake(input, comm, algo=0):
+        return input.new_empty(_scattered_shape(input, comm), dtype=torch.float32)
 
     @torch.library.register_fake("tpcomm::custom_all_gather")
     def _all_gather_fake(input, dim, comm, algo=0):
         shape = list(input.shape)
         shape[checked_dim(input, dim, "all_gather")] *= _world_size(comm)
         return input.new_empty(shape)
+
+
+def _scattered_shape(input, comm):
+    world = _world_size(comm)
+    if input.dim() == 0 or input.shape[0] % world:
+        raise ValueError(f"tpcomm: reduce_scatter needs dim 0 divisible by the world size {world}")
+    return (input.shape[0] // world,) + tuple(input.shape[1:])
 
 
 def _world_size(comm):

@@ -820,6 +820,7 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
   CHECK_EQ(a->poison, poison);
   CHECK_EQ(a->poison_out, poison != 0);
   CHECK_EQ(a->out_bytes, op == TPC_OP_ALL_GATHER ? nbytes * (size_t)w->n : nbytes);
+  CHECK_EQ(a->out_f32, 0);
   CHECK_PTR(a->in, in);
   CHECK_PTR(a->out, out);
   CHECK_EQ(a->nbytes, nbytes);
@@ -882,6 +883,43 @@ static void test_reduce_scatter(void) {
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching reduce_scatter failed");
   CHECK_RC(NULL, tpc_reduce_scatter(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
+/* reduce_scatter_f32: the checks of reduce_scatter, and kernels told to
+ * write fp32 sums over twice a 16-bit chunk's bytes (fp32 NaN on failure). */
+static void test_reduce_scatter_f32(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  tpc_comm *c = w.comm[0];
+  float *out = (float *)scratch_out;
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, 40, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "multiple of 16");
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, (float *)(scratch_out + 8), 64, TPC_BFLOAT16, TPC_ALGO_AUTO,
+                                     STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "16-byte aligned");
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A),
+           TPC_ERR_TOO_LARGE);
+  CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 0);
+  const tpc_kernel_args *a = &fake.last_args;
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, 512, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_op_entry, FK_LAUNCH_REDUCE_SCATTER);
+  CHECK_EQ(a->out_f32, 1);
+  CHECK_EQ(a->nbytes, 512);
+  CHECK_EQ(a->out_bytes, 1024);  /* 256 bf16 sums as 256 floats */
+  CHECK_EQ(a->poison, NAN_F32);
+  CHECK_EQ(a->kind, tpc_kind_word(TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, TPC_BFLOAT16, 512)); /* peers see a reduce_scatter */
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, 256, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_EQ(a->out_f32, 1);
+  CHECK_EQ(a->out_bytes, 256);   /* fp32 in, fp32 out */
+  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
+  /* the plain reduce_scatter after it rounds again */
+  CHECK_RC(c, tpc_reduce_scatter(c, scratch_in, out, 256, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_EQ(a->out_f32, 0);
+  CHECK_EQ(a->poison, NAN_BF16);
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }
@@ -2363,6 +2401,7 @@ int main(void) {
   RUN(test_probe);
   RUN(test_all_reduce_validation);
   RUN(test_reduce_scatter);
+  RUN(test_reduce_scatter_f32);
   RUN(test_all_reduce_add_rms_norm);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);

@@ -1,11 +1,12 @@
 """all_reduce_add_rms_norm on real GPUs against the fp32 reference
 (tpcomm.reference: the sum in rank order, the residual added, RMSNorm,
-rounded once): on the fused kernel residual_out bit for bit and normed within
-1 ulp (its mean of squares is summed in another order), identical bits on
-every rank, in place and out of place, graph replays with new inputs and a
-random rank late, NaN and inf where the reference has them, and the unfused
-path for what the kernel declines. Every body checks the route it expects
-through stats()."""
+rounded once): on the fused kernel and on the split route (reduce-scatter
+in fp32, the norm on a rank's rows, all-gather) residual_out bit for bit and
+normed within 1 ulp (its mean of squares is summed in another order),
+identical bits on every rank, in place and out of place, graph replays with
+new inputs and a random rank late, NaN and inf where the reference has them,
+and the unfused path for what neither takes. Every body checks the route it
+expects through stats()."""
 import random
 
 import pytest
@@ -59,13 +60,18 @@ def body_shapes(rank, world):
     shapes = [(1, 4096), (1, 8192), (8, 4096), (32, 4096), (3, 2048), (1, 16384), (2, 5120), (64, 8192),
               (17, 2048), (128, 4096)]
     shapes += [(rng.randrange(1, 33), rng.choice([2048, 3072, 4096, 6144, 8192])) for _ in range(6)]
+    # over the packet cap: the split route where the rows divide among the ranks
+    shapes += [(256, 4096), (1024, 2048), (8 * 3 * 5, 8192), (515, 4096), (2, 32768)]
     gen = torch.Generator(device="cuda").manual_seed(40 + rank)
     for i, (tokens, hidden) in enumerate(shapes):
         for dtype in (torch.bfloat16, torch.float16):
             x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * (1 + rank)).to(dtype)
             residual, weight = _shared((tokens, hidden), dtype, 1000 + i)
             route = comm.route_all_reduce_add_rms_norm(x, weight)
-            assert route == ("fused" if tokens * hidden * 2 <= 1 * MiB else "unfused"), (tokens, hidden, route)
+            nbytes = tokens * hidden * 2
+            fused = nbytes <= 1 * MiB and hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES
+            split = tokens % world == 0 and nbytes <= comm.max_bytes
+            assert route == ("fused" if fused else "split" if split else "unfused"), (tokens, hidden, route)
             what = f"{tokens}x{hidden} {dtype} ({route})"
             normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
             _check(normed, summed, x, residual, weight, what)
@@ -82,6 +88,7 @@ def body_shapes(rank, world):
     assert int(ulp_distance(summed, ref_summed).max()) <= 1 and int(ulp_distance(normed, ref_normed).max()) <= 1
     stats = comm.stats()
     assert stats[("all_reduce_add_rms_norm", "fused")]["calls"] > 20, stats
+    assert stats[("all_reduce_add_rms_norm", "split")]["calls"] >= 4, stats
     comm.close()
 
 
@@ -107,7 +114,7 @@ def body_graph_and_skew(rank, world):
     comm = _comm()
     gen = torch.Generator(device="cuda").manual_seed(80 + rank)
     rng = random.Random(9)
-    shapes = [(1, 4096), (8, 4096), (32, 8192)]
+    shapes = [(1, 4096), (8, 4096), (32, 8192), (64 * world, 8192)]  # the last over the packet cap: split
     static_x = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     static_res = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     weights = [_shared(s, torch.bfloat16, 50 + i)[1] for i, s in enumerate(shapes)]
@@ -133,7 +140,9 @@ def body_graph_and_skew(rank, world):
         for i, ((x, r), w, (normed, summed)) in enumerate(zip(kept, weights, outs)):
             _check(normed, summed, x, r, w, f"replay {replay} op {i}")
     comm.check()
-    assert comm.stats()[("all_reduce_add_rms_norm", "fused")]["calls"] == len(shapes)  # captured once
+    stats = comm.stats()  # captured once each
+    assert stats[("all_reduce_add_rms_norm", "fused")]["calls"] == len(shapes) - 1, stats
+    assert stats[("all_reduce_add_rms_norm", "split")]["calls"] == 1, stats
     comm.close()
 
 

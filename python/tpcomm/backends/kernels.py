@@ -54,3 +54,10 @@ class Kernels:
             return custom("custom_reduce_scatter")(parts, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
+
+    def reduce_scatter_f32(self, parts, algo):
+        """The same part as fp32 sums, not rounded to the dtype."""
+        try:
+            return custom("custom_reduce_scatter_f32")(parts, self.handle, ALGOS[algo])
+        except RuntimeError as e:
+            raise _lib.translated(e) from None

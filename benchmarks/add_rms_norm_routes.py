@@ -1,0 +1,123 @@
+"""all_reduce_add_rms_norm per route at decode and prefill sizes, side by side
+with NCCL doing what a serving engine's unfused layer does (a bf16 all-reduce,
+then the add and the norm in fp32). CUDA graphs of 10 back-to-back calls,
+median over 20 replays, slowest rank, µs per call.
+
+    python benchmarks/add_rms_norm_routes.py [--out results.json]
+
+Routes: "fused" (one kernel, up to the packet cap), "split" (reduce-scatter
+in fp32, the norm on a rank's rows, all-gather), "unfused" (an fp32
+all-reduce through the dispatcher, then torch); each row runs the route that
+the Communicator picks, and "unfused" again where another route was picked."""
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+SHAPES = [(1, 4096), (32, 4096), (128, 4096), (512, 4096), (1024, 4096), (2048, 4096)]
+EPS = 1e-5
+
+
+def _driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except Exception:  # noqa: BLE001 - the driver version is a note, not a requirement
+        return None
+
+
+def _time_graph(fn, calls=10, replays=20):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def _nccl_layer(x, residual, weight):
+    y = x.clone()
+    dist.all_reduce(y)
+    z = y.float() + residual.float()
+    return (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype), z.to(x.dtype)
+
+
+def _rank(rank, world, port, out):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import tpcomm
+    from tpcomm.communicator import _add_rms_norm_f32
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    rows = []
+    for tokens, hidden in SHAPES:
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        residual = torch.randn_like(x)
+        weight = torch.rand(hidden, device="cuda").to(torch.bfloat16) + 0.5
+        route = comm.route_all_reduce_add_rms_norm(x, weight)
+        timed = {"nccl (bf16 all-reduce, then add + norm)": lambda: _nccl_layer(x, residual, weight)}
+        timed[f"tpcomm {route}"] = lambda: comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
+        if route != "unfused":  # what the unfused route runs (Communicator.all_reduce_add_rms_norm)
+            timed["tpcomm unfused"] = lambda: _add_rms_norm_f32(comm.all_reduce(x.float()), residual, weight, EPS,
+                                                                x.dtype)
+        row = {"tokens": tokens, "hidden": hidden, "bytes": x.numel() * 2, "route": route, "us": {}}
+        with comm.capture():
+            for name, fn in timed.items():
+                worst = [None] * world
+                dist.all_gather_object(worst, _time_graph(fn))
+                row["us"][name] = round(max(worst), 2)
+        rows.append(row)
+        if rank == 0:
+            print(f"{tokens:5d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
+    if rank == 0 and out:
+        env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
+               "date": datetime.date.today().isoformat(),
+               "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
+        with open(out, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    world = torch.cuda.device_count()
+    if world < 2:
+        print("needs 2 GPUs")
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(world, port, args.out), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
