@@ -67,7 +67,7 @@ def _rank(rank, world, port, out):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import tpcomm
-    from tpcomm.communicator import _add_rms_norm_f32
+    from tpcomm.add_rms_norm import from_sums
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -83,8 +83,7 @@ def _rank(rank, world, port, out):
         timed = {"nccl (bf16 all-reduce, then add + norm)": lambda: _nccl_layer(x, residual, weight)}
         timed[f"tpcomm {route}"] = lambda: comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
         if route != "unfused":  # what the unfused route runs (Communicator.all_reduce_add_rms_norm)
-            timed["tpcomm unfused"] = lambda: _add_rms_norm_f32(comm.all_reduce(x.float()), residual, weight, EPS,
-                                                                x.dtype)
+            timed["tpcomm unfused"] = lambda: from_sums(comm.all_reduce(x.float()), residual, weight, EPS, x.dtype)
         row = {"tokens": tokens, "hidden": hidden, "bytes": x.numel() * 2, "route": route, "us": {}}
         with comm.capture():
             for name, fn in timed.items():

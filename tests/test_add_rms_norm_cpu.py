@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _fake, _lib, policy
+from tpcomm import _fake, _lib, add_rms_norm, policy
 from tpcomm.config import Config
 from tpcomm.reference import reference_add_rms_norm, ulp_distance
 
@@ -110,7 +110,7 @@ def _body_split_route(rank, world_size):
                                            ((12, 48), torch.bfloat16)]):
         x = _inputs(rank, shape, dtype, seed, world_size)
         residual, weight = _shared(shape, dtype, seed)
-        normed, summed = comm._add_rms_norm_by_rows(x, residual, weight, 1e-5)
+        normed, summed = add_rms_norm.by_rows(comm, x, residual, weight, 1e-5)
         assert normed.shape == x.shape and summed.shape == x.shape and normed.dtype == dtype
         ref_normed, ref_summed = reference_add_rms_norm(
             [_inputs(r, shape, dtype, seed, world_size) for r in range(world_size)], residual, weight, 1e-5)

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _fake, _lib, ops, policy, topology
+from . import _fake, _lib, add_rms_norm, ops, policy, topology
 from ._log import log_once
 from ._shapes import checked_dim
 from .backends import aiter
@@ -370,91 +370,23 @@ class Communicator:
         in fp32 and rounded once: z is not rounded before the norm. With
         in_place=True the normed result is written into x and z into
         residual, and (x, residual) are returned, as serving engines' fused
-        add-norm kernels do.
-
-        Routes (route_all_reduce_add_rms_norm tells; fp16/bf16 and
-        Config.fused_kernel for the first two):
-        "fused"   one launch of tpcomm's fused kernel: the input within the
-                  packet cap, the row at most 32 KiB.
-        "split"   larger inputs (prefill), or rows too long for the kernel,
-                  whose rows divide among the ranks:
-                  tpcomm's reduce-scatter hands each rank its rows' sums in
-                  fp32, the rank adds the residual and normalises them, and
-                  an all-gather of both results gives every rank every row.
-        "unfused" anything else: x all-reduced in fp32 through the
-                  dispatcher, the rest by torch in fp32.
-        On the first two the sum is in rank order: residual_out is the fp32
-        reference rounded once, bit for bit, and normed within 1 ulp of it (its
-        mean of squares is summed in another order). Unfused gives the same
-        reference within 1 ulp (NCCL's order of summation on more than 2
-        ranks)."""
+        add-norm kernels do. Routes ("fused": one kernel; "split": for prefill
+        sizes; "unfused") and their numerics: tpcomm.add_rms_norm."""
         self._check_input(x, "input")
         self._check_input(residual, "residual")
         self._check_input(weight, "weight")
-        if x.dim() < 1 or residual.shape != x.shape or weight.shape != x.shape[-1:]:
-            raise ValueError(f"tpcomm: all_reduce_add_rms_norm needs residual of the input's shape {tuple(x.shape)} "
-                             f"and weight of its last dimension; got {tuple(residual.shape)} and "
-                             f"{tuple(weight.shape)}")
-        if not (x.is_floating_point() and residual.dtype == x.dtype and weight.is_floating_point()):
-            raise TypeError(f"tpcomm: all_reduce_add_rms_norm needs a floating-point input, residual of its dtype "
-                            f"and a floating-point weight; got {x.dtype}, {residual.dtype}, {weight.dtype}")
-        if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
-            raise ValueError(f"tpcomm: eps={eps!r} must be a number in [0, 1]")
-        route = self._route_add_rms_norm(x, weight)
-        cell = self._stat_cells.setdefault(("all_reduce_add_rms_norm", route), [0, 0])
+        add_rms_norm.check_args(x, residual, weight, eps)
+        how = add_rms_norm.route(self, x, weight)
+        cell = self._stat_cells.setdefault(("all_reduce_add_rms_norm", how), [0, 0])
         cell[0] += 1
         cell[1] += x.numel() * x.element_size()
-        if route == "fused":
-            xc, rc = x.contiguous(), residual.contiguous()
-            direct = in_place and xc is x and rc is residual
-            normed, summed = (x, residual) if direct else (torch.empty_like(xc), torch.empty_like(rc))
-            self._kernels.all_reduce_add_rms_norm(xc, rc, weight.contiguous(), eps, normed, summed)
-        elif route == "split":
-            normed, summed = self._add_rms_norm_by_rows(x, residual, weight, eps)
-        else:
-            normed, summed = _add_rms_norm_f32(self.all_reduce(x.float()), residual, weight, eps, x.dtype)
-        if not in_place:
-            return normed, summed
-        if normed is not x:
-            x.copy_(normed)
-        if summed is not residual:
-            residual.copy_(summed)
-        return x, residual
+        return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
         kernel), "split" (reduce-scatter in fp32, the norm on this rank's rows,
         all-gather) or "unfused" (all_reduce in fp32, then torch)."""
-        return self._route_add_rms_norm(x, weight)
-
-    def _route_add_rms_norm(self, x, weight):
-        nbytes = x.numel() * x.element_size()
-        row = x.shape[-1] * x.element_size() if x.dim() else 0
-        if not (self.enabled and self.config.fused_kernel and x.dtype in (torch.float16, torch.bfloat16)
-                and weight.dtype == x.dtype and nbytes > 0 and row and row % 16 == 0):
-            return "unfused"
-        if nbytes <= self.packet_max_bytes and row <= _lib.NORM_MAX_ROW_BYTES:
-            return "fused"
-        rows = nbytes // row
-        if rows % self.world_size == 0 and self._route_reduce_scatter(x, nbytes) in policy.KERNELS:
-            return "split"
-        return "unfused"
-
-    def _add_rms_norm_by_rows(self, x, residual, weight, eps):
-        """The "split" route: rank r reduces rows [r*p, (r+1)*p) in fp32 (tpcomm's
-        reduce-scatter, sums unrounded), adds its rows of the residual,
-        normalises them, and one all-gather of (normed, z) rounded gives every
-        rank all rows. Moves 3/4 of what the unfused fp32 all-reduce moves."""
-        hidden = x.shape[-1]
-        rows = x.numel() // hidden
-        part = rows // self.world_size
-        flat = x.contiguous().view(rows, hidden)
-        algo = self._route_reduce_scatter(flat, flat.numel() * flat.element_size())
-        sums = self._kernels.reduce_scatter_f32(flat, algo)
-        mine = residual.reshape(rows, hidden)[self.rank * part:(self.rank + 1) * part]
-        normed, summed = _add_rms_norm_f32(sums, mine, weight, eps, x.dtype)
-        both = self.all_gather(torch.stack((normed, summed)), dim=1)  # (2, rows, hidden), contiguous
-        return both[0].view(x.shape), both[1].view(x.shape)
+        return add_rms_norm.route(self, x, weight)
 
     def _aiter_all_gather_route(self, x, dim, nbytes):
         """"aiter" where AITER's flat all-gather is the layout asked for (dim
@@ -659,14 +591,6 @@ class Communicator:
             raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")
-
-
-def _add_rms_norm_f32(sums, residual, weight, eps, dtype):
-    """(normed, z) rounded to dtype from fp32 sums: z = sums + residual, the
-    RMSNorm of z over the last dimension times weight, all in fp32."""
-    z = sums + residual.float()
-    normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return normed.to(dtype), z.to(dtype)
 
 
 def _resolve_device(device):
