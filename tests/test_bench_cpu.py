@@ -102,7 +102,8 @@ def fake_results():
     """A small results dict shaped like a real run's."""
     rows = []
     speed = {"nccl": 1.0, "nccl_nomix": 0.6, "nccl_window": 0.8, "nccl_window_nomix": 0.4, "symm_one_shot": 0.5,
-             "symm_two_shot": 0.7, "tpcomm": 0.3, "tpcomm_packet": 0.3, "tpcomm_bulk": 0.6}
+             "symm_two_shot": 0.7, "symm_two_shot_copied": 0.8, "tpcomm": 0.3, "tpcomm_packet": 0.3,
+             "tpcomm_bulk": 0.6}
     not_run = []
     for op in report.OPS:
         for dtype in ("bfloat16", "float32"):

@@ -15,7 +15,9 @@ same in a first set of processes started with NCCL_GRAPH_MIXING_SUPPORT=0,
 graph mode only: NCCL at its best under CUDA graphs), nccl_window (NCCL symmetric kernels on a
 MemPool registered with ProcessGroupNCCL.register_mem_pool(pool, symm=True)),
 symm_one_shot / symm_two_shot (torch.ops.symm_mem.one_shot_all_reduce /
-two_shot_all_reduce_, all_reduce only), tpcomm (the dispatcher's choice),
+two_shot_all_reduce_, all_reduce only, input already in the buffer),
+symm_two_shot_copied (the two-shot with the copies in and out a dispatcher
+would add), tpcomm (the dispatcher's choice),
 tpcomm_packet, tpcomm_bulk (kernels forced). A backend that cannot run a case
 is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.

@@ -25,7 +25,10 @@ skipped):
   merges their rows (measure.py, --merge-from). In any other process they
   are off, with that reason.
 * symm_one_shot, symm_two_shot: tpcomm.backends.symm_mem.SymmMem on views
-  at offset 0 of its buffer. All-reduce only.
+  at offset 0 of its buffer, the input placed there before timing. All-reduce
+  only. symm_two_shot_copied: the same two-shot timed with the copy of the
+  input in and of the result out, what a dispatcher pays for a tensor that
+  does not live in the buffer.
 """
 import os
 
@@ -40,7 +43,7 @@ from .report import human_bytes
 
 TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_bulk")
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
-SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot")
+SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot", "symm_two_shot_copied")
 WINDOW_BACKENDS = ("nccl_window", "nccl_window_nomix")
 
 __all__ = ["Case", "Resources", "Unavailable", "agree", "describe", "make_case"]
@@ -242,6 +245,14 @@ def make_case(backend, op, x0, res):
             raise Unavailable("all_reduce only (the backend measures torch.ops.symm_mem's all-reduces)")
         symm = res.symm
         x = symm.view(x0.dtype, numel)
+        if backend == "symm_two_shot_copied":  # the whole price for a tensor outside the buffer
+            y = torch.empty_like(x0)
+
+            def copied():
+                x.copy_(x0)
+                symm.all_reduce(x, "two_shot")
+                return y.copy_(x)
+            return Case(copied)
         kind = backend[len("symm_"):]
         return Case(lambda: symm.all_reduce(x, kind), lambda: x.copy_(x0))
 

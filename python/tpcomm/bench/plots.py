@@ -27,6 +27,7 @@ STYLE = {
     "nccl_window_nomix": dict(color="tab:olive", marker="s", linestyle="-."),
     "symm_one_shot": dict(color="tab:purple", marker="^"),
     "symm_two_shot": dict(color="tab:pink", marker="v"),
+    "symm_two_shot_copied": dict(color="tab:pink", marker="v", linestyle=":"),
     "tpcomm": dict(color="tab:red", marker="D", linewidth=2.2),
     "tpcomm_packet": dict(color="tab:orange", marker="x", linestyle=":"),
     "tpcomm_bulk": dict(color="tab:blue", marker="+", linestyle=":"),

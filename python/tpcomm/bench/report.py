@@ -24,8 +24,8 @@ MiB = 1024 * KiB
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")  # reduce_scatter's size: its input per rank
 # Column order of the tables and plots.
-BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot", "tpcomm",
-            "tpcomm_packet", "tpcomm_bulk")
+BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot",
+            "symm_two_shot_copied", "tpcomm", "tpcomm_packet", "tpcomm_bulk")
 # NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process, at its first
 # communicator: these run in a second set of processes with it set to 0 (NCCL
 # at its fastest under CUDA graphs), graph mode only.
@@ -38,6 +38,8 @@ BACKEND_HELP = {
     "nccl_window_nomix": "as nccl_window, in processes with NCCL_GRAPH_MIXING_SUPPORT=0 (graph mode only)",
     "symm_one_shot": "torch.ops.symm_mem.one_shot_all_reduce on a SymmetricMemory buffer (all_reduce only)",
     "symm_two_shot": "torch.ops.symm_mem.two_shot_all_reduce_ on a SymmetricMemory buffer (all_reduce only)",
+    "symm_two_shot_copied": "as symm_two_shot, with the input copied in and the result copied out, as a "
+                            "dispatcher serving ordinary tensors (vLLM's SymmMemCommunicator) runs it",
     "tpcomm": "tpcomm.Communicator (the dispatcher's choice of kernel)",
     "tpcomm_packet": "tpcomm's packet kernel, forced",
     "tpcomm_bulk": "tpcomm's bulk kernel, forced",
