@@ -2,10 +2,10 @@
 # One device-machine call: build, GPU test suite, benchmark, decode example,
 # host cost. What comes back (at most 8 files) lands under $OUT:
 # gpu_tests.log, the benchmark's JSON, its table (.txt) and its plots packed in
-# one plots.tar (untar them beside the JSON), tp_decode_<gpu>.json and
-# host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
+# one plots.tar (untar them beside the JSON), tp_decode_<gpu>.json,
+# add_rms_norm_routes_<gpu>.json and host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
 # Usage (on the device machine, repo root):
-#   bash scripts/device_run.sh [tests|bench|tune|decode|host|all] [pytest args...]
+#   bash scripts/device_run.sh [tests|bench|tune|decode|routes|host|all] [pytest args...]
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
 #     the GPU suite with every rank on GPU 0 (tests/gpu/harness.py: kernel
 #     results at that world size on any machine; one log per world size)
@@ -47,6 +47,10 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
   timeout 200 python3 examples/tp_decode.py --backends none,nccl,tpcomm,tpcomm_fused \
     --out "$OUT/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
   echo "decode done: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = routes ] || [ "$what" = all ]; then
+  timeout 120 python3 benchmarks/add_rms_norm_routes.py --out "$OUT/add_rms_norm_routes_$gpus.json" 2>&1 \
+    | grep -v Warning | tail -8
 fi
 if [ "$what" = host ] || [ "$what" = all ]; then
   timeout 90 python3 benchmarks/host_cost.py --out "$OUT/host_cost_$gpus.json" 2>&1 | tail -12
