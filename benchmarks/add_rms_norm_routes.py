@@ -57,10 +57,12 @@ def _time_graph(fn, calls=10, replays=20):
 
 
 def _nccl_layer(x, residual, weight):
+    """A serving layer's unfused step on NCCL: the all-reduce rounded to x's dtype, then the add and the norm."""
+    from tpcomm.add_rms_norm import from_sums
+
     y = x.clone()
     dist.all_reduce(y)
-    z = y.float() + residual.float()
-    return (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()).to(x.dtype), z.to(x.dtype)
+    return from_sums(y.float(), residual, weight, EPS, x.dtype)
 
 
 def _rank(rank, world, port, out):

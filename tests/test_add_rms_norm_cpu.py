@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import tpcomm
 from tpcomm import _fake, _lib, add_rms_norm, policy
 from tpcomm.config import Config
-from tpcomm.reference import reference_add_rms_norm, ulp_distance
+from tpcomm.reference import rank_order_sum, reference_add_rms_norm, ulp_distance
 
 from test_communicator_cpu import run_ranks
 
@@ -94,10 +94,7 @@ class _RankOrderReduceScatter:
         world, rank = dist.get_world_size(), dist.get_rank()
         every = [torch.empty_like(parts) for _ in range(world)]
         dist.all_gather(every, parts.contiguous())
-        sums = torch.full_like(parts, -0.0, dtype=torch.float32)
-        for p in every:
-            sums = sums + p.float()
-        return sums.chunk(world)[rank].contiguous()
+        return rank_order_sum(every).chunk(world)[rank].contiguous()
 
 
 def _body_split_route(rank, world_size):

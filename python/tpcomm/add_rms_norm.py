@@ -24,9 +24,6 @@ import torch
 
 from . import _lib, policy
 
-ROUTES = ("fused", "split", "unfused")
-
-
 def check_args(x, residual, weight, eps):
     """Shapes, dtypes and eps; raises before anything collective happens."""
     if x.dim() < 1 or residual.shape != x.shape or weight.shape != x.shape[-1:]:

@@ -1,12 +1,21 @@
 """The numerics the fused all-reduce + residual add + RMSNorm is held to, in
 plain torch: what tests on the CPU and on GPUs compare with.
 
-reference_add_rms_norm takes every rank's input and computes, in fp32, the
-sum in rank order 0..n-1 (from -0.0, as the kernels start), adds the
-residual, and normalises over the last dimension, rounding once at the end.
+rank_order_sum is every reducing kernel's sum: the ranks' inputs in fp32, in
+rank order 0..n-1, from -0.0 (as the kernels start), not rounded.
+reference_add_rms_norm takes every rank's input, adds the residual to that
+sum, and normalises over the last dimension, rounding once at the end.
 ulp_distance measures how far apart two 16-bit or 32-bit float tensors are,
 in units in the last place of their dtype (0 where the bits are equal)."""
 import torch
+
+
+def rank_order_sum(inputs):
+    """(((-0 + x_0) + x_1) + ...) in fp32, not rounded."""
+    total = torch.full_like(inputs[0], -0.0, dtype=torch.float32)
+    for x in inputs:
+        total = total + x.float()
+    return total
 
 
 def reference_add_rms_norm(inputs, residual, weight, eps):
@@ -14,10 +23,7 @@ def reference_add_rms_norm(inputs, residual, weight, eps):
     their dtype: z = (((-0 + x_0) + x_1) + ...) + residual in fp32,
     residual_out = z rounded, normed = z * rsqrt(mean(z^2) + eps) * weight
     rounded."""
-    z = torch.full_like(inputs[0], -0.0, dtype=torch.float32)
-    for x in inputs:
-        z = z + x.float()
-    z = z + residual.float()
+    z = rank_order_sum(inputs) + residual.float()
     normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return normed.to(inputs[0].dtype), z.to(inputs[0].dtype)
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import harness
 import tpcomm
+from tpcomm.reference import rank_order_sum
 
 pytestmark = pytest.mark.gpu
 
@@ -38,10 +39,7 @@ def _rank_order_sum(x):
     """Every rank's x summed in fp32 in rank order, rounded once to x's dtype."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x)
-    total = torch.zeros_like(x, dtype=torch.float32)
-    for p in parts:
-        total += p.float()
-    return total.to(x.dtype)
+    return rank_order_sum(parts).to(x.dtype)
 
 
 def _int_valued(numel, dtype, gen):
