@@ -557,6 +557,7 @@ static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, 
   a->packet_off = comm->layout.packet_off;
   a->packet_slot_bytes = comm->layout.packet_slot_bytes;
   a->data_off = comm->layout.data_off;
+  a->data_bytes = comm->layout.data_bytes;
   a->rank = comm->cfg.rank;
   a->world = comm->cfg.world_size;
   a->dtype = dtype;

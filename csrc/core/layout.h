@@ -4,8 +4,12 @@
  * by the C core and the CUDA kernels, so it is plain C.
  *
  *   [0, TPC_SIGNALS_BYTES)     tpc_signals: barrier flags, headers
+ *   [TPC_SIGNALS_BYTES, +TPC_STREAM_FLAGS_BYTES)
+ *                              stream flags, [parity][block][sender], written by peers
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
- *   [data_off, +data_bytes)    bulk slots, written by peers between barriers
+ *   [data_off, +data_bytes)    bulk slots, written by peers: the whole region
+ *                              (two-shot, reduce-scatter) or one half of it
+ *                              by the op's parity (streamed kernels)
  *
  * The words a kernel must read before it may touch that buffer (is the
  * communicator still open, has it or a peer failed, which op is next) live
@@ -22,6 +26,9 @@
 #include "../tpcomm.h"
 
 #define TPC_SIGNALS_BYTES 16384
+/* Streamed bulk kernels (stream.cuh) signal per block: one 64-bit flag per
+ * [parity][block][sender]. */
+#define TPC_STREAM_FLAGS_BYTES (2 * TPC_MAX_BLOCKS * TPC_MAX_RANKS * 8)
 /* One packet: 16 bytes holding two {4 data bytes, 4 flag bytes} halves. */
 #define TPC_PACKET_BYTES 16
 #define TPC_PACKET_DATA_BYTES 8
@@ -50,13 +57,14 @@ typedef struct {
   uint32_t blocks_arrived;   /* local: blocks of the current op that read its epoch */
   uint32_t bulk_seq;         /* local: bulk ops completed */
   uint32_t wraps;            /* local: epoch wraps completed */
-  uint32_t pad_[4];
+  uint32_t last_whole;       /* local: bulk_seq after the last bulk op that used the whole data region */
+  uint32_t pad_[3];
   uint32_t probe[TPC_MAX_RANKS];     /* peers: P2P probe tokens */
-  uint32_t released[TPC_MAX_RANKS];  /* peers: bulk op they finished reading */
+  uint32_t released[TPC_MAX_RANKS];  /* peers: bulk ops they finished reading (sent as their next one starts) */
   uint32_t wrap_in[TPC_MAX_RANKS];   /* peers: done with the last epoch before the wrap */
   uint32_t wrap_out[TPC_MAX_RANKS];  /* peers: cleared their flags at the wrap */
-  /* Everything from here to the end of the packet slots carries epoch flags
-   * and is cleared at the wrap. */
+  /* Everything from here to the end of the packet slots (the stream flags
+   * included) carries epoch flags and is cleared at the wrap. */
   uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed */
   uint32_t barrier_out[TPC_MAX_BLOCKS][TPC_MAX_RANKS];  /* peers: phase done */
   /* peers: one header packet per [parity][sender], says the op and its size */
@@ -109,6 +117,7 @@ typedef struct {
   uint64_t packet_off;
   uint64_t packet_slot_bytes;
   uint64_t data_off;
+  uint64_t data_bytes;        /* the bulk region; streamed kernels use one half of it */
   uint64_t poison;            /* 8-byte NaN pattern of out's dtype, written as 4-byte words */
   uint32_t alive_id;          /* control->alive must equal this, or the communicator is closed */
   uint32_t kind;              /* tpc_kind_word of this op */
@@ -132,11 +141,12 @@ static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / t
  * of input: a 16-byte packet carries 8 data bytes. */
 static inline tpc_layout tpc_layout_for(int world, size_t max_bytes, size_t packet_max_bytes) {
   tpc_layout l;
-  l.packet_off = TPC_SIGNALS_BYTES;
+  l.packet_off = TPC_SIGNALS_BYTES + TPC_STREAM_FLAGS_BYTES;
   l.packet_slot_bytes = tpc_round_up(packet_max_bytes * 2, 4096);
   l.data_off = l.packet_off + 2 * (size_t)world * l.packet_slot_bytes;
-  /* all-reduce bulk: n scatter slots of ceil(units/n) 16-byte units, then
-   * the gathered result; all-gather bulk: n slots of one rank's input. */
+  /* all-reduce two-shot: n scatter slots of ceil(units/n) 16-byte units,
+   * then the gathered result; streamed all-reduce (two ranks) and all-gather:
+   * n-1 slots of one rank's input in either half. */
   l.data_bytes = tpc_round_up(2 * max_bytes + 16 * (size_t)world, 4096);
   l.total_bytes = l.data_off + l.data_bytes;
   return l;

@@ -8,14 +8,18 @@
  *
  * packet: push the input as packets to every peer, copy it to our own output,
  *   then wait for each peer's packets and place them. No barrier.
- * bulk: push the input into every peer's bulk slot, barrier, copy the slots
- *   out. Peers release the slots at the end (tpc_bulk_acquire).
+ * bulk (streamed, stream.cuh): every warp pushes its steps of the input into
+ *   every peer's bulk slot and copies them to its own output, and places a
+ *   peer's step as soon as that peer has signalled it: step i+1 is pushed
+ *   before step i is waited for. Peers release the slots at the end
+ *   (tpc_bulk_acquire).
  */
 #ifndef TPCOMM_ALL_GATHER_CUH
 #define TPCOMM_ALL_GATHER_CUH
 
 #include "data_ops.cuh"
 #include "primitives.cuh"
+#include "stream.cuh"
 
 /* Position in the output of element `index` of rank q's input, in units of
  * the element (4 bytes for packets, 16 for bulk); row is in the same units.
@@ -69,39 +73,63 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
       if (pair) out[o1] = v.y;
     }
   }
-  tpc_op_end(&a, &op, 0);
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
-__global__ void tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+/* Step t of rank q's input, in w, to q's place in out. */
+TPC_DEVICE void tpc_stream_place(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, int q,
+                                 const uint4 w[TPC_STREAM_UNITS]) {
+  const uint64_t row = a->row_bytes / 16;
+  char *out = (char *)a->out;
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    if (u < s->units) tpc_store16(out + tpc_gather_index(u, row, q, a->world) * 16, w[k]);
+  }
+}
+
+/* Pushes step t of the input and places this rank's own copy of it. */
+TPC_DEVICE void tpc_stream_gather_step(const tpc_op *op, const tpc_steps *s, uint32_t t) {
+  uint4 v[TPC_STREAM_UNITS];
+  tpc_stream_load(s, (const char *)op->args->in, t, v);
+  tpc_stream_push(op, s, t, v);
+  tpc_stream_place(op->args, s, t, op->args->rank, v);
+}
+
+/* Places step t of peer q from this rank's slot (every load first), or NaN. */
+TPC_DEVICE void tpc_stream_place_peer(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, int q, int poison) {
+  const char *slot = tpc_stream_slot(a, s, a->rank, q);
+  uint4 w[TPC_STREAM_UNITS];
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    w[k] = poison ? tpc_poison16(a) : u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+  }
+  tpc_stream_place(a, s, t, q, w);
+}
+
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
+    tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op, 0);
-  tpc_bulk_acquire(&a, &op);
-  const int n = a.world, me = a.rank;
-  const uint64_t units = a.nbytes / 16, row = a.row_bytes / 16;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
-  const char *in = (const char *)a.in;
-  char *out = (char *)a.out;
-#define SLOT(owner, sender) (a.bufs[owner] + a.data_off + (uint64_t)(sender) * a.nbytes)
-
-  for (uint64_t k = first; k < units; k += stride) {
-    const uint4 v = tpc_load16(in + k * 16);
-    /* After a failed acquire a peer may still read its slots: write nothing. */
-    for (int i = 1; i < n && !op.failed; ++i) tpc_store16(SLOT((me + i) % n, me) + k * 16, v);
-    tpc_store16(out + tpc_gather_index(k, row, me, n) * 16, v);
+  tpc_stream_reset();
+  const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, TPC_BULK_HALF));
+  if (s.warp == s.data_warps) {
+    tpc_stream_signal_all(&op, &s);
+  } else if (s.block_steps) {
+    tpc_stream_gather_step(&op, &s, 0);
+    tpc_stream_mark(&op, &s, 1);
+    for (uint32_t i = 0; i < s.block_steps; ++i) {
+      if (i + 1 < s.block_steps) {
+        tpc_stream_gather_step(&op, &s, i + 1);
+        tpc_stream_mark(&op, &s, i + 2);
+      }
+      tpc_stream_wait(&op, &s, i + 1, i == 0);
+      const int broken = tpc_op_broken(&op);
+      for (int j = 1; j < a.world && (!broken || a.poison_out); ++j)
+        tpc_stream_place_peer(&a, &s, i, (a.rank + j) % a.world, broken);
+    }
   }
-  tpc_header_check(&a, &op);
-  tpc_block_barrier(&a, &op, 0);
-  const int broken = tpc_op_broken(&op);
-  for (int i = 1; i < n && (!broken || a.poison_out); ++i) {
-    const int q = (me + i) % n;
-    for (uint64_t k = first; k < units; k += stride)
-      tpc_store16(out + tpc_gather_index(k, row, q, n) * 16,
-                  broken ? tpc_poison16(&a) : tpc_load16_from_peer(SLOT(me, q) + k * 16));
-  }
-#undef SLOT
-  tpc_op_end(&a, &op, 1);
+  tpc_op_end(&a, &op, TPC_BULK_HALF);
 }
 
 #endif /* TPCOMM_ALL_GATHER_CUH */

@@ -5,7 +5,13 @@
  *
  * One block per row (blocks stride over the rows). Every rank pushes its row
  * as packets into every peer's slot, exactly as the all-reduce packet kernel
- * does; then each data thread sums its units over the ranks in fp32 in rank
+ * does. With fewer rows than the launch has blocks ("spread": decode's 1 to
+ * 8 rows), every block pushes a contiguous share of all rows' packets first,
+ * because one multiprocessor's remote stores saturate early, and only the
+ * first `rows` blocks go on to reduce; the launch spreads only when out is
+ * not the input, since a reducing block may write out before another block
+ * has read that input to push it. Then each data thread sums its units over
+ * the ranks in fp32 in rank
  * order, adds the residual in fp32 and keeps the result z in registers. The
  * block sums z^2 in a fixed order (a butterfly per warp, then the warps in
  * index order), so every rank with the same residual computes the same bits:
@@ -74,10 +80,21 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const float inv_n = 1.0f / (float)(row_units * 4);
   const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual, *weight = (const uint2 *)a.weight;
   uint2 *out = (uint2 *)a.out, *out2 = (uint2 *)a.out2;
+  const int spread = gridDim.x > rows; /* the same in every block */
+
+  if (spread && t < data_threads) {
+    const uint64_t total = rows * row_units, share = (total + gridDim.x - 1) / gridDim.x;
+    const uint64_t end = (blockIdx.x + 1) * share < total ? (blockIdx.x + 1) * share : total;
+    for (uint64_t u = blockIdx.x * share + t; u < end; u += data_threads)
+      for (int i = 1; i < a.world; ++i) {
+        const int peer = (a.rank + i) % a.world;
+        tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, in[u], op.epoch);
+      }
+  }
 
   for (uint64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const uint64_t base = row * row_units;
-    if (t < data_threads)
+    if (!spread && t < data_threads)
       for (uint64_t u = t; u < row_units; u += data_threads) {
         const uint2 v = in[base + u];
         for (int i = 1; i < a.world; ++i) {
@@ -119,7 +136,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       out2[base + u] = broken ? tpc_poison8(&a) : make_uint2(s[0], s[1]);
     }
   }
-  tpc_op_end(&a, &op, 0);
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
 #endif /* TPCOMM_ALL_REDUCE_NORM_CUH */

@@ -64,6 +64,19 @@ static tpc_geometry tpc_packet_geometry(const tpc_kernel_args *args, uint64_t it
   return tpc_geometry_for(items, tpc_packet_threads(items, max_blocks), max_blocks);
 }
 
+/* Streamed kernels (stream.cuh): as many blocks as there are block steps, up
+ * to TPC_MAX_BLOCKS, of 4 data warps; 8 once that leaves a block more than
+ * one step (2 MiB a rank), so that a multiprocessor keeps more in flight. */
+static tpc_geometry tpc_stream_geometry(uint64_t units) {
+  const uint64_t steps = (units + TPC_STREAM_STEP_UNITS - 1) / TPC_STREAM_STEP_UNITS;
+  const uint64_t warps_per_block = steps > TPC_MAX_BLOCKS * 4ull ? TPC_STREAM_WARPS_PER_BLOCK : TPC_STREAM_WARPS_PER_BLOCK / 2;
+  const uint64_t blocks = (steps + warps_per_block - 1) / warps_per_block;
+  tpc_geometry g;
+  g.blocks = (unsigned)(blocks < TPC_MAX_BLOCKS ? blocks : TPC_MAX_BLOCKS);
+  g.threads = (unsigned)(warps_per_block * TPC_STREAM_LANES) + TPC_CONTROL_THREADS;
+  return g;
+}
+
 typedef void (*tpc_kernel)(const tpc_kernel_args);
 
 /* Launches with programmatic stream serialisation where CUDA has it: the
@@ -93,6 +106,9 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_reduce_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
   }
+  /* two ranks: the one-shot stream moves as much and needs one phase */
+  if (args->world == 2)
+    return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
   /* two-shot: the busiest phase handles one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
                     tpc_geometry_for(args->nbytes / 16 / args->world, 512, TPC_MAX_BLOCKS), args, stream);
@@ -104,8 +120,7 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_gather_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
   }
-  return tpc_launch(tpc_all_gather_bulk_kernel, tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS),
-                    args, stream);
+  return tpc_launch(tpc_all_gather_bulk_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
 }
 
 extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *stream) {
@@ -120,13 +135,20 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
 
 /* One block per row, up to one per multiprocessor; as many data threads as
  * the row has packet units (a multiple of 32, at most TPC_NORM_THREADS: the
- * rest is looped over, TPC_NORM_UNITS per thread at most). */
+ * rest is looped over, TPC_NORM_UNITS per thread at most). Few rows, written
+ * out of place, get as many blocks as the packet all-reduce would use to push
+ * them (one per TPC_PACKET_THIN_THREADS units): the kernel's "spread" mode. */
 extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *stream) {
   const uint64_t rows = args->nbytes / args->row_bytes;
   const uint64_t row_units = args->row_bytes / TPC_PACKET_DATA_BYTES;
   const unsigned max_blocks = tpc_packet_max_blocks(args);
+  const uintptr_t in = (uintptr_t)args->in, out = (uintptr_t)args->out, out2 = (uintptr_t)args->out2;
+  const uint64_t n = args->nbytes;
+  const int apart = (in + n <= out || out + n <= in) && (in + n <= out2 || out2 + n <= in);
+  const uint64_t pushers = apart ? (rows * row_units + TPC_PACKET_THIN_THREADS - 1) / TPC_PACKET_THIN_THREADS : 0;
+  const uint64_t wanted = pushers > rows ? pushers : rows;
   tpc_geometry g;
-  g.blocks = (unsigned)(rows < max_blocks ? rows : max_blocks);
+  g.blocks = (unsigned)(wanted < max_blocks ? wanted : max_blocks);
   g.threads = (unsigned)(row_units < TPC_NORM_THREADS ? (row_units + 31) / 32 * 32 : TPC_NORM_THREADS) +
               TPC_CONTROL_THREADS;
   return tpc_launch(tpc_all_reduce_norm_kernel, g, args, stream);

@@ -79,6 +79,45 @@ TPC_DEVICE uint32_t tpc_load_acquire(const uint32_t *addr) {
   return value;
 }
 
+/* 64-bit flags (an epoch and a step count in one word: stream.cuh). */
+TPC_DEVICE void tpc_store_release64(uint64_t *addr, uint64_t value) {
+#ifdef TPC_HIP
+  __hip_atomic_store(addr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+#endif
+}
+
+TPC_DEVICE uint64_t tpc_load_acquire64(const uint64_t *addr) {
+  uint64_t value;
+#ifdef TPC_HIP
+  value = __hip_atomic_load(addr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+#endif
+  return value;
+}
+
+/* Shared-memory words one warp of a block hands to another (stream.cuh):
+ * release and acquire at block scope. */
+TPC_DEVICE void tpc_store_release_block(uint32_t *addr, uint32_t value) {
+#ifdef TPC_HIP
+  __hip_atomic_store(addr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_WORKGROUP);
+#else
+  asm volatile("st.release.cta.u32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
+#endif
+}
+
+TPC_DEVICE uint32_t tpc_load_acquire_block(const uint32_t *addr) {
+  uint32_t value;
+#ifdef TPC_HIP
+  value = __hip_atomic_load(addr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_WORKGROUP);
+#else
+  asm volatile("ld.acquire.cta.u32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+#endif
+  return value;
+}
+
 /* Words other agents write and this GPU polls: a volatile read, never served
  * from a stale L1 line. */
 TPC_DEVICE uint32_t tpc_load_relaxed(const uint32_t *addr) {
@@ -148,6 +187,16 @@ TPC_DEVICE void tpc_grid_release(void) {
 TPC_DEVICE void tpc_warp_sync(void) {
 #ifndef TPC_HIP
   __syncwarp();
+#endif
+}
+
+/* Nonzero in every lane of the warp (CUDA) or wavefront (AMD) when v is
+ * nonzero in any. */
+TPC_DEVICE int tpc_warp_any(int v) {
+#ifdef TPC_HIP
+  return __any(v);
+#else
+  return __any_sync(0xffffffffu, v);
 #endif
 }
 

@@ -282,22 +282,27 @@ TPC_DEVICE int tpc_packet_ready(uint64_t lo, uint64_t hi, uint32_t epoch) {
  * it costs no extra round trip, and a peer that runs another op, size,
  * algorithm, dtype or layout is named at once (its header arrives even when
  * the data never will) instead of timing out. */
+/* One look at `peer`'s header for this op: 1 once it is in and agrees with
+ * ours, 0 while it is not in yet; a header that disagrees is recorded as a
+ * mismatch naming the peer (op->failed is then set). */
+TPC_DEVICE int tpc_header_poll(tpc_op *op, int peer) {
+  uint64_t lo, hi;
+  tpc_load_packet(op->sig->header[op->epoch & 1u][peer], &lo, &hi);
+  if (!tpc_packet_ready(lo, hi, op->epoch)) return 0;
+  if ((uint32_t)lo == (uint32_t)op->args->nbytes && (uint32_t)hi == op->args->kind) return 1;
+  tpc_record_error(op, TPC_ERR_MISMATCH, peer, (uint32_t)lo, (uint32_t)hi);
+  return 0;
+}
+
 TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer, int check_header = 0) {
-  uint64_t lo, hi, h_lo, h_hi;
-  const uint64_t *header = op->sig->header[op->epoch & 1u][peer];
+  uint64_t lo, hi;
   int header_ok = !check_header;
   uint32_t spins = 0;
   for (;;) {
     tpc_load_packet((const uint64_t *)slot, &lo, &hi);
     if (!header_ok) {
-      tpc_load_packet(header, &h_lo, &h_hi);
-      if (tpc_packet_ready(h_lo, h_hi, op->epoch)) {
-        if ((uint32_t)h_lo != (uint32_t)op->args->nbytes || (uint32_t)h_hi != op->args->kind) {
-          tpc_record_error(op, TPC_ERR_MISMATCH, peer, (uint32_t)h_lo, (uint32_t)h_hi);
-          return make_uint2(0, 0);
-        }
-        header_ok = 1;
-      }
+      header_ok = tpc_header_poll(op, peer);
+      if (op->failed) return make_uint2(0, 0);
     }
     if (header_ok && tpc_packet_ready(lo, hi, op->epoch)) break;
     if (tpc_wait_gives_up(op, peer, &spins)) return make_uint2(0, 0);
@@ -384,17 +389,36 @@ TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op, int seco
   if (__syncthreads_or(op->failed)) op->failed = 1;
 }
 
-/* Bulk slots are reused by every bulk op. Before writing into a peer's slots
- * we wait until that peer released the previous bulk op (it finished reading
- * them); the release is sent by its last block, so no barrier is spent at the
- * end of the op. Usually already satisfied when checked. */
-TPC_DEVICE void tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op) {
+/* How a bulk op uses the data region (tpc_bulk_acquire, tpc_op_end). */
+enum { TPC_NOT_BULK = 0, TPC_BULK_WHOLE = 1, TPC_BULK_HALF = 2 };
+
+/* Bulk slots are reused by later bulk ops. Before writing into a peer's slots
+ * we wait until that peer released the last bulk op that wrote the same
+ * memory (it finished reading it). An op that uses one half (the streamed
+ * kernels, by the parity of the bulk sequence number, returned here) need
+ * not wait for the previous op when that one used only the other half: the
+ * peer may still be reading it while this op already pushes, which takes the
+ * release's round trip off the path from one op to the next.
+ *
+ * A rank releases a bulk op when its next bulk op starts (here, block 0,
+ * after the wait for the previous kernel: every read of the slots is done),
+ * not at that op's end, which would put a system-scope fence on the tail of
+ * every op. Nothing waits for it sooner: a peer needs the release of op m
+ * only for its op m+1 (whole) or m+2 (half), and neither can finish before
+ * this rank has started op m+1. Counts are compared modulo 2^32. */
+TPC_DEVICE uint32_t tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op, int use) {
+  const uint32_t seq = *(volatile uint32_t *)&op->sig->bulk_seq;
   const int t = threadIdx.x;
   if (t < a->world && t != a->rank) {
-    const uint32_t done = *(volatile uint32_t *)&op->sig->bulk_seq;
-    tpc_flag_wait(op, &op->sig->released[t], done, t);
+    if (blockIdx.x == 0) tpc_store_release(&tpc_signals_of(a, t)->released[a->rank], seq);
+    const uint32_t last_whole = *(volatile uint32_t *)&op->sig->last_whole;
+    const uint32_t need = use == TPC_BULK_HALF && last_whole != seq ? seq - 1u : seq;
+    uint32_t spins = 0;
+    while ((int32_t)(tpc_load_acquire(&op->sig->released[t]) - need) < 0)
+      if (tpc_wait_gives_up(op, t, &spins)) break;
   }
   if (__syncthreads_or(op->failed)) op->failed = 1;
+  return seq;
 }
 
 /* The op under the last epoch before the counter wraps (TPC_EPOCH_LAST),
@@ -430,12 +454,12 @@ TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
 
 /* Called by every thread at the end. The epoch was advanced at the start
  * (tpc_epoch_advance), except under the last epoch: that op clears the flags
- * first (tpc_wrap). Bulk ops: the last block to finish tells peers their
- * slots in our buffer are free again; the fences order every block's reads
- * of those slots before that release. A failed bulk op never releases its
- * slots: a peer that still writes into them would overwrite data nobody
- * reads, and the next op is refused anyway. */
-TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk) {
+ * first (tpc_wrap). Bulk ops: the last block to finish counts the op done
+ * (bulk_seq); the next bulk op releases it to the peers (tpc_bulk_acquire).
+ * A failed bulk op is never counted, so never released: a peer that still
+ * writes into its slots would overwrite data nobody reads, and the next op is
+ * refused anyway. */
+TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk /* TPC_NOT_BULK, _WHOLE, _HALF */) {
   const int wrap = op->epoch == TPC_EPOCH_LAST;
   if (!bulk && !wrap) return;
   /* Blocks count their completions and, in the high half of the same
@@ -458,11 +482,9 @@ TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk) {
     *(volatile uint32_t *)&op->control->epoch = op->epoch;
   }
   if (!bulk) return;
-  __threadfence();
   const uint32_t seq = op->sig->bulk_seq + 1u;
   op->sig->bulk_seq = seq;
-  for (int p = 0; p < a->world; ++p)
-    if (p != a->rank) tpc_store_release(&tpc_signals_of(a, p)->released[a->rank], seq);
+  if (bulk == TPC_BULK_WHOLE) op->sig->last_whole = seq;
 }
 
 #endif /* TPCOMM_PRIMITIVES_CUH */

@@ -60,7 +60,7 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
       ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
     }
   }
-  tpc_op_end(&a, &op, 0);
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
 template <int OutF32>
@@ -68,7 +68,7 @@ __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kerne
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   tpc_header_send(&a, &op, 0);
-  tpc_bulk_acquire(&a, &op);
+  tpc_bulk_acquire(&a, &op, TPC_BULK_WHOLE);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16; /* per chunk */
   const tpc_span span = tpc_data_span();
@@ -95,7 +95,7 @@ __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kerne
     }
   }
 #undef SLOT
-  tpc_op_end(&a, &op, 1);
+  tpc_op_end(&a, &op, TPC_BULK_WHOLE);
 }
 
 #endif /* TPCOMM_REDUCE_SCATTER_CUH */

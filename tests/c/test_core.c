@@ -242,15 +242,16 @@ static void test_layout(void) {
   CHECK(sizeof(tpc_signals) <= TPC_SIGNALS_BYTES);
   /* one configuration worked out by hand: world 2, max 4096, packet 1024 */
   tpc_layout l = tpc_layout_for(2, 4096, 1024);
-  CHECK_EQ(l.packet_off, 16384);
+  CHECK_EQ(TPC_STREAM_FLAGS_BYTES, 16384);         /* 2 parities x 128 blocks x 8 senders x 8 bytes */
+  CHECK_EQ(l.packet_off, 16384 + 16384);           /* signals, then the stream flags */
   CHECK_EQ(l.packet_slot_bytes, 4096);             /* round_up(2 * 1024, 4096) */
-  CHECK_EQ(l.data_off, 16384 + 2 * 2 * 4096);      /* 32768 */
+  CHECK_EQ(l.data_off, 32768 + 2 * 2 * 4096);      /* 49152 */
   CHECK_EQ(l.data_bytes, 12288);                   /* round_up(2 * 4096 + 32, 4096) */
-  CHECK_EQ(l.total_bytes, 45056);
+  CHECK_EQ(l.total_bytes, 61440);
   /* regions do not overlap, are page aligned, and packet slots hold 2x the input */
   for (int n = 2; n <= TPC_MAX_RANKS; ++n) {
     tpc_layout m = tpc_layout_for(n, 1u << 20, 64u << 10);
-    CHECK(m.packet_off >= sizeof(tpc_signals));
+    CHECK(m.packet_off >= TPC_SIGNALS_BYTES + TPC_STREAM_FLAGS_BYTES);
     CHECK(m.packet_slot_bytes >= 2 * (64u << 10));
     CHECK_EQ(m.data_off, m.packet_off + 2 * (size_t)n * m.packet_slot_bytes);
     CHECK(m.data_bytes >= 2 * (1u << 20) + 16 * (size_t)n);
@@ -829,6 +830,7 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
   CHECK_EQ(a->packet_off, l.packet_off);
   CHECK_EQ(a->packet_slot_bytes, l.packet_slot_bytes);
   CHECK_EQ(a->data_off, l.data_off);
+  CHECK_EQ(a->data_bytes, l.data_bytes);
   CHECK_EQ(a->rank, rank);
   CHECK_EQ(a->world, w->n);
   CHECK_EQ(a->dtype, dtype);

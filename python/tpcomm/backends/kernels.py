@@ -1,7 +1,8 @@
 """tpcomm's own kernels (csrc/kernels) through the torch ops, for one
 communicator id: "packet" (barrier-free, small and medium sizes) and "bulk"
-(two barriers, large sizes), and the fused all-reduce + add + RMSNorm (packet). They read only their input and the buffers
-registered at init, so graph capture needs nothing more (Communicator.capture
+(large sizes: streamed, or the two-shot all-reduce of more than two ranks),
+and the fused all-reduce + add + RMSNorm (packet). They read only their input
+and the buffers registered at init, so graph capture needs nothing more (Communicator.capture
 only marks the capture). Errors come back as tpcomm's exception classes."""
 import torch
 
@@ -21,13 +22,16 @@ def custom(name):
 class Kernels:
     def __init__(self, handle):
         self.handle = handle  # the communicator id the ops take
-        self._all_reduce = custom("custom_all_reduce")
         self._all_reduce_out = custom("custom_all_reduce_out")
 
     def all_reduce(self, x, algo, out=None):
+        """x is contiguous. A new output comes from torch.empty_like and the
+        _out op: on the 2xH200 host that costs less than the op that
+        allocates through the stable ABI's empty_strided (5.3 + 1.6 against
+        7.5 us, benchmarks/host_cost.py)."""
         try:
             if out is None:
-                return self._all_reduce(x, self.handle, ALGOS[algo])
+                out = torch.empty_like(x)
             self._all_reduce_out(x, out, self.handle, ALGOS[algo])
             return out
         except RuntimeError as e:

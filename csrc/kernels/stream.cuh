@@ -1,0 +1,190 @@
+/*
+ * Streamed bulk transfers: data warps push without ever waiting for their
+ * own stores, and a peer reads each step as soon as it has landed.
+ *
+ * The op's 16-byte units are cut into warp steps of TPC_STREAM_STEP_UNITS
+ * (each lane moves TPC_STREAM_UNITS of them, 512 contiguous bytes a warp per
+ * store) and block steps of one warp step per data warp; block b takes block
+ * steps b, b + B, b + 2B, ... (B blocks). The grid is a function of the size
+ * and the world only, so block b of every rank takes the same steps.
+ *
+ * Signalling. A data warp pushes a step into every peer's slot and tells its
+ * block's control warp (a release at block scope in shared memory), then
+ * goes on. The control warp takes the smallest count all data warps have
+ * reached and stores it in each peer's flag for this block: one 64-bit word
+ * per [block][sender], (epoch << 32 | steps done), a release at system scope,
+ * which is cumulative over the data warps' stores it acquired. That release
+ * is the only fence, and it stalls only the control warp: on these GPUs a
+ * system fence waits for every store of the multiprocessor still in flight,
+ * so when each data warp fenced its own steps (the first version of this
+ * file), all of them stalled at once after every step and the link idled for
+ * a round trip each time (measured on 2xH200: about 2 us a step). A peer's
+ * warp waits for the count before it reads a step. The flag carries the
+ * epoch, so an old op's count never passes for this op's.
+ *
+ * Slots and flags come in two halves, by the parity of the bulk sequence
+ * number: a peer may start the next streamed op while this rank still reads
+ * the current one (tpc_bulk_acquire waits only for the op before that), so
+ * the next op writes the other half, and within one half the counts only
+ * grow. Each half holds n-1 slots of one rank's input (none for the owner).
+ *
+ * Headers: block 0's control warp sends them; each data warp checks them in
+ * its first wait (tpc_header_poll), before it reads any data, so a peer that
+ * runs another op is named and no warp sums what that op pushed.
+ */
+#ifndef TPCOMM_STREAM_CUH
+#define TPCOMM_STREAM_CUH
+
+#include "primitives.cuh"
+
+#define TPC_STREAM_LANES 32 /* a warp on CUDA; on AMD half a wavefront, which runs in lockstep */
+#define TPC_STREAM_UNITS 4  /* 16-byte units per lane per step: 4 loads in flight */
+#define TPC_STREAM_STEP_UNITS (TPC_STREAM_LANES * TPC_STREAM_UNITS)
+#define TPC_STREAM_WARPS_PER_BLOCK 8 /* the most the launch uses (launch.cu) */
+#define TPC_STREAM_MAX_THREADS (TPC_STREAM_WARPS_PER_BLOCK * TPC_STREAM_LANES + TPC_CONTROL_THREADS)
+
+typedef struct {
+  char *slots;           /* this op's half of this rank's bulk region */
+  uint32_t parity;       /* which half of the slots and flags this op uses */
+  uint32_t block_steps;  /* block steps this block takes */
+  uint64_t units;        /* 16-byte units of one rank's input */
+  uint32_t warp;         /* data warp index in the block; data_warps for the control warp */
+  uint32_t data_warps;
+  uint32_t lane;
+} tpc_steps;
+
+/* Bulk slot half `parity` of rank `owner`'s buffer. */
+TPC_DEVICE char *tpc_stream_half(const tpc_kernel_args *a, int owner, uint32_t parity) {
+  return a->bufs[owner] + a->data_off + (uint64_t)parity * (a->data_bytes / 32 * 16);
+}
+
+/* `seq`: the bulk ops completed before this one (tpc_bulk_acquire). */
+TPC_DEVICE tpc_steps tpc_stream_of(const tpc_kernel_args *a, uint32_t seq) {
+  tpc_steps s;
+  s.units = a->nbytes / 16;
+  s.data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_STREAM_LANES;
+  const uint64_t step_units = (uint64_t)s.data_warps * TPC_STREAM_STEP_UNITS;
+  const uint64_t all = (s.units + step_units - 1) / step_units;
+  s.block_steps = blockIdx.x < all ? (uint32_t)((all - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
+  const unsigned w = threadIdx.x / TPC_STREAM_LANES;
+  s.warp = w < s.data_warps ? w : s.data_warps;
+  s.lane = threadIdx.x % TPC_STREAM_LANES;
+  s.parity = seq & 1u;
+  s.slots = tpc_stream_half(a, a->rank, s.parity);
+  return s;
+}
+
+/* The unit lane `s->lane` of a data warp moves as its k-th of the block's
+ * i-th block step. */
+TPC_DEVICE uint64_t tpc_stream_unit(const tpc_steps *s, uint32_t i, int k) {
+  const uint64_t step = ((uint64_t)i * gridDim.x + blockIdx.x) * s->data_warps + s->warp;
+  return step * TPC_STREAM_STEP_UNITS + (uint64_t)k * TPC_STREAM_LANES + s->lane;
+}
+
+/* Flag [parity][block][sender] in rank `owner`'s buffer. */
+TPC_DEVICE uint64_t *tpc_stream_flag(const tpc_kernel_args *a, int owner, const tpc_steps *s, int sender) {
+  const uint64_t index = ((uint64_t)s->parity * TPC_MAX_BLOCKS + blockIdx.x) * TPC_MAX_RANKS + sender;
+  return (uint64_t *)(a->bufs[owner] + TPC_SIGNALS_BYTES) + index;
+}
+
+/* Sender q's slot in this op's half of rank `owner`'s buffer: one rank's
+ * input, packed (the owner has none). */
+TPC_DEVICE char *tpc_stream_slot(const tpc_kernel_args *a, const tpc_steps *s, int owner, int sender) {
+  const char *half = owner == a->rank ? s->slots : tpc_stream_half(a, owner, s->parity);
+  return (char *)half + (uint64_t)(sender - (sender > owner)) * a->nbytes;
+}
+
+/* Steps each data warp of the block has pushed: data warps write their own
+ * word, the control warp reads them all. Zeroed before the op's first block
+ * barrier (tpc_bulk_acquire). */
+TPC_DEVICE uint32_t *tpc_stream_pushed(void) {
+  __shared__ uint32_t pushed[TPC_STREAM_WARPS_PER_BLOCK];
+  return pushed;
+}
+
+TPC_DEVICE void tpc_stream_reset(void) {
+  if (threadIdx.x < TPC_STREAM_WARPS_PER_BLOCK) tpc_stream_pushed()[threadIdx.x] = 0;
+}
+
+/* Step t of this rank's input into registers (units past the end read as 0). */
+TPC_DEVICE void tpc_stream_load(const tpc_steps *s, const char *in, uint32_t t, uint4 v[TPC_STREAM_UNITS]) {
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    v[k] = u < s->units ? tpc_load16(in + u * 16) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/* Step t into this rank's slot in every peer, starting at a different peer
+ * on every rank. Nothing is written once the op failed: after a failed
+ * acquire a peer may still be reading its slots. */
+TPC_DEVICE void tpc_stream_push(const tpc_op *op, const tpc_steps *s, uint32_t t, const uint4 v[TPC_STREAM_UNITS]) {
+  const tpc_kernel_args *a = op->args;
+  if (op->failed) return;
+  for (int i = 1; i < a->world; ++i) {
+    char *slot = tpc_stream_slot(a, s, (a->rank + i) % a->world, a->rank);
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      if (u < s->units) tpc_store16(slot + u * 16, v[k]);
+    }
+  }
+}
+
+TPC_DEVICE uint64_t tpc_stream_tag(uint32_t epoch, uint32_t done) { return (uint64_t)epoch << 32 | done; }
+
+/* A data warp has pushed `done` of its block's steps. Once any of its lanes
+ * failed (and so skipped its pushes) the warp stops counting, so the control
+ * warp never signals data that was not pushed. */
+TPC_DEVICE void tpc_stream_mark(const tpc_op *op, const tpc_steps *s, uint32_t done) {
+  tpc_warp_sync(); /* orders the lanes' stores before lane 0's release */
+  if (!tpc_warp_any(op->failed) && s->lane == 0) tpc_store_release_block(&tpc_stream_pushed()[s->warp], done);
+}
+
+/* The control warp: until the block's last step is signalled, tell every
+ * peer (one lane per peer) how many steps all data warps have pushed. It
+ * gives up only once the op failed (a data warp's bounded wait records
+ * why), checked every 64 spins like every wait. */
+TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
+  const tpc_kernel_args *a = op->args;
+  const int peer = (int)s->lane;
+  const uint32_t *pushed = tpc_stream_pushed();
+  uint32_t signalled = 0, spins = 0;
+  while (signalled < s->block_steps && !op->failed) {
+    uint32_t done = ~0u;
+    for (uint32_t w = 0; w < s->data_warps; ++w) {
+      const uint32_t p = tpc_load_acquire_block(&pushed[w]);
+      done = p < done ? p : done;
+    }
+    if (done > signalled) {
+      if (peer < a->world && peer != a->rank)
+        tpc_store_release64(tpc_stream_flag(a, peer, s, a->rank), tpc_stream_tag(op->epoch, done));
+      signalled = done;
+    } else if ((++spins & 63u) == 0) {
+      const uint4 c = tpc_load_control(op->control);
+      if (c.z != 0 || c.w != 0) return;
+    }
+  }
+}
+
+/* Until every peer's block has pushed `done` steps into this rank's slots;
+ * with check_header, also until the peer's header for this op is in and
+ * agrees. Bounded like every wait; on giving up op->failed is set. */
+TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, int check_header) {
+  const tpc_kernel_args *a = op->args;
+  for (int i = 1; i < a->world && !op->failed; ++i) {
+    const int q = (a->rank + i) % a->world;
+    const uint64_t *flag = tpc_stream_flag(a, a->rank, s, q);
+    int header_ok = !check_header;
+    uint32_t spins = 0;
+    for (;;) {
+      if (!header_ok) {
+        header_ok = tpc_header_poll(op, q);
+        if (op->failed) return;
+      }
+      const uint64_t v = tpc_load_acquire64(flag);
+      if (header_ok && (uint32_t)(v >> 32) == op->epoch && (uint32_t)v >= done) break;
+      if (tpc_wait_gives_up(op, q, &spins)) return;
+    }
+  }
+}
+
+#endif /* TPCOMM_STREAM_CUH */
