@@ -110,12 +110,8 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
     tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 0);
-  tpc_stream_reset();
-  const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, TPC_BULK_HALF));
-  if (s.warp == s.data_warps) {
-    tpc_stream_signal_all(&op, &s);
-  } else if (s.block_steps) {
+  tpc_steps s;
+  if (tpc_stream_start(&op, &s)) {
     tpc_stream_gather_step(&op, &s, 0);
     tpc_stream_mark(&op, &s, 1);
     for (uint32_t i = 0; i < s.block_steps; ++i) {

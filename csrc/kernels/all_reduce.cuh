@@ -69,8 +69,7 @@ TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t
     }
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-      if (q == 0) tpc_start(acc[k], words, 4, a->dtype);
-      else tpc_accumulate(acc[k], words, 4, a->dtype);
+      tpc_add_rank(acc[k], words, 4, a->dtype, q);
     }
   }
   const int broken = tpc_op_broken(op);
@@ -90,12 +89,8 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
     tpc_all_reduce_stream_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 0);
-  tpc_stream_reset();
-  const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, TPC_BULK_HALF));
-  if (s.warp == s.data_warps) {
-    tpc_stream_signal_all(&op, &s);
-  } else if (s.block_steps) {
+  tpc_steps s;
+  if (tpc_stream_start(&op, &s)) {
     const char *in = (const char *)a.in;
     uint4 cur[TPC_STREAM_UNITS], next[TPC_STREAM_UNITS];
     tpc_stream_load(&s, in, 0, cur);

@@ -45,6 +45,12 @@ TPC_DEVICE void tpc_start(float *acc, const uint32_t *words, int nwords, int dty
   tpc_accumulate(acc, words, nwords, dtype);
 }
 
+/* Rank q's words into a sum kept in rank order: rank 0 starts it. */
+TPC_DEVICE void tpc_add_rank(float *acc, const uint32_t *words, int nwords, int dtype, int q) {
+  if (q == 0) tpc_start(acc, words, nwords, dtype);
+  else tpc_accumulate(acc, words, nwords, dtype);
+}
+
 TPC_DEVICE uint4 tpc_load16(const void *p) { return *(const uint4 *)p; }
 TPC_DEVICE void tpc_store16(void *p, uint4 v) { *(uint4 *)p = v; }
 

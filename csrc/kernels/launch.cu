@@ -65,8 +65,9 @@ static tpc_geometry tpc_packet_geometry(const tpc_kernel_args *args, uint64_t it
 }
 
 /* Streamed kernels (stream.cuh): as many blocks as there are block steps, up
- * to TPC_MAX_BLOCKS, of 4 data warps; 8 once that leaves a block more than
- * one step (2 MiB a rank), so that a multiprocessor keeps more in flight. */
+ * to TPC_MAX_BLOCKS, of 4 data warps; 8 once 4-warp blocks would take more
+ * than one step each (above 1 MiB a rank), so that a multiprocessor keeps
+ * more in flight. */
 static tpc_geometry tpc_stream_geometry(uint64_t units) {
   const uint64_t steps = (units + TPC_STREAM_STEP_UNITS - 1) / TPC_STREAM_STEP_UNITS;
   const uint64_t warps_per_block = steps > TPC_MAX_BLOCKS * 4ull ? TPC_STREAM_WARPS_PER_BLOCK : TPC_STREAM_WARPS_PER_BLOCK / 2;

@@ -464,7 +464,7 @@ TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk /* TPC
   if (!bulk && !wrap) return;
   /* Blocks count their completions and, in the high half of the same
    * atomic, their failures: the last block learns whether any block failed
-   * without another load on the way to the release. */
+   * without another load before it counts the op done. */
   const int block_failed = __syncthreads_or(op->failed);
   if (threadIdx.x != 0) return;
   uint32_t failed = (uint32_t)block_failed;

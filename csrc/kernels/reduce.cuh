@@ -18,8 +18,7 @@ TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint
     const uint2 v = q == a->rank ? own
                                  : tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
     const uint32_t words[2] = {v.x, v.y};
-    if (q == 0) tpc_start(acc, words, 2, a->dtype);
-    else tpc_accumulate(acc, words, 2, a->dtype);
+    tpc_add_rank(acc, words, 2, a->dtype, q);
   }
 }
 
@@ -34,25 +33,20 @@ TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own,
 
 /* 16-byte unit, acc[0..values) in fp32, not rounded (8 values for 16-bit
  * dtypes, 4 for fp32): sender q's value lies at peer_base + q * peer_stride in
- * this rank's bulk slots (read after the peers signalled their pushes), or,
- * with `packed` (no slot for this rank), at index q - 1 for the senders past
- * this rank. */
+ * this rank's bulk slots (read after the barrier that follows the pushes). */
 TPC_DEVICE void tpc_accumulate16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride,
-                                 float acc[8], int packed = 0) {
+                                 float acc[8]) {
   for (int q = 0; q < a->world; ++q) {
-    const uint64_t index = (uint64_t)(q - (packed && q > a->rank));
-    const uint4 v = q == a->rank ? own : tpc_load16_from_peer(peer_base + index * peer_stride);
+    const uint4 v = q == a->rank ? own : tpc_load16_from_peer(peer_base + (uint64_t)q * peer_stride);
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    if (q == 0) tpc_start(acc, words, 4, a->dtype);
-    else tpc_accumulate(acc, words, 4, a->dtype);
+    tpc_add_rank(acc, words, 4, a->dtype, q);
   }
 }
 
 /* The same, rounded once to the dtype. */
-TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride,
-                           int packed = 0) {
+TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride) {
   float acc[8];
-  tpc_accumulate16(a, own, peer_base, peer_stride, acc, packed);
+  tpc_accumulate16(a, own, peer_base, peer_stride, acc);
   uint32_t s[4];
   tpc_round(acc, s, 4, a->dtype);
   return make_uint4(s[0], s[1], s[2], s[3]);
