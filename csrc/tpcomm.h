@@ -75,7 +75,9 @@ typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
 typedef enum {
   TPC_ALGO_AUTO = 0,
   TPC_ALGO_PACKET = 1,     /* barrier-free: data and epoch flag in one store */
-  TPC_ALGO_BULK = 2        /* 16-byte copies, streamed or between barriers    */
+  TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed or between barriers    */
+  TPC_ALGO_LINE = 3        /* 128-byte lines of data and flag (NVLink only):
+                              all_reduce and all_gather, up to the packet cap */
 } tpc_algo;
 
 typedef struct {

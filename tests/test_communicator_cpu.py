@@ -457,6 +457,32 @@ def test_shipped_bands_past_max_bytes_apply_only_to_a_larger_communicator():
     assert large.route_all_reduce(_t(64 * MiB + 16)) == "nccl"  # past the last band
 
 
+LINE_TABLE = {"routes": {op: {"*": {"*": [[4 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}}
+                         for op in ("all_reduce", "all_gather")}}
+
+
+def test_route_line_kernels():
+    """The line kernels take their bands where they can run (16-byte sizes,
+    and rows for all_gather; up to the packet cap; CUDA builds); the packet
+    kernel takes what they cannot, bulk what is over the cap."""
+    c = _routing_comm(table=LINE_TABLE, packet_max_bytes=512 * KiB)
+    assert c.route_all_reduce(_t(4 * KiB)) == "packet"
+    assert c.route_all_reduce(_t(4 * KiB + 16)) == "line"
+    assert c.route_all_reduce(_t(512 * KiB)) == "line"
+    assert c.route_all_reduce(_t(512 * KiB + 16)) == "bulk"  # over the packet cap: lines live in packet slots
+    assert c.route_all_gather(_t(64 * KiB), 0) == "line"
+    assert c.route_all_gather(_t(64 * KiB, shape=(8192, 2)), 1) == "packet"  # 8-byte rows
+    assert c.route_all_gather(_t(64 * KiB, shape=(1024, 16)), 1) == "line"  # 64-byte rows
+    assert c.route_all_gather(_t(64 * KiB + 4), 0) == "packet"
+    assert c.route_all_gather(_t(1 * MiB), 0) == "bulk"
+    c.line_kernels = False  # a ROCm build
+    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
+    assert c.route_all_gather(_t(64 * KiB), 0) == "packet"
+    assert _routing_comm(table=LINE_TABLE, forbid=("line",)).route_all_reduce(_t(64 * KiB)) == "nccl"
+    with pytest.raises(ValueError, match="reduce_scatter has no line kernel"):
+        tpcomm.Config(force=(("reduce_scatter", "line"),)).checked()
+
+
 def test_route_all_reduce():
     c = _routing_comm()
     assert c.enabled

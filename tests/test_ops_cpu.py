@@ -246,7 +246,7 @@ def test_ctypes_structs_match_the_header(tmp_path):
             lines.append(f'printf("{c_name}.{name} %zu\\n", offsetof({c_name}, {name}));')
     codes = ["TPC_OK", "TPC_ERR_INVALID_ARG", "TPC_ERR_RUNTIME", "TPC_ERR_PEER", "TPC_ERR_STATE", "TPC_ERR_TIMEOUT",
              "TPC_ERR_MISMATCH", "TPC_ERR_TOO_LARGE", "TPC_ERR_CLOSED", "TPC_ALGO_AUTO", "TPC_ALGO_PACKET",
-             "TPC_ALGO_BULK", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
+             "TPC_ALGO_BULK", "TPC_ALGO_LINE", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
     lines += [f'printf("{c} %d\\n", (int){c});' for c in codes]
     src = tmp_path / "layout.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "tpcomm.h"\nint main(void) {\n'
@@ -261,7 +261,7 @@ def test_ctypes_structs_match_the_header(tmp_path):
             assert int(seen[f"{c_name}.{name}"]) == getattr(cls, name).offset, (c_name, name)
     python_side = [_lib.OK, _lib.ERR_INVALID_ARG, _lib.ERR_RUNTIME, _lib.ERR_PEER, _lib.ERR_STATE, _lib.ERR_TIMEOUT,
                    _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE, _lib.ERR_CLOSED, _lib.ALGO_AUTO, _lib.ALGO_PACKET,
-                   _lib.ALGO_BULK, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
+                   _lib.ALGO_BULK, _lib.ALGO_LINE, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
     assert [int(seen[c]) for c in codes] == python_side
 
 
@@ -297,7 +297,7 @@ def test_policy_shipped_table():
             for dtype, rows in by_dtype.items():
                 limits = [limit for limit, _ in rows]
                 backends = [backend for _, backend in rows]
-                assert set(backends) <= {"packet", "bulk"}, (op, world, dtype)
+                assert set(backends) <= set(policy.KERNELS), (op, world, dtype)
                 assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world, dtype)
                 assert limits[-1] <= 64 * MiB and all(limit % 16 == 0 for limit in limits)
                 # reduce_scatter's bands are its input per rank; the packet cap is on one chunk
@@ -347,6 +347,8 @@ def test_policy_effective_routes_and_flatten():
     ({"all_reduce": {"*": {"*": [[True, "packet"]]}}, "all_gather": {"*": {"*": [[16, "packet"]]}}},
      "must be [limit bytes, backend]"),
     ({"all_reduce": {"*": {"*": []}}, "all_gather": {"*": {"*": [[16, "packet"]]}}}, "non-empty list"),
+    ({"all_reduce": {"*": {"*": [[16, "line"]]}}, "all_gather": {"*": {"*": [[16, "line"]]}},
+      "reduce_scatter": {"*": {"*": [[16, "packet"], [32, "line"]]}}}, "reduce_scatter/*/*: reduce_scatter has no line kernel"),
 ])
 def test_policy_bad_tables_name_the_entry(routes, needle):
     with pytest.raises(policy.TableError, match=re.escape(needle)):

@@ -405,6 +405,7 @@ static const char *algo_name(uint32_t kind) {
   switch ((kind >> 8) & 0xffu) {
     case TPC_ALGO_PACKET: return "packet";
     case TPC_ALGO_BULK: return "bulk";
+    case TPC_ALGO_LINE: return "line";
   }
   return "?";
 }
@@ -614,13 +615,16 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
   if (algo == TPC_ALGO_AUTO)
     algo = nbytes <= comm->all_reduce_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
-  if (algo == TPC_ALGO_PACKET && nbytes > comm->cfg.packet_max_bytes)
+  if (algo == TPC_ALGO_LINE && op != TPC_OP_ALL_REDUCE)
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s has no line kernel", name);
+  /* lines live in the packet slots: 112 data bytes in 128, within the cap */
+  if ((algo == TPC_ALGO_PACKET || algo == TPC_ALGO_LINE) && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
                 comm->cfg.packet_max_bytes);
   if (algo == TPC_ALGO_BULK && in_bytes > comm->cfg.max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the cap of %zu", name, in_bytes,
                 comm->cfg.max_bytes);
-  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
+  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK && algo != TPC_ALGO_LINE)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
   /* fp32 sums take 4 bytes a value: twice the chunk of a 16-bit dtype */
   const size_t out_bytes = out_f32 && dtype != TPC_FLOAT32 ? 2 * nbytes : nbytes;
@@ -705,9 +709,12 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && out_bytes <= comm->cfg.max_bytes;
   if (algo == TPC_ALGO_AUTO)
     algo = (nbytes <= comm->all_gather_packet_max || !bulk_ok) ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
-  if (algo == TPC_ALGO_BULK && (misaligned(in, 16) || misaligned(out, 16)))
-    return fail(comm, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned");
-  if (algo == TPC_ALGO_PACKET && nbytes > comm->cfg.packet_max_bytes)
+  if ((algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) && (misaligned(in, 16) || misaligned(out, 16)))
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather input and output must be 16-byte aligned",
+                algo == TPC_ALGO_BULK ? "bulk" : "line");
+  if (algo == TPC_ALGO_LINE && (nbytes % 16 || row_bytes % 16))
+    return fail(comm, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows");
+  if ((algo == TPC_ALGO_PACKET || algo == TPC_ALGO_LINE) && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
                 nbytes, comm->cfg.packet_max_bytes);
   if (algo == TPC_ALGO_BULK && out_bytes > comm->cfg.max_bytes)
@@ -715,7 +722,7 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
                 out_bytes, comm->cfg.max_bytes);
   if (algo == TPC_ALGO_BULK && !bulk_ok)
     return fail(comm, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte sizes, rows and alignment");
-  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK)
+  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK && algo != TPC_ALGO_LINE)
     return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
   tpc_kernel_args a;
   fill_args(comm, &a, in, out, nbytes, out_bytes, row_bytes, 0, TPC_OP_ALL_GATHER, algo, nan_pattern);

@@ -8,6 +8,8 @@
  *
  * packet: push the input as packets to every peer, copy it to our own output,
  *   then wait for each peer's packets and place them. No barrier.
+ * line (line.cuh): the packet scheme with 128-byte lines of 112 data bytes
+ *   and one flag; 16-byte rows and sizes.
  * bulk (streamed, stream.cuh): every warp pushes its steps of the input into
  *   every peer's bulk slot and copies them to its own output, and places a
  *   peer's step as soon as that peer has signalled it: step i+1 is pushed
@@ -18,6 +20,7 @@
 #define TPCOMM_ALL_GATHER_CUH
 
 #include "data_ops.cuh"
+#include "line.cuh"
 #include "primitives.cuh"
 #include "stream.cuh"
 
@@ -71,6 +74,38 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
       }
       out[o] = v.x;
       if (pair) out[o1] = v.y;
+    }
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+__global__ void tpc_all_gather_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  const int n = a.world, me = a.rank;
+  const uint64_t row = a.row_bytes / 16;
+  char *out = (char *)a.out;
+  const tpc_lines l = tpc_lines_of(&a);
+  uint4 v0;
+  tpc_op op = tpc_line_begin(&a, &l, &v0);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  tpc_header_send(&a, &op, 1); /* checked in warp 0's first waits */
+
+  for (uint64_t s = l.first; s < l.steps; s += l.stride) {
+    const uint4 v = tpc_line_own(&l, a.in, s, v0);
+    tpc_line_push(&op, &l, s, v);
+    const uint64_t u = tpc_line_unit(&l, s);
+    if (u < l.units) tpc_store16(out + tpc_gather_index(u, row, me, n) * 16, v);
+  }
+  for (uint64_t s = l.first; s < l.steps; s += l.stride) {
+    const uint64_t u = tpc_line_unit(&l, s);
+    for (int i = 1; i < n; ++i) {
+      const int q = (me + i) % n;
+      uint4 v = tpc_line_wait(&op, &l, s, q, s == 0);
+      if (u >= l.units) continue;
+      if (tpc_op_broken(&op)) {
+        if (!a.poison_out) continue;
+        v = tpc_poison16(&a);
+      }
+      tpc_store16(out + tpc_gather_index(u, row, q, n) * 16, v);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

@@ -10,6 +10,9 @@
  *   moves what the two-shot moves (the input's size each way) in one phase
  *   instead of two, with no barrier and no copy-out; with n ranks it would
  *   send (n-1) times the input, so larger worlds keep the two-shot.
+ * line (line.cuh): the packet kernel's scheme with 128-byte lines that carry
+ *   112 data bytes and one flag, where packets carry 8 of 16: for the sizes
+ *   where the link, not the latency, sets the time.
  * bulk (two-shot): rank j owns chunk j. Scatter chunk j of the input into
  *   rank j's scatter slot, barrier, rank j sums its chunk and pushes the result
  *   into everyone's gather area, barrier, everyone copies out. Each rank sends
@@ -21,6 +24,7 @@
 #ifndef TPCOMM_ALL_REDUCE_CUH
 #define TPCOMM_ALL_REDUCE_CUH
 
+#include "line.cuh"
 #include "reduce.cuh"
 #include "stream.cuh"
 
@@ -47,6 +51,31 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 sum = tpc_sum_packet(&op, &a, u == first ? v0 : in[u], u, folded);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+__global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  const tpc_lines l = tpc_lines_of(&a);
+  uint4 v0;
+  tpc_op op = tpc_line_begin(&a, &l, &v0);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  tpc_header_send(&a, &op, 1); /* checked in warp 0's first waits */
+
+  for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
+  for (uint64_t s = l.first; s < l.steps; s += l.stride) {
+    const uint4 own = tpc_line_own(&l, a.in, s, v0);
+    float acc[8];
+    for (int q = 0; q < a.world; ++q) {
+      const uint4 v = q == a.rank ? own : tpc_line_wait(&op, &l, s, q, s == 0);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      tpc_add_rank(acc, words, 4, a.dtype, q);
+    }
+    uint32_t w[4];
+    tpc_round(acc, w, 4, a.dtype);
+    const uint64_t u = tpc_line_unit(&l, s);
+    if (u < l.units)
+      tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : make_uint4(w[0], w[1], w[2], w[3]));
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }

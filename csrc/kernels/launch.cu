@@ -64,6 +64,22 @@ static tpc_geometry tpc_packet_geometry(const tpc_kernel_args *args, uint64_t it
   return tpc_geometry_for(items, tpc_packet_threads(items, max_blocks), max_blocks);
 }
 
+/* Line kernels (line.cuh): one warp step (a line per 8 lanes) per 32 data
+ * threads, spread as the packet kernels are. */
+static tpc_geometry tpc_line_geometry(const tpc_kernel_args *args) {
+  const uint64_t lines = (args->nbytes / 16 + TPC_LINE_UNITS - 1) / TPC_LINE_UNITS;
+  const uint64_t lines_per_step = 32 / TPC_LINE_LANES;
+  return tpc_packet_geometry(args, (lines + lines_per_step - 1) / lines_per_step * 32);
+}
+
+/* The line protocol rests on NVLink delivering a warp's 128-byte store whole
+ * (line.cuh); AMD's fabric makes no such promise, so there it is refused. */
+#ifdef TPC_HIP
+#define TPC_LINE_UNSUPPORTED() return (int)hipErrorNotSupported
+#else
+#define TPC_LINE_UNSUPPORTED() (void)0
+#endif
+
 /* Streamed kernels (stream.cuh): as many blocks as there are block steps, up
  * to TPC_MAX_BLOCKS, of 4 data warps; 8 once 4-warp blocks would take more
  * than one step each (above 1 MiB a rank), so that a multiprocessor keeps
@@ -107,6 +123,10 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_reduce_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
   }
+  if (algo == TPC_ALGO_LINE) {
+    TPC_LINE_UNSUPPORTED();
+    return tpc_launch(tpc_all_reduce_line_kernel, tpc_line_geometry(args), args, stream);
+  }
   /* two ranks: the one-shot stream moves as much and needs one phase */
   if (args->world == 2)
     return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
@@ -120,6 +140,10 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
     const uint64_t items = (args->nbytes / 4 + 1) / 2;
     return tpc_launch(tpc_all_gather_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
+  }
+  if (algo == TPC_ALGO_LINE) {
+    TPC_LINE_UNSUPPORTED();
+    return tpc_launch(tpc_all_gather_line_kernel, tpc_line_geometry(args), args, stream);
   }
   return tpc_launch(tpc_all_gather_bulk_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
 }

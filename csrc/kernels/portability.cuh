@@ -200,6 +200,15 @@ TPC_DEVICE int tpc_warp_any(int v) {
 #endif
 }
 
+/* Nonzero in every lane when v is nonzero in all of them. */
+TPC_DEVICE int tpc_warp_all(int v) {
+#ifdef TPC_HIP
+  return __all(v);
+#else
+  return __all_sync(0xffffffffu, v);
+#endif
+}
+
 /* A split block barrier (named barrier 1, every thread of the block): the
  * givers (the control warp) arrive without waiting, the others wait for
  * them. Shared memory the givers wrote before arriving is visible to the

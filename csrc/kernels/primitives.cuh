@@ -410,7 +410,12 @@ TPC_DEVICE uint32_t tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op, int u
   const uint32_t seq = *(volatile uint32_t *)&op->sig->bulk_seq;
   const int t = threadIdx.x;
   if (t < a->world && t != a->rank) {
-    if (blockIdx.x == 0) tpc_store_release(&tpc_signals_of(a, t)->released[a->rank], seq);
+    /* A plain (volatile: relaxed, system scope) store, no fence: what it
+     * announces, that op seq's reads of the slots are done, was ordered by
+     * the previous kernel's completion (tpc_grid_wait). A release here would
+     * put a system fence on block 0's path, and that fence also waits for the
+     * header stores block 0's control warp has just sent: a round trip. */
+    if (blockIdx.x == 0) *(volatile uint32_t *)&tpc_signals_of(a, t)->released[a->rank] = seq;
     const uint32_t last_whole = *(volatile uint32_t *)&op->sig->last_whole;
     const uint32_t need = use == TPC_BULK_HALF && last_whole != seq ? seq - 1u : seq;
     uint32_t spins = 0;

@@ -19,7 +19,7 @@ NORM_MAX_ROW_BYTES = 32768  # csrc/tpcomm.h: the longest row the fused norm kern
 (OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE,
  ERR_CLOSED) = range(9)
 # tpc_algo
-ALGO_AUTO, ALGO_PACKET, ALGO_BULK = 0, 1, 2
+ALGO_AUTO, ALGO_PACKET, ALGO_BULK, ALGO_LINE = 0, 1, 2, 3
 
 
 class Config(ctypes.Structure):

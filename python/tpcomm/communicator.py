@@ -70,6 +70,11 @@ class Communicator:
     NaN); see tpcomm.errors for the exception classes.
     """
 
+    # The line kernels rest on NVLink delivering a warp's 128-byte store whole
+    # (csrc/kernels/line.cuh): CUDA builds only; elsewhere their bands run on
+    # the packet kernels.
+    line_kernels = torch.version.hip is None
+
     def __init__(self, group=None, device=None, max_bytes=None, packet_max_bytes=None,
                  timeout_s=None, table=None, config=None):
         if not dist.is_initialized():
@@ -277,7 +282,7 @@ class Communicator:
     @property
     def kernels(self) -> "Kernels | None":
         """tpcomm's kernels for this communicator, called with the algorithm
-        forced ("packet" or "bulk"): what the benchmark and tune measure. None
+        forced ("packet", "line" or "bulk"): what the benchmark and tune measure. None
         when the custom path is off."""
         return self._kernels
 
@@ -413,19 +418,21 @@ class Communicator:
             return "nccl"
         by_dtype = self._routes[op]
         backend = policy.choose(by_dtype.get(_DTYPE_NAMES[x.dtype], by_dtype["*"]), nbytes)
-        if backend == "packet" and part > self.packet_max_bytes:
+        if backend == "line" and not self.line_kernels:
+            backend = "packet"
+        if backend in ("packet", "line") and part > self.packet_max_bytes:
             backend = "bulk"
         return backend
 
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "bulk" or "nccl"."""
+        """The backend all_reduce(x) uses: "packet", "line", "bulk" or "nccl"."""
         return self._route_all_reduce(x, x.numel() * x.element_size())
 
     def _route_all_reduce(self, x, nbytes):
         return self._route_reducing("all_reduce", x, nbytes, nbytes)
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
-        """The backend all_gather(x, dim) uses: "packet", "bulk" or "nccl"."""
+        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
         return self._route_all_gather(x, dim, x.numel() * x.element_size())
 
     def _route_all_gather(self, x, dim, nbytes):
@@ -433,10 +440,11 @@ class Communicator:
         if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4:
             return "nccl"
         backend = policy.choose(self._routes["all_gather"]["*"], nbytes)
-        bulk_ok = nbytes % 16 == 0 and row % 16 == 0 and nbytes * self.world_size <= self.max_bytes
-        if backend == "bulk" and not bulk_ok:
+        sixteen = nbytes % 16 == 0 and row % 16 == 0  # what the line and bulk kernels move
+        bulk_ok = sixteen and nbytes * self.world_size <= self.max_bytes
+        if (backend == "bulk" and not bulk_ok) or (backend == "line" and not (sixteen and self.line_kernels)):
             backend = "packet"
-        if backend == "packet" and nbytes > self.packet_max_bytes:
+        if backend in ("packet", "line") and nbytes > self.packet_max_bytes:
             backend = "bulk" if bulk_ok else "nccl"
         return backend
 

@@ -82,6 +82,8 @@ class Config:
         for op, backend in self.force:
             if op not in policy.OPS or backend not in policy.BACKENDS:
                 raise ValueError(f"tpcomm: force {op}={backend}: ops are {policy.OPS}, backends {policy.BACKENDS}")
+            if backend == "line" and op in policy.NO_LINE:
+                raise ValueError(f"tpcomm: force {op}={backend}: {op} has no line kernel")
         for backend in self.forbid:
             if backend not in policy.KERNELS:
                 raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {policy.KERNELS} can be forbidden")

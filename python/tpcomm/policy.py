@@ -4,8 +4,9 @@ A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune`
 writes one per machine) maps op x world size x dtype to bands of (largest
 input bytes per rank, backend), tried in order; sizes past the last band go
 to NCCL. An op a table has no routes for takes the shipped table's. "*" stands for any world size or dtype without a row of its
-own. Backends: "packet" and "bulk" are tpcomm's kernels (csrc/kernels),
-"nccl" is torch.distributed on the same group.
+own. Backends: "packet", "line" and "bulk" are tpcomm's kernels
+(csrc/kernels; "line" has no reduce_scatter), "nccl" is torch.distributed on
+the same group.
 
 The Communicator turns the table and its Config (forced or forbidden
 backends) into the effective bands once, at init (effective_routes); the
@@ -16,7 +17,8 @@ import os
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
-KERNELS = ("packet", "bulk")
+KERNELS = ("packet", "line", "bulk")
+NO_LINE = ("reduce_scatter",)  # ops without a line kernel
 BACKENDS = KERNELS + ("nccl",)
 DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a table may name for all_reduce
 DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "h200x2.json")
@@ -69,7 +71,10 @@ def load_table(source=None):
             for dtype, bands in by_dtype.items():
                 if dtype != "*" and dtype not in DTYPES:
                     raise TableError(f"routing table {where}: {op}/{world}/{dtype}: dtype must be '*' or one of {DTYPES}")
-                table[op][world][dtype] = _checked_bands(bands, f"routing table {where}: {op}/{world}/{dtype}")
+                what = f"routing table {where}: {op}/{world}/{dtype}"
+                table[op][world][dtype] = _checked_bands(bands, what)
+                if op in NO_LINE and any(b == "line" for _, b in table[op][world][dtype]):
+                    raise TableError(f"{what}: {op} has no line kernel")
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
     return {"about": str(data.get("about", "")), "routes": table}
@@ -135,8 +140,10 @@ def choose(bands, nbytes):
 
 
 def packet_cutover(bands):
-    """Largest size the bands send to the packet kernel (the C core's AUTO)."""
-    return max((limit for limit, backend in bands if backend == "packet"), default=0)
+    """Largest size the bands send to the packet or line kernels: the C
+    core's AUTO (algo=0 on a raw op) runs the packet kernel up to it and the
+    bulk kernel above; only the dispatcher routes to the line kernels."""
+    return max((limit for limit, backend in bands if backend in ("packet", "line")), default=0)
 
 
 def flatten(routes):

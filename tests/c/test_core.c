@@ -861,6 +861,7 @@ static void test_reduce_scatter(void) {
       /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4160 bytes is over the cap of 4096"},
+      {64, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "reduce_scatter has no line kernel"},
       {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "unknown algorithm 5"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -1027,7 +1028,11 @@ static void test_all_reduce_validation(void) {
       {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
       {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
-      {64, 0, 0, TPC_FLOAT32, 3, TPC_ERR_INVALID_ARG, "unknown algorithm 3"},
+      /* lines live in the packet slots: the packet cap, 16-byte sizes and pointers */
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
+      {40, 0, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {64, 8, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      {64, 0, 0, TPC_FLOAT32, 4, TPC_ERR_INVALID_ARG, "unknown algorithm 4"},
       {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "unknown algorithm -2"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -1044,7 +1049,10 @@ static void test_all_reduce_validation(void) {
   CHECK_RC(c, tpc_all_reduce(c, in, in, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in + 16, out + 48, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.launches, 3);
+  CHECK_RC(c, tpc_all_reduce(c, in, in, PACKET_MAX, TPC_BFLOAT16, TPC_ALGO_LINE, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
+  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_LINE, TPC_BFLOAT16, PACKET_MAX));
+  CHECK_EQ(fake.launches, 4);
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_GATHER], 0);
 
   /* a launch the runtime refuses */
@@ -1157,6 +1165,11 @@ static void test_all_gather(void) {
       /* AUTO past the packet cap where bulk is impossible: too large */
       {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the packet cap"},
       {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the packet cap"},
+      /* line: 16-byte sizes, rows and pointers, up to the packet cap */
+      {20, 20, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
+      {64, 8, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
+      {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather input and output must be 16-byte aligned"},
+      {PACKET_MAX + 16, 16, 0, 0, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "1040 bytes per rank is over the packet cap of 1024"},
       {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG, "unknown algorithm 5"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -1198,6 +1211,10 @@ static void test_all_gather(void) {
     CHECK_EQ(fake.last_args.nbytes, autos[i].nbytes);
     CHECK_EQ(fake.last_args.row_bytes, autos[i].row);
   }
+  /* line, asked for: AUTO never picks it (only the dispatcher routes to it) */
+  CHECK_RC(c, tpc_all_gather(c, in, out, PACKET_MAX, 16, TPC_ALGO_LINE, 0, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
+  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_LINE, 0, 16));
   /* AUTO picks bulk by size alone, so a misaligned pointer where the sizes
    * say bulk is an error, not a silent switch to packet (ranks whose
    * pointers differ would otherwise run different kernels) */

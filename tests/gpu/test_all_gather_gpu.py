@@ -106,7 +106,8 @@ def body_shapes_dtypes_dims(rank, world):
 
 
 def body_size_bands(rank, world):
-    """Just below and above every threshold: packet cutover, packet cap, cap."""
+    """Just below and above every threshold: the last packet or line band,
+    the packet cap, the cap."""
     max_bytes = 4 * MiB
     comm = tpcomm.Communicator(max_bytes=max_bytes, packet_max_bytes=1 * MiB)
     cut = tpcomm.policy.packet_cutover(tpcomm.policy.bands_for(comm.table, "all_gather", world))
@@ -121,11 +122,11 @@ def body_size_bands(rank, world):
         seen[nbytes] = comm.route_all_gather(x, 0)
         _check(comm, shape, torch.float32, 0, nbytes, world, rank, f"{nbytes} B per rank ({seen[nbytes]})")
         if nbytes % 16 == 0 and nbytes * world <= max_bytes:
-            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
-                if algo == tpcomm._lib.ALGO_PACKET and nbytes > comm.packet_max_bytes:
+            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_LINE, tpcomm._lib.ALGO_BULK):
+                if algo != tpcomm._lib.ALGO_BULK and nbytes > comm.packet_max_bytes:
                     continue
                 _check(comm, shape, torch.float32, 0, nbytes + 7, world, rank, f"{nbytes} B forced {algo}", algo)
-    assert seen[cut] == "packet" and seen[cut + 16] == "bulk", seen
+    assert seen[cut] in ("packet", "line") and seen[cut + 16] == "bulk", seen
     # past the cap on the output: NCCL, unless the packet kernel (capped per rank) still takes it
     assert seen[per_rank_cap + 16] == ("packet" if per_rank_cap + 16 <= comm.packet_max_bytes else "nccl"), seen
     comm.close()

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KiB, MiB = 1024, 1024 * 1024
 CAP = 16 * MiB
+ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK}
 
 
 def _bits(t):
@@ -73,13 +74,13 @@ def body_eager_matches_nccl(rank, world):
             numel = nbytes // dtype.itemsize
             x = _int_valued(numel, dtype, gen)
             ref = _nccl(x)
-            for algo in ("auto", "packet", "bulk"):
-                if algo == "packet" and nbytes > comm.packet_max_bytes:
+            for algo in ("auto", "packet", "line", "bulk"):
+                if algo in ("packet", "line") and nbytes > comm.packet_max_bytes:
                     continue
                 if algo == "auto":
                     y = comm.all_reduce(x)
                 else:
-                    y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, tpcomm._lib.ALGO_PACKET if algo == "packet" else tpcomm._lib.ALGO_BULK)
+                    y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, ALGOS[algo])
                 _assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
                 checked += 1
             # in place

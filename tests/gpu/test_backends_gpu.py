@@ -48,12 +48,13 @@ def body_backends(rank, world):
             _assert_bits_equal(nccl.all_reduce(y, out=y), ar, f"nccl all_reduce in place {what}")
             _assert_bits_equal(nccl.all_gather(x, 0), ag, f"nccl all_gather {what}")
             _assert_bits_equal(nccl.reduce_scatter(x), rs, f"nccl reduce_scatter {what}")
-            for algo in ("packet", "bulk"):
-                if algo == "packet" and numel * x.element_size() > comm.packet_max_bytes:
+            for algo in ("packet", "line", "bulk"):
+                if algo != "bulk" and numel * x.element_size() > comm.packet_max_bytes:
                     continue
                 _assert_bits_equal(comm.kernels.all_reduce(x, algo), ar, f"{algo} all_reduce {what}")
                 _assert_bits_equal(comm.kernels.all_gather(x, 0, algo), ag, f"{algo} all_gather {what}")
-                _assert_bits_equal(comm.kernels.reduce_scatter(x, algo), rs, f"{algo} reduce_scatter {what}")
+                if algo != "line":  # no line reduce_scatter
+                    _assert_bits_equal(comm.kernels.reduce_scatter(x, algo), rs, f"{algo} reduce_scatter {what}")
             w = window.view("in", dtype, numel)
             w.copy_(x)
             _assert_bits_equal(window.all_gather(w), ag, f"window all_gather {what}")

@@ -42,7 +42,8 @@ def body_compiled_model(rank, world):
             x = _int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
             _assert_bits_equal(compiled(x).clone(), _reference(x), f"{kwargs} step {step}")
     stats = comm.stats()
-    assert stats[("all_reduce", "packet")]["calls"] > 0 and stats[("all_gather", "packet")]["calls"] > 0, stats
+    for op in ("all_reduce", "all_gather"):  # on tpcomm's kernels, whichever the table picks
+        assert sum(s["calls"] for (o, b), s in stats.items() if o == op and b in tpcomm.policy.KERNELS) > 0, stats
     assert not any(b == "nccl" for _, b in stats), stats
     comm.check()
     comm.close()

@@ -195,20 +195,21 @@ def body_skew(rank, world):
 def body_epoch_wrap(rank, world):
     """The device epoch seeded just below 2^32: ops run across the wrap, and
     the flags that ops 1-3 left in the packet slots (epochs 2 and 3 come back
-    after the wrap) are never taken for fresh data, even when the peer is late."""
+    after the wrap) are never taken for fresh data, even when the peer is late,
+    by the packet kernels or the line kernels, whose flags sit elsewhere."""
     comm = tpcomm.Communicator(timeout_s=5.0)
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(300 + rank)
-    packet = tpcomm._lib.ALGO_PACKET
+    packet, line = tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_LINE
     big = 256 * KiB  # bf16 elements: 512 KiB of packets per peer
 
-    def run(n, late=None, gather=False):
+    def run(n, late=None, gather=False, algo=packet):
         x = _int_valued(n, torch.bfloat16, gen)
         if late == rank:
             _sleep_us(300)  # the peer reads its slots before this rank's packets land
         if gather:
-            return ("ag", x, torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, packet))
-        return ("ar", x, torch.ops.tpcomm.custom_all_reduce(x, comm.handle, packet))
+            return ("ag", x, torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, algo))
+        return ("ar", x, torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo))
 
     def verify(done, what):
         for i, (kind, x, y) in enumerate(done):
@@ -220,7 +221,8 @@ def body_epoch_wrap(rank, world):
     dist.barrier()  # every rank seeded before any runs the next op
     done = [run(64) for _ in range(14)]        # epochs 2^32-15 .. 2^32-2
     done.append(run(64, gather=True))          # epoch 2^32-1: clears every flag
-    done += [run(big, late=i % world, gather=i % 3 == 2) for i in range(8)]  # epochs 2..9: flags reused
+    done += [run(big, late=i % world, gather=i % 3 == 2, algo=line if i % 2 else packet)
+             for i in range(8)]  # epochs 2..9: flags reused
     verify(done, "across the wrap")
     x = _int_valued(3 * MiB // 2, torch.bfloat16, gen)  # bulk after the wrap
     _assert_bits_equal(comm.all_reduce(x), _nccl(x), "bulk after the wrap")
@@ -233,12 +235,27 @@ SOAK_AR = [64, 512, 4 * KiB, 24 * KiB, 160 * KiB, 640 * KiB]        # bf16 eleme
 SOAK_AG = [(1, 256), (16, 512), (300, 1024)]                          # the last one bulk (600 KiB per rank)
 
 
+# A table that sends the soak's middle sizes (8 KiB to 600 KiB a rank) to the
+# line kernels, so that they mix with packet and bulk ops whatever the shipped
+# table routes.
+LINE_TABLE = {"routes": {"all_reduce": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}},
+                         "all_gather": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}}}}
+
+
 def body_soak(rank, world):
+    _soak(rank, world, None, ("packet", "bulk"))
+
+
+def body_soak_line(rank, world):
+    _soak(rank, world, LINE_TABLE, ("packet", "line", "bulk"))
+
+
+def _soak(rank, world, table, want):
     """>= 100,000 mixed ops with skew, inside CUDA graphs: each op's input is
     computed on the GPU from a replay counter (so it changes every replay),
     compared in the graph with an exact reference every rank computes for
     itself, and overwritten right after the op. The mismatch count must be 0."""
-    comm = tpcomm.Communicator(timeout_s=10.0)
+    comm = tpcomm.Communicator(timeout_s=10.0, table=table)
     assert comm.enabled, comm.disabled_reason
     rng = random.Random(4242)
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -285,7 +302,7 @@ def body_soak(rank, world):
     assert int(counter) == 2 * replays_per_graph
     assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
     comm.check()
-    _assert_custom_only(comm)
+    _assert_custom_only(comm, want)
     comm.close()
 
 
@@ -294,6 +311,17 @@ CHAIN_SIZES = [8, 1024, 12 * KiB, 96 * KiB, 1 * MiB]  # bf16 elements: one block
 
 
 def body_back_to_back_chain(rank, world):
+    _chain(rank, world, None, ("packet", "bulk"))
+
+
+def body_back_to_back_chain_line(rank, world):
+    """The same through the line kernels, whose readers poll while the lines
+    land (the first version read a line's data in the load that found its
+    flag, and this chain caught stale data)."""
+    _chain(rank, world, LINE_TABLE, ("packet", "line", "bulk"))
+
+
+def _chain(rank, world, table, want):
     """tpcomm kernels with nothing between them: each op's input is the
     previous op's output, so a kernel launched early (programmatic dependent
     launch) reads its epoch while its predecessor still runs. Five chains of
@@ -301,7 +329,7 @@ def body_back_to_back_chain(rank, world):
     replayed 200 times with inputs that change every replay; after k steps a
     chain holds world^(k-1) times the sum of the inputs, exact in bf16. One
     stale epoch would pair an op with its predecessor's packets."""
-    comm = tpcomm.Communicator(timeout_s=10.0)
+    comm = tpcomm.Communicator(timeout_s=10.0, table=table)
     assert comm.enabled, comm.disabled_reason
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
     mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -327,7 +355,7 @@ def body_back_to_back_chain(rank, world):
     assert int(counter) == 200
     assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
     comm.check()
-    _assert_custom_only(comm)
+    _assert_custom_only(comm, want)
     comm.close()
 
 
@@ -476,7 +504,7 @@ def body_groups_in_different_orders(rank, world):
 
 
 @pytest.mark.parametrize("body", [body_stale_handle_and_replay_after_close, body_skew, body_epoch_wrap, body_soak,
-                                  body_back_to_back_chain,
+                                  body_soak_line, body_back_to_back_chain, body_back_to_back_chain_line,
                                   body_timeout_queue_and_late_peer, body_misaligned_one_rank],
                          ids=lambda f: f.__name__[5:])
 def test_trust(body):

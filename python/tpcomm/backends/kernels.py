@@ -1,6 +1,8 @@
 """tpcomm's own kernels (csrc/kernels) through the torch ops, for one
-communicator id: "packet" (barrier-free, small and medium sizes) and "bulk"
-(large sizes: streamed, or the two-shot all-reduce of more than two ranks),
+communicator id: "packet" (barrier-free, small and medium sizes), "line"
+(the same scheme in 128-byte lines of data and flag, for the sizes the link
+sets: all_reduce and all_gather, CUDA builds only) and "bulk" (large sizes:
+streamed, or the two-shot all-reduce of more than two ranks),
 and the fused all-reduce + add + RMSNorm (packet). They read only their input
 and the buffers registered at init, so graph capture needs nothing more (Communicator.capture
 only marks the capture). Errors come back as tpcomm's exception classes."""
@@ -8,7 +10,7 @@ import torch
 
 from .. import _lib
 
-ALGOS = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK}
+ALGOS = {"packet": _lib.ALGO_PACKET, "line": _lib.ALGO_LINE, "bulk": _lib.ALGO_BULK}
 _OVERLOADS = {}  # op name -> its OpOverload, looked up once: the eager path calls it directly
 
 

@@ -13,7 +13,7 @@ exchange of verdicts, so that no rank waits in a collective the others
 skipped):
 
 * nccl: tpcomm.backends.nccl.Nccl on the world group, all_reduce in place.
-* tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_bulk
+* tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_line, tpcomm_bulk
   (tpcomm.backends.kernels.Kernels of that communicator, kernel forced): one
   Communicator whose max_bytes covers the largest all-gather output.
 * nccl_window: tpcomm.backends.nccl_window.NcclWindow (its doc says how the
@@ -41,7 +41,7 @@ from ..backends.nccl_window import NcclWindow
 from ..backends.symm_mem import SymmMem
 from .report import human_bytes
 
-TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_bulk")
+TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_bulk")
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
 SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot", "symm_two_shot_copied")
 WINDOW_BACKENDS = ("nccl_window", "nccl_window_nomix")
@@ -262,9 +262,13 @@ def make_case(backend, op, x0, res):
         if backend == "tpcomm":  # measured whatever it routes to, NCCL included: its row is the dispatcher's
             run = getattr(comm, op)
             return Case(lambda: run(x), route=getattr(comm, f"route_{op}")(x))  # route_all_reduce, ...
-        algo = "packet" if backend == "tpcomm_packet" else "bulk"
+        algo = backend[len("tpcomm_"):]
         packet_bytes = nbytes // world if op == "reduce_scatter" else nbytes  # the packet kernel's unit: a part
-        if algo == "packet" and packet_bytes > comm.packet_max_bytes:
+        if algo == "line" and not comm.line_kernels:
+            raise Unavailable("no line kernels here (NVLink's whole 128-byte writes: CUDA builds only)")
+        if algo == "line" and op == "reduce_scatter":
+            raise Unavailable("no line kernel for reduce_scatter")
+        if algo in ("packet", "line") and packet_bytes > comm.packet_max_bytes:
             raise Unavailable(f"over the packet cap of {human_bytes(comm.packet_max_bytes)}")
         limit = comm.max_bytes // world if op == "all_gather" else comm.max_bytes
         if algo == "bulk" and nbytes > limit:

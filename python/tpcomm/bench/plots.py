@@ -30,6 +30,7 @@ STYLE = {
     "symm_two_shot_copied": dict(color="tab:pink", marker="v", linestyle=":"),
     "tpcomm": dict(color="tab:red", marker="D", linewidth=2.2),
     "tpcomm_packet": dict(color="tab:orange", marker="x", linestyle=":"),
+    "tpcomm_line": dict(color="tab:brown", marker="*", linestyle=":"),
     "tpcomm_bulk": dict(color="tab:blue", marker="+", linestyle=":"),
 }
 
