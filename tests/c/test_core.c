@@ -1384,6 +1384,7 @@ static void test_describe(void) {
   snprintf(id_text, sizeof id_text, "communicator %" PRIu64, w.id[r]);
   const uint32_t ar_pk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_FLOAT32, 256);
   const uint32_t ar_bk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, TPC_FLOAT32, 256);
+  const uint32_t ar_ln_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_LINE, TPC_FLOAT32, 256);
   const uint32_t ar_pk_bf16 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
   const uint32_t ag_pk_256 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 256);
   const uint32_t ag_pk_64 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
@@ -1403,6 +1404,7 @@ static void test_describe(void) {
       {TPC_ERR_MISMATCH, 1, 0, 13, 256, 256, 1, {"the op differs", "peer: all_gather packet of 256 bytes", "this rank: all_reduce packet of 256 bytes", "op #13"}},
       {TPC_ERR_MISMATCH, 1, 0, 14, 512, 256, 2, {"the size differs", "of 512 bytes", "of 256 bytes", NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 15, 256, 256, 3, {"the algorithm differs", "peer: all_reduce bulk", "this rank: all_reduce packet", NULL}},
+      {TPC_ERR_MISMATCH, 0, 0, 15, 256, 256, 6, {"the algorithm differs", "peer: all_reduce line", "this rank: all_reduce packet", NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 16, 256, 256, 4, {"the dtype differs", "peer 0", NULL, NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 17, 256, 256, 5, {"the layout (all_gather dim) differs", NULL, NULL, NULL}},
       /* a peer found the mismatch and told this rank */
@@ -1420,6 +1422,7 @@ static void test_describe(void) {
       case 3: peer_kind = ar_bk_f32; own_kind = ar_pk_f32; break;
       case 4: peer_kind = ar_pk_bf16; own_kind = ar_pk_f32; break;
       case 5: peer_kind = ag_pk_64; own_kind = ag_pk_256; break;
+      case 6: peer_kind = ar_ln_f32; own_kind = ar_pk_f32; break;
     }
     fill_record(rec, cases[i].code, cases[i].peer, cases[i].epoch, cases[i].reported,
                 (uint32_t)cases[i].peer_bytes_, peer_kind, (uint32_t)cases[i].own_bytes_, own_kind);
