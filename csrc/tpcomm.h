@@ -132,9 +132,28 @@ tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out);
 tpc_result tpc_comm_probe_write(tpc_comm *comm);
 tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask);
 
-/* Sizes (input bytes per rank) up to which TPC_ALGO_AUTO uses the packet kernel. */
+/* Sizes (input bytes per rank) up to which TPC_ALGO_AUTO uses the packet
+ * kernel, the bulk kernel above: the rule for ops without routes of their
+ * own (tpc_comm_set_routes). reduce_scatter compares its chunk with the
+ * all_reduce cutover. */
 tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
                                 size_t all_gather_packet_max);
+
+/* The routing table's bands for TPC_ALGO_AUTO, so that an op called with
+ * algo 0 runs the kernel the dispatcher would: for `op` and `dtype` (a
+ * tpc_dtype, or -1 for the dtypes without bands of their own; all_gather
+ * takes -1 only), `count` bands (at most TPC_MAX_BANDS) of increasing
+ * `limits` (input bytes per rank; reduce_scatter: its whole input), band i
+ * run on `algos[i]` (packet, bulk or line). Sizes past the last band run on
+ * the bulk kernel. Where a band's kernel cannot take the call, the one the
+ * Communicator falls back to runs: line -> packet when the shape does not
+ * allow it, packet or line -> bulk past the packet cap, bulk -> packet for
+ * an all_gather the bulk kernel cannot take. count 0 removes the op's bands
+ * for that dtype. */
+#define TPC_MAX_BANDS 32
+typedef enum { TPC_ROUTE_ALL_REDUCE = 0, TPC_ROUTE_ALL_GATHER = 1, TPC_ROUTE_REDUCE_SCATTER = 2 } tpc_route_op;
+tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const uint64_t *limits,
+                               const int32_t *algos, int count);
 
 /* Sum in fp32, in rank order 0..n-1, rounded once: identical bits on every rank.
  * nbytes is the byte size of input and output; a multiple of 16; in and out

@@ -246,7 +246,8 @@ def test_ctypes_structs_match_the_header(tmp_path):
             lines.append(f'printf("{c_name}.{name} %zu\\n", offsetof({c_name}, {name}));')
     codes = ["TPC_OK", "TPC_ERR_INVALID_ARG", "TPC_ERR_RUNTIME", "TPC_ERR_PEER", "TPC_ERR_STATE", "TPC_ERR_TIMEOUT",
              "TPC_ERR_MISMATCH", "TPC_ERR_TOO_LARGE", "TPC_ERR_CLOSED", "TPC_ALGO_AUTO", "TPC_ALGO_PACKET",
-             "TPC_ALGO_BULK", "TPC_ALGO_LINE", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
+             "TPC_ALGO_BULK", "TPC_ALGO_LINE", "TPC_FLOAT32", "TPC_FLOAT16", "TPC_BFLOAT16", "TPC_ROUTE_ALL_REDUCE",
+             "TPC_ROUTE_ALL_GATHER", "TPC_ROUTE_REDUCE_SCATTER", "TPC_MAX_BANDS", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
     lines += [f'printf("{c} %d\\n", (int){c});' for c in codes]
     src = tmp_path / "layout.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "tpcomm.h"\nint main(void) {\n'
@@ -261,7 +262,9 @@ def test_ctypes_structs_match_the_header(tmp_path):
             assert int(seen[f"{c_name}.{name}"]) == getattr(cls, name).offset, (c_name, name)
     python_side = [_lib.OK, _lib.ERR_INVALID_ARG, _lib.ERR_RUNTIME, _lib.ERR_PEER, _lib.ERR_STATE, _lib.ERR_TIMEOUT,
                    _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE, _lib.ERR_CLOSED, _lib.ALGO_AUTO, _lib.ALGO_PACKET,
-                   _lib.ALGO_BULK, _lib.ALGO_LINE, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
+                   _lib.ALGO_BULK, _lib.ALGO_LINE, _lib.DTYPE_CODES["float32"],
+                   _lib.DTYPE_CODES["float16"], _lib.DTYPE_CODES["bfloat16"], _lib.ROUTE_OPS["all_reduce"],
+                   _lib.ROUTE_OPS["all_gather"], _lib.ROUTE_OPS["reduce_scatter"], _lib.MAX_BANDS, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
     assert [int(seen[c]) for c in codes] == python_side
 
 

@@ -16,6 +16,13 @@
  * a token landing in the wrong slot is noticed. */
 #define TPC_PROBE_TOKEN(rank) (0x7c0a0000u | (uint32_t)(rank))
 
+/* One op's and dtype's routing bands for TPC_ALGO_AUTO (tpc_comm_set_routes). */
+typedef struct {
+  int count;
+  uint64_t limit[TPC_MAX_BANDS];
+  int32_t algo[TPC_MAX_BANDS];
+} tpc_bands;
+
 struct tpc_comm {
   tpc_config cfg;
   const tpc_runtime *rt;
@@ -27,8 +34,9 @@ struct tpc_comm {
   tpc_entry *entry;             /* id, control slot, error record (registry.c) */
   int ready;
   int failed;
-  size_t all_reduce_packet_max; /* TPC_ALGO_AUTO cutovers */
+  size_t all_reduce_packet_max; /* TPC_ALGO_AUTO cutovers, for ops without routes */
   size_t all_gather_packet_max;
+  tpc_bands routes[3][4];       /* TPC_ALGO_AUTO bands per [tpc_route_op][dtype + 1] (tpc_comm_set_routes) */
   int multiprocessors;          /* of the device: the packet kernels' block cap */
   void *last_stream;            /* where the previous eager op was enqueued */
   int have_last_stream;         /* the default stream is NULL: can't be the marker */
@@ -392,6 +400,44 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
   return TPC_OK;
 }
 
+tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const uint64_t *limits,
+                               const int32_t *algos, int count) {
+  if (!comm) return fail(comm, TPC_ERR_INVALID_ARG, "NULL communicator");
+  if ((int)op < 0 || (int)op > TPC_ROUTE_REDUCE_SCATTER)
+    return fail(comm, TPC_ERR_INVALID_ARG, "unknown route op %d", (int)op);
+  if (dtype < -1 || dtype > TPC_BFLOAT16 || (op == TPC_ROUTE_ALL_GATHER && dtype != -1))
+    return fail(comm, TPC_ERR_INVALID_ARG, "routes for dtype %d: -1 or a reducible dtype (all_gather: -1 only)", dtype);
+  if (count < 0 || count > TPC_MAX_BANDS || (count && (!limits || !algos)))
+    return fail(comm, TPC_ERR_INVALID_ARG, "%d bands: 0..%d, with limits and algorithms", count, TPC_MAX_BANDS);
+  for (int i = 0; i < count; ++i) {
+    const int32_t a = algos[i];
+    if (a != TPC_ALGO_PACKET && a != TPC_ALGO_BULK && a != TPC_ALGO_LINE)
+      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: algorithm %d is not packet, bulk or line", i, a);
+    if (a == TPC_ALGO_LINE && op == TPC_ROUTE_REDUCE_SCATTER)
+      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: reduce_scatter has no line kernel", i);
+    if (limits[i] == 0 || (i && limits[i] <= limits[i - 1]))
+      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: limits must be positive and increase", i);
+  }
+  tpc_bands *b = &comm->routes[op][dtype + 1];
+  b->count = count;
+  for (int i = 0; i < count; ++i) {
+    b->limit[i] = limits[i];
+    b->algo[i] = algos[i];
+  }
+  return TPC_OK;
+}
+
+/* The algorithm the routes give `bytes` for op and dtype (the dtype's own
+ * bands, else those for any dtype), or TPC_ALGO_AUTO where the op has none. */
+static int routed_algo(const tpc_comm *comm, tpc_route_op op, int dtype, uint64_t bytes) {
+  const tpc_bands *b = &comm->routes[op][dtype + 1];
+  if (!b->count) b = &comm->routes[op][0];
+  if (!b->count) return TPC_ALGO_AUTO;
+  for (int i = 0; i < b->count; ++i)
+    if (bytes <= b->limit[i]) return b->algo[i];
+  return TPC_ALGO_BULK;
+}
+
 static const char *op_name(uint32_t kind) {
   switch (kind & 0xffu) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
@@ -613,8 +659,13 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive multiple of 16 is needed", name, nbytes);
   if (misaligned(in, 16) || misaligned(out, 16))
     return fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
-  if (algo == TPC_ALGO_AUTO)
-    algo = nbytes <= comm->all_reduce_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
+  if (algo == TPC_ALGO_AUTO) {
+    /* the routes by the whole input, the packet cap on the chunk, as the Communicator routes */
+    algo = routed_algo(comm, op == TPC_OP_ALL_REDUCE ? TPC_ROUTE_ALL_REDUCE : TPC_ROUTE_REDUCE_SCATTER,
+                       dtype, in_bytes);
+    if (algo == TPC_ALGO_AUTO) algo = nbytes <= comm->all_reduce_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
+    if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes) algo = TPC_ALGO_BULK;
+  }
   if (algo == TPC_ALGO_LINE && op != TPC_OP_ALL_REDUCE)
     return fail(comm, TPC_ERR_INVALID_ARG, "%s has no line kernel", name);
   /* lines live in the packet slots: 112 data bytes in 128, within the cap */
@@ -707,8 +758,13 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   const size_t out_bytes = nbytes * (size_t)comm->cfg.world_size;
   /* Shapes and sizes only, never pointers: every rank must choose alike. */
   const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && out_bytes <= comm->cfg.max_bytes;
-  if (algo == TPC_ALGO_AUTO)
-    algo = (nbytes <= comm->all_gather_packet_max || !bulk_ok) ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
+  if (algo == TPC_ALGO_AUTO) {
+    algo = routed_algo(comm, TPC_ROUTE_ALL_GATHER, -1, nbytes);
+    if (algo == TPC_ALGO_AUTO) algo = nbytes <= comm->all_gather_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
+    if (algo == TPC_ALGO_LINE && (nbytes % 16 || row_bytes % 16)) algo = TPC_ALGO_PACKET;
+    if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes && bulk_ok) algo = TPC_ALGO_BULK;
+    if (algo == TPC_ALGO_BULK && !bulk_ok) algo = TPC_ALGO_PACKET;
+  }
   if ((algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) && (misaligned(in, 16) || misaligned(out, 16)))
     return fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather input and output must be 16-byte aligned",
                 algo == TPC_ALGO_BULK ? "bulk" : "line");

@@ -15,6 +15,8 @@ deadlock."""
 import json
 import os
 
+from ._lib import MAX_BANDS
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 KERNELS = ("packet", "line", "bulk")
@@ -88,6 +90,8 @@ def path_is_default(source):
 def _checked_bands(bands, what):
     if not isinstance(bands, list) or not bands:
         raise TableError(f"{what}: bands must be a non-empty list of [limit, backend]")
+    if len(bands) > MAX_BANDS:  # what the C core's AUTO takes (tpc_comm_set_routes)
+        raise TableError(f"{what}: {len(bands)} bands, at most {MAX_BANDS}")
     checked, previous = [], 0
     for i, band in enumerate(bands):
         if not (isinstance(band, (list, tuple)) and len(band) == 2 and isinstance(band[0], int)
@@ -140,9 +144,7 @@ def choose(bands, nbytes):
 
 
 def packet_cutover(bands):
-    """Largest size the bands send to the packet or line kernels: the C
-    core's AUTO (algo=0 on a raw op) runs the packet kernel up to it and the
-    bulk kernel above; only the dispatcher routes to the line kernels."""
+    """Largest size the bands send to the packet or line kernels."""
     return max((limit for limit, backend in bands if backend in ("packet", "line")), default=0)
 
 

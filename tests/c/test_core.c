@@ -1279,6 +1279,100 @@ static void test_all_gather(void) {
   CHECK_ALL_RELEASED();
 }
 
+/* tpc_comm_set_routes: TPC_ALGO_AUTO follows the routing table's bands (per
+ * dtype, else for any dtype), with the Communicator's fallbacks where a band's
+ * kernel cannot take the call; count 0 gives the cutover rule back. */
+static void test_auto_routes(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  tpc_comm *c = w.comm[0];
+  unsigned char *in = scratch_in, *out = scratch_out;
+  const uint64_t lim2[] = {64, 512}, lim1[] = {128}, up[] = {64, 32}, zero[] = {0};
+  const int32_t pl[] = {TPC_ALGO_PACKET, TPC_ALGO_LINE}, line[] = {TPC_ALGO_LINE}, bulk[] = {TPC_ALGO_BULK};
+  const int32_t packet[] = {TPC_ALGO_PACKET}, autos[] = {TPC_ALGO_AUTO};
+  static const struct {
+    int op, dtype, count;
+    const char *needle;
+  } bad[] = {
+      {3, -1, 1, "unknown route op 3"},
+      {TPC_ROUTE_ALL_REDUCE, 3, 1, "routes for dtype 3"},
+      {TPC_ROUTE_ALL_GATHER, TPC_BFLOAT16, 1, "all_gather: -1 only"},
+      {TPC_ROUTE_ALL_REDUCE, -1, TPC_MAX_BANDS + 1, "bands: 0..32"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+    CHECK_RC(c, tpc_comm_set_routes(c, (tpc_route_op)bad[i].op, bad[i].dtype, lim1, line, bad[i].count),
+             TPC_ERR_INVALID_ARG);
+    CHECK_MSG(c, bad[i].needle);
+  }
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, NULL, line, 1), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, lim1, autos, 1), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "algorithm 0 is not packet, bulk or line");
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_REDUCE_SCATTER, -1, lim1, line, 1), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "reduce_scatter has no line kernel");
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, up, pl, 2), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "limits must be positive and increase");
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, zero, line, 1), TPC_ERR_INVALID_ARG);
+  CHECK_RC(NULL, tpc_comm_set_routes(NULL, TPC_ROUTE_ALL_REDUCE, -1, lim1, line, 1), TPC_ERR_INVALID_ARG);
+
+  /* all_reduce: packet to 64, line to 512, bulk past the last band; bf16 has a row of its own */
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, lim2, pl, 2), TPC_OK);
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_BFLOAT16, lim1, line, 1), TPC_OK);
+  static const struct {
+    size_t nbytes;
+    int dtype, algo;
+  } ar[] = {
+      {64, TPC_FLOAT32, TPC_ALGO_PACKET}, {80, TPC_FLOAT32, TPC_ALGO_LINE}, {512, TPC_FLOAT16, TPC_ALGO_LINE},
+      {528, TPC_FLOAT32, TPC_ALGO_BULK},  {64, TPC_BFLOAT16, TPC_ALGO_LINE}, {144, TPC_BFLOAT16, TPC_ALGO_BULK},
+  };
+  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; ++i) {
+    CHECK_RC(c, tpc_all_reduce(c, in, out, ar[i].nbytes, (tpc_dtype)ar[i].dtype, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    CHECK_EQ(fake.last_algo, ar[i].algo);
+  }
+  /* a line band past the packet cap runs on the bulk kernel */
+  const uint64_t wide[] = {4096};
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_FLOAT16, wide, line, 1), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX + 16, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
+  /* count 0: the dtype's row goes, the one for any dtype applies again; then the cutover */
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_BFLOAT16, NULL, NULL, 0), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, NULL, NULL, 0), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 528, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET); /* the default cutover: packet_max_bytes */
+
+  /* reduce_scatter: bands by the whole input (2 ranks: twice the chunk) */
+  const uint64_t rs_lim[] = {256};
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_REDUCE_SCATTER, -1, rs_lim, packet, 1), TPC_OK);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 128, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 144, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
+
+  /* all_gather: line where sizes and rows are 16-byte multiples, packet otherwise;
+   * past the packet cap bulk where it can, and bulk bands it cannot take on packets */
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_GATHER, -1, (const uint64_t[]){64, 2048}, pl, 2), TPC_OK);
+  static const struct {
+    size_t nbytes, row;
+    int algo;
+  } ag[] = {
+      {64, 64, TPC_ALGO_PACKET}, {128, 128, TPC_ALGO_LINE},  {128, 8, TPC_ALGO_PACKET},
+      {132, 132, TPC_ALGO_PACKET}, {PACKET_MAX + 16, 16, TPC_ALGO_BULK}, {2032, 16, TPC_ALGO_BULK},
+  };
+  for (size_t i = 0; i < sizeof ag / sizeof ag[0]; ++i) {
+    CHECK_RC(c, tpc_all_gather(c, in, out, ag[i].nbytes, ag[i].row, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+    CHECK_EQ(fake.last_algo, ag[i].algo);
+  }
+  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_GATHER, -1, lim1, bulk, 1), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 128, 8, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET); /* 8-byte rows: not for the bulk kernel */
+  destroy_world(&w);
+  CHECK_ALL_RELEASED();
+}
+
 static void test_async_error(void) {
   fake_reset();
   world w;
@@ -2427,6 +2521,7 @@ int main(void) {
   RUN(test_all_reduce_add_rms_norm);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);
+  RUN(test_auto_routes);
   RUN(test_async_error);
   RUN(test_describe);
   RUN(test_ids);

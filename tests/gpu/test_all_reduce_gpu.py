@@ -16,7 +16,9 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KiB, MiB = 1024, 1024 * 1024
 CAP = 16 * MiB
-ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK}
+# raw ops with the algorithm forced, and with 0: the C core's AUTO, which follows the Communicator's routes
+ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK,
+         "raw auto": tpcomm._lib.ALGO_AUTO}
 
 
 def _bits(t):
@@ -74,7 +76,7 @@ def body_eager_matches_nccl(rank, world):
             numel = nbytes // dtype.itemsize
             x = _int_valued(numel, dtype, gen)
             ref = _nccl(x)
-            for algo in ("auto", "packet", "line", "bulk"):
+            for algo in ("auto", "raw auto", "packet", "line", "bulk"):
                 if algo in ("packet", "line") and nbytes > comm.packet_max_bytes:
                     continue
                 if algo == "auto":
