@@ -133,9 +133,9 @@ tpc_result tpc_comm_probe_write(tpc_comm *comm);
 tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask);
 
 /* Sizes (input bytes per rank) up to which TPC_ALGO_AUTO uses the packet
- * kernel, the bulk kernel above: the rule for ops without routes of their
- * own (tpc_comm_set_routes). reduce_scatter compares its chunk with the
- * all_reduce cutover. */
+ * kernel, the bulk kernel above (the default: packet_max_bytes): a band of
+ * tpc_comm_set_routes for every dtype, replacing what was set.
+ * reduce_scatter compares its chunk with the all_reduce cutover. */
 tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
                                 size_t all_gather_packet_max);
 
@@ -149,7 +149,7 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
  * Communicator falls back to runs: line -> packet when the shape does not
  * allow it, packet or line -> bulk past the packet cap, bulk -> packet for
  * an all_gather the bulk kernel cannot take. count 0 removes the op's bands
- * for that dtype. */
+ * for that dtype; for -1 it restores the default cutover. */
 #define TPC_MAX_BANDS 32
 typedef enum { TPC_ROUTE_ALL_REDUCE = 0, TPC_ROUTE_ALL_GATHER = 1, TPC_ROUTE_REDUCE_SCATTER = 2 } tpc_route_op;
 tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const uint64_t *limits,

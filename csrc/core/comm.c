@@ -34,9 +34,7 @@ struct tpc_comm {
   tpc_entry *entry;             /* id, control slot, error record (registry.c) */
   int ready;
   int failed;
-  size_t all_reduce_packet_max; /* TPC_ALGO_AUTO cutovers, for ops without routes */
-  size_t all_gather_packet_max;
-  tpc_bands routes[3][4];       /* TPC_ALGO_AUTO bands per [tpc_route_op][dtype + 1] (tpc_comm_set_routes) */
+  tpc_bands routes[3][4];       /* TPC_ALGO_AUTO bands per [tpc_route_op][dtype + 1]: set_routes, set_cutover */
   int multiprocessors;          /* of the device: the packet kernels' block cap */
   void *last_stream;            /* where the previous eager op was enqueued */
   int have_last_stream;         /* the default stream is NULL: can't be the marker */
@@ -113,6 +111,18 @@ static tpc_result check_config(const tpc_config *c) {
   return TPC_OK;
 }
 
+/* One op's AUTO as a cutover: packet up to `cut` bytes per rank, bulk above
+ * (cut 0: bulk only), for every dtype. reduce_scatter's bands compare its
+ * whole input, so its cutover on the chunk becomes one on world * chunk. */
+static void set_cutover_bands(tpc_comm *comm, tpc_route_op op, size_t cut) {
+  for (int d = 0; d < 4; ++d) comm->routes[op][d].count = 0;
+  if (!cut) return; /* no band: past the last one is bulk */
+  tpc_bands *b = &comm->routes[op][0];
+  b->count = 1;
+  b->limit[0] = op == TPC_ROUTE_REDUCE_SCATTER ? (uint64_t)cut * (uint64_t)comm->cfg.world_size : cut;
+  b->algo[0] = TPC_ALGO_PACKET;
+}
+
 tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   if (!comm_out) return fail(NULL, TPC_ERR_INVALID_ARG, "comm_out is NULL");
   *comm_out = NULL;
@@ -125,8 +135,9 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   comm->cfg = *config;
   comm->rt = rt;
   comm->layout = tpc_layout_for(config->world_size, config->max_bytes, config->packet_max_bytes);
-  comm->all_reduce_packet_max = config->packet_max_bytes;
-  comm->all_gather_packet_max = config->packet_max_bytes;
+  set_cutover_bands(comm, TPC_ROUTE_ALL_REDUCE, config->packet_max_bytes);
+  set_cutover_bands(comm, TPC_ROUTE_REDUCE_SCATTER, config->packet_max_bytes);
+  set_cutover_bands(comm, TPC_ROUTE_ALL_GATHER, config->packet_max_bytes);
 
   int code;
   void *own = NULL;
@@ -395,8 +406,9 @@ tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
       all_gather_packet_max > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_INVALID_ARG, "cutover above packet_max_bytes (%zu)",
                 comm->cfg.packet_max_bytes);
-  comm->all_reduce_packet_max = all_reduce_packet_max;
-  comm->all_gather_packet_max = all_gather_packet_max;
+  set_cutover_bands(comm, TPC_ROUTE_ALL_REDUCE, all_reduce_packet_max);
+  set_cutover_bands(comm, TPC_ROUTE_REDUCE_SCATTER, all_reduce_packet_max);
+  set_cutover_bands(comm, TPC_ROUTE_ALL_GATHER, all_gather_packet_max);
   return TPC_OK;
 }
 
@@ -418,6 +430,10 @@ tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const
     if (limits[i] == 0 || (i && limits[i] <= limits[i - 1]))
       return fail(comm, TPC_ERR_INVALID_ARG, "band %d: limits must be positive and increase", i);
   }
+  if (count == 0 && dtype == -1) { /* the default again */
+    set_cutover_bands(comm, op, comm->cfg.packet_max_bytes);
+    return TPC_OK;
+  }
   tpc_bands *b = &comm->routes[op][dtype + 1];
   b->count = count;
   for (int i = 0; i < count; ++i) {
@@ -427,12 +443,11 @@ tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const
   return TPC_OK;
 }
 
-/* The algorithm the routes give `bytes` for op and dtype (the dtype's own
- * bands, else those for any dtype), or TPC_ALGO_AUTO where the op has none. */
+/* The algorithm the bands give `bytes` for op and dtype (the dtype's own
+ * bands, else those for any dtype); bulk past the last band. */
 static int routed_algo(const tpc_comm *comm, tpc_route_op op, int dtype, uint64_t bytes) {
   const tpc_bands *b = &comm->routes[op][dtype + 1];
   if (!b->count) b = &comm->routes[op][0];
-  if (!b->count) return TPC_ALGO_AUTO;
   for (int i = 0; i < b->count; ++i)
     if (bytes <= b->limit[i]) return b->algo[i];
   return TPC_ALGO_BULK;
@@ -660,10 +675,9 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
   if (misaligned(in, 16) || misaligned(out, 16))
     return fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
   if (algo == TPC_ALGO_AUTO) {
-    /* the routes by the whole input, the packet cap on the chunk, as the Communicator routes */
+    /* the bands by the whole input, the packet cap on the chunk, as the Communicator routes */
     algo = routed_algo(comm, op == TPC_OP_ALL_REDUCE ? TPC_ROUTE_ALL_REDUCE : TPC_ROUTE_REDUCE_SCATTER,
                        dtype, in_bytes);
-    if (algo == TPC_ALGO_AUTO) algo = nbytes <= comm->all_reduce_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
     if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes) algo = TPC_ALGO_BULK;
   }
   if (algo == TPC_ALGO_LINE && op != TPC_OP_ALL_REDUCE)
@@ -760,7 +774,6 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && out_bytes <= comm->cfg.max_bytes;
   if (algo == TPC_ALGO_AUTO) {
     algo = routed_algo(comm, TPC_ROUTE_ALL_GATHER, -1, nbytes);
-    if (algo == TPC_ALGO_AUTO) algo = nbytes <= comm->all_gather_packet_max ? TPC_ALGO_PACKET : TPC_ALGO_BULK;
     if (algo == TPC_ALGO_LINE && (nbytes % 16 || row_bytes % 16)) algo = TPC_ALGO_PACKET;
     if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes && bulk_ok) algo = TPC_ALGO_BULK;
     if (algo == TPC_ALGO_BULK && !bulk_ok) algo = TPC_ALGO_PACKET;
