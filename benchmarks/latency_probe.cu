@@ -6,6 +6,8 @@
  *
  * One process drives every GPU (peer access, no IPC), so no torch is needed:
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/latency_probe.cu -o /tmp/probe && /tmp/probe
+ * `/tmp/probe quick` leaves out 256 KiB; `/tmp/probe bulk` times only the
+ * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's.
  * Stages are placed by difference (HOPPER/METHOD advice: time variants that
  * leave one stage out), not by in-kernel clocks.
  */
@@ -62,6 +64,38 @@ __global__ void probe_ping(const __grid_constant__ tpc_kernel_args a) {
     tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
   }
   tpc_op_end(&a, &op, 0);
+}
+
+/* + the input: thread 0 loads its unit of the input (after the wait for the
+ * previous kernel, as every real kernel must) and sends it. */
+__global__ void probe_ping_load(const __grid_constant__ tpc_kernel_args a) {
+  tpc_op op = tpc_op_begin(&a);
+  if (threadIdx.x == 0) {
+    const int peer = 1 - a.rank;
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), *(const uint2 *)a.in, op.epoch);
+    const uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+    *(uint2 *)a.out = v;
+  }
+  tpc_op_end(&a, &op, 0);
+}
+
+/* The packet all_reduce without its header exchange: what the mismatch check
+ * costs (the real kernel is the row above it). */
+__global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = in[span.first];
+  });
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    for (int i = 1; i < a.world; ++i)
+      tpc_packet_put(tpc_packet_slot(&a, (a.rank + i) % a.world, op.epoch, a.rank) + u * TPC_PACKET_BYTES,
+                     u == span.first ? v0 : in[u], op.epoch);
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    ((uint2 *)a.out)[u] = tpc_sum_packet(&op, &a, u == span.first ? v0 : in[u], u, 0);
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
 /* ------------------------------------------------------------ harness */
@@ -164,14 +198,15 @@ static void check_all_reduce(uint64_t nbytes) {
 }
 
 int main(int argc, char **argv) {
-  const int quick = argc > 1;
+  const int quick = argc > 1 && std::string(argv[1]) == "quick";
   int count = 0;
   CHECK(cudaGetDeviceCount(&count));
   if (count < 2) {
     fprintf(stderr, "needs 2 GPUs\n");
     return 1;
   }
-  const size_t max_bytes = 1 << 20;
+  const int bulk_sweep = argc > 1 && std::string(argv[1]) == "bulk";
+  const size_t max_bytes = bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20;
   layout = tpc_layout_for(world, max_bytes, max_bytes);
   for (int r = 0; r < world; ++r) {
     CHECK(cudaSetDevice(r));
@@ -207,6 +242,7 @@ int main(int argc, char **argv) {
     a.packet_off = layout.packet_off;
     a.packet_slot_bytes = layout.packet_slot_bytes;
     a.data_off = layout.data_off;
+    a.data_bytes = layout.data_bytes;
     a.poison = 0x7fc000007fc00000ull;
     a.alive_id = 1;
     a.rank = r;
@@ -220,12 +256,33 @@ int main(int argc, char **argv) {
   printf("%s x%d, %d graph nodes per replay, median of %d replays, slower GPU, us per op\n", prop.name, world,
          OPS, REPLAYS);
 
+  if (bulk_sweep) {
+    /* The two-rank bulk all_reduce (the streamed kernel) over grids other
+     * than the one launch.cu picks: blocks x data warps. */
+    for (uint64_t n : {(uint64_t)4 << 20, (uint64_t)16 << 20}) {
+      set_size(n, TPC_OP_ALL_REDUCE);
+      report("all_reduce bulk (tpcomm's grid)", n,
+             [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+      check_all_reduce(n);
+      for (unsigned warps : {4u, 8u})
+        for (unsigned blocks : {32u, 64u, 96u, 128u}) {
+          const tpc_geometry g = {blocks, warps * TPC_STREAM_LANES + TPC_CONTROL_THREADS};
+          char name[64];
+          snprintf(name, sizeof name, "  %u blocks x %u warps", blocks, warps);
+          report(name, n, [&](int r) { launch_pdl(tpc_all_reduce_stream_kernel, g, r, 1); });
+          check_all_reduce(n);
+        }
+    }
+    return 0;
+  }
+
   const tpc_geometry one = {1, 64};
   set_size(64, TPC_OP_ALL_REDUCE);
   report("empty kernel", 0, [&](int r) { launch_pdl(probe_empty, one, r, 0); });
   report("empty kernel, PDL", 0, [&](int r) { launch_pdl(probe_empty_pdl, one, r, 1); });
   report("+ device epoch", 0, [&](int r) { launch_pdl(probe_epoch, one, r, 1); });
   report("+ one packet each way", 0, [&](int r) { launch_pdl(probe_ping, one, r, 1); });
+  report("+ its input loaded, output stored", 0, [&](int r) { launch_pdl(probe_ping_load, one, r, 1); });
 
   const uint64_t sizes[] = {64, 2048, 16384, 65536, 262144, 1048576};
   for (uint64_t n : sizes) {
@@ -235,6 +292,8 @@ int main(int argc, char **argv) {
     const tpc_geometry g = tpc_packet_geometry(&ranks[0].args, items);
     report("all_reduce packet (tpcomm)", n,
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
+    check_all_reduce(n);
+    report("  without the header exchange", n, [&](int r) { launch_pdl(probe_packet_no_header, g, r, 1); });
     check_all_reduce(n);
     report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {

@@ -65,17 +65,22 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
   for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
     const uint4 own = tpc_line_own(&l, a.in, s, v0);
-    float acc[8];
-    for (int q = 0; q < a.world; ++q) {
-      const uint4 v = q == a.rank ? own : tpc_line_wait(&op, &l, s, q, s == 0);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-      tpc_add_rank(acc, words, 4, a.dtype, q);
+    uint4 sum;
+    if (a.world == 2) {
+      sum = tpc_sum_pair16(own, tpc_line_wait(&op, &l, s, 1 - a.rank, s == 0), a.dtype);
+    } else {
+      float acc[8];
+      for (int q = 0; q < a.world; ++q) {
+        const uint4 v = q == a.rank ? own : tpc_line_wait(&op, &l, s, q, s == 0);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        tpc_add_rank(acc, words, 4, a.dtype, q);
+      }
+      uint32_t w[4];
+      tpc_round(acc, w, 4, a.dtype);
+      sum = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    uint32_t w[4];
-    tpc_round(acc, w, 4, a.dtype);
     const uint64_t u = tpc_line_unit(&l, s);
-    if (u < l.units)
-      tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : make_uint4(w[0], w[1], w[2], w[3]));
+    if (u < l.units) tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : sum);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
@@ -88,6 +93,20 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;
+  if (a->world == 2) { /* the same bits in packed arithmetic: 16-bit sums cost as much as fp32 */
+    const char *slot = tpc_stream_slot(a, s, a->rank, 1 - a->rank);
+    uint4 v[TPC_STREAM_UNITS];
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      v[k] = u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+    }
+    const int broken = tpc_op_broken(op);
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : tpc_sum_pair16(own[k], v[k], a->dtype));
+    }
+    return;
+  }
   float acc[TPC_STREAM_UNITS][8];
   for (int q = 0; q < a->world; ++q) {
     const char *slot = q == a->rank ? NULL : tpc_stream_slot(a, s, a->rank, q);
