@@ -98,6 +98,64 @@ __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
+/* The data path of the packet all_reduce without its arithmetic: every data
+ * thread loads its unit, pushes it, waits for the peer's and stores that. */
+__global__ void probe_packets_no_sum(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
+  const tpc_span span = tpc_data_span();
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = ((const uint2 *)a.in)[span.first];
+  });
+  const int peer = 1 - a.rank;
+  if (span.first < units) {
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + span.first * TPC_PACKET_BYTES, v0, op.epoch);
+    ((uint2 *)a.out)[span.first] =
+        tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + span.first * TPC_PACKET_BYTES, peer);
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* probe_packets_no_sum's straight line in the real kernel's two loops: every
+ * push first, then every wait. */
+__global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = in[span.first];
+  });
+  const int peer = 1 - a.rank;
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
+                   op.epoch);
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    ((uint2 *)a.out)[u] = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + u * TPC_PACKET_BYTES, peer);
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* ... and with the two-rank sum in packed bf16 instead of the general one. */
+__global__ void probe_packets_pair_sum(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = in[span.first];
+  });
+  const int peer = 1 - a.rank;
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
+                   op.epoch);
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 own = u == span.first ? v0 : in[u];
+    const uint2 p = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + u * TPC_PACKET_BYTES, peer);
+    ((uint2 *)a.out)[u] = make_uint2(tpc_add2(own.x, p.x, 1), tpc_add2(own.y, p.y, 1));
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
 /* ------------------------------------------------------------ harness */
 
 typedef std::function<void(int rank)> Launcher;
@@ -294,6 +352,11 @@ int main(int argc, char **argv) {
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
     check_all_reduce(n);
     report("  without the header exchange", n, [&](int r) { launch_pdl(probe_packet_no_header, g, r, 1); });
+    check_all_reduce(n);
+    if (n <= TPC_PACKET_DATA_BYTES * (g.threads - TPC_CONTROL_THREADS) * (uint64_t)g.blocks && g.blocks == 1)
+      report("  ... and without the sum", n, [&](int r) { launch_pdl(probe_packets_no_sum, g, r, 1); });
+    report("  ... in two loops (push all, then wait)", n, [&](int r) { launch_pdl(probe_packets_two_loops, g, r, 1); });
+    report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_pair_sum, g, r, 1); });
     check_all_reduce(n);
     report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {
