@@ -117,7 +117,9 @@ __global__ void probe_packets_no_sum(const __grid_constant__ tpc_kernel_args a) 
 }
 
 /* probe_packets_no_sum's straight line in the real kernel's two loops: every
- * push first, then every wait. */
+ * push first, then every wait; with Sum, the two ranks' values added in
+ * packed bf16 (tpc_add2) where the real kernel runs its general sum. */
+template <bool Sum>
 __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
@@ -130,28 +132,14 @@ __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args 
   for (uint64_t u = span.first; u < units; u += span.stride)
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
                    op.epoch);
-  for (uint64_t u = span.first; u < units; u += span.stride)
-    ((uint2 *)a.out)[u] = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + u * TPC_PACKET_BYTES, peer);
-  tpc_op_end(&a, &op, TPC_NOT_BULK);
-}
-
-/* ... and with the two-rank sum in packed bf16 instead of the general one. */
-__global__ void probe_packets_pair_sum(const __grid_constant__ tpc_kernel_args a) {
-  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
-  const uint2 *in = (const uint2 *)a.in;
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = in[span.first];
-  });
-  const int peer = 1 - a.rank;
-  for (uint64_t u = span.first; u < units; u += span.stride)
-    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
-                   op.epoch);
   for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 own = u == span.first ? v0 : in[u];
     const uint2 p = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + u * TPC_PACKET_BYTES, peer);
-    ((uint2 *)a.out)[u] = make_uint2(tpc_add2(own.x, p.x, 1), tpc_add2(own.y, p.y, 1));
+    if (Sum) {
+      const uint2 own = u == span.first ? v0 : in[u];
+      ((uint2 *)a.out)[u] = make_uint2(tpc_add2(own.x, p.x, 1), tpc_add2(own.y, p.y, 1));
+    } else {
+      ((uint2 *)a.out)[u] = p;
+    }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
@@ -355,8 +343,9 @@ int main(int argc, char **argv) {
     check_all_reduce(n);
     if (n <= TPC_PACKET_DATA_BYTES * (g.threads - TPC_CONTROL_THREADS) * (uint64_t)g.blocks && g.blocks == 1)
       report("  ... and without the sum", n, [&](int r) { launch_pdl(probe_packets_no_sum, g, r, 1); });
-    report("  ... in two loops (push all, then wait)", n, [&](int r) { launch_pdl(probe_packets_two_loops, g, r, 1); });
-    report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_pair_sum, g, r, 1); });
+    report("  ... in two loops (push all, then wait)", n,
+           [&](int r) { launch_pdl(probe_packets_two_loops<false>, g, r, 1); });
+    report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_two_loops<true>, g, r, 1); });
     check_all_reduce(n);
     report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {
