@@ -771,17 +771,18 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
     return fail(comm, TPC_ERR_INVALID_ARG, "all_gather input and output must be 4-byte aligned");
   const size_t out_bytes = nbytes * (size_t)comm->cfg.world_size;
   /* Shapes and sizes only, never pointers: every rank must choose alike. */
-  const int bulk_ok = nbytes % 16 == 0 && row_bytes % 16 == 0 && out_bytes <= comm->cfg.max_bytes;
+  const int units16 = nbytes % 16 == 0 && row_bytes % 16 == 0; /* what line and bulk move in */
+  const int bulk_ok = units16 && out_bytes <= comm->cfg.max_bytes;
   if (algo == TPC_ALGO_AUTO) {
     algo = routed_algo(comm, TPC_ROUTE_ALL_GATHER, -1, nbytes);
-    if (algo == TPC_ALGO_LINE && (nbytes % 16 || row_bytes % 16)) algo = TPC_ALGO_PACKET;
+    if (algo == TPC_ALGO_LINE && !units16) algo = TPC_ALGO_PACKET;
     if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes && bulk_ok) algo = TPC_ALGO_BULK;
     if (algo == TPC_ALGO_BULK && !bulk_ok) algo = TPC_ALGO_PACKET;
   }
   if ((algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) && (misaligned(in, 16) || misaligned(out, 16)))
     return fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather input and output must be 16-byte aligned",
                 algo == TPC_ALGO_BULK ? "bulk" : "line");
-  if (algo == TPC_ALGO_LINE && (nbytes % 16 || row_bytes % 16))
+  if (algo == TPC_ALGO_LINE && !units16)
     return fail(comm, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows");
   if ((algo == TPC_ALGO_PACKET || algo == TPC_ALGO_LINE) && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
