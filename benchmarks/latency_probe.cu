@@ -7,7 +7,9 @@
  * One process drives every GPU (peer access, no IPC), so no torch is needed:
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/latency_probe.cu -o /tmp/probe && /tmp/probe
  * `/tmp/probe quick` leaves out 256 KiB; `/tmp/probe bulk` times only the
- * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's.
+ * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's;
+ * `/tmp/probe geom` the packet and line kernels at 64 B - 64 KiB over other
+ * block sizes.
  * Stages are placed by difference (HOPPER/METHOD advice: time variants that
  * leave one stage out), not by in-kernel clocks.
  */
@@ -79,6 +81,43 @@ __global__ void probe_ping_load(const __grid_constant__ tpc_kernel_args a) {
   tpc_op_end(&a, &op, 0);
 }
 
+/* The epoch drawn with one atomic add by the control warp's lead (single
+ * block), the dependents released as soon as it returns: no separate load,
+ * store and fence. Ping: with one packet each way, its input loaded and the
+ * peer's stored, as probe_ping_load. */
+template <bool Ping>
+__global__ void probe_epoch_atomic(const __grid_constant__ tpc_kernel_args a) {
+  __shared__ uint32_t shared_epoch;
+  const int control = threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS;
+  uint2 v = make_uint2(0, 0);
+  if (control) {
+    if (threadIdx.x == blockDim.x - TPC_CONTROL_THREADS) {
+      const uint32_t e = atomicAdd(&a.control->epoch, 1u) + 1u;
+      shared_epoch = e;
+      if (e != 0u) tpc_grid_release(); /* a branch on the result: only once the add returned */
+    }
+    tpc_warp_sync();
+  } else {
+    tpc_grid_wait();
+    if (Ping && threadIdx.x == 0) v = *(const uint2 *)a.in;
+  }
+  tpc_block_handoff(control);
+  tpc_op op;
+  op.args = &a;
+  op.sig = tpc_signals_of(&a, a.rank);
+  op.control = a.control;
+  op.epoch = shared_epoch;
+  op.deadline_ns = 0;
+  op.timeout_ns = a.timeout_ns;
+  op.failed = 0;
+  if (control) tpc_grid_wait();
+  if (Ping && threadIdx.x == 0) {
+    const int peer = 1 - a.rank;
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), v, op.epoch);
+    *(uint2 *)a.out = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+  }
+}
+
 /* The packet all_reduce without its header exchange: what the mismatch check
  * costs (the real kernel is the row above it). */
 __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a) {
@@ -140,6 +179,57 @@ __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args 
     } else {
       ((uint2 *)a.out)[u] = p;
     }
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* The packet all_gather of two ranks at a dim-0 output, without its header
+ * exchange (Folded = 0) or with the header checked in thread 0's first data
+ * wait even in one block (Folded = 1; the real kernel has one block's
+ * control warp check it). */
+template <int Folded>
+__global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / 8;
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+  uint2 *out = (uint2 *)a.out;
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = in[span.first];
+  });
+  const int me = a.rank, peer = 1 - a.rank;
+  if (Folded) tpc_header_send(&a, &op, 1);
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 v = u == span.first ? v0 : in[u];
+    tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, v, op.epoch);
+    out[me * units + u] = v;
+  }
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 v =
+        tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, peer) + u * TPC_PACKET_BYTES, peer, Folded && u == 0);
+    out[peer * units + u] = tpc_op_broken(&op) ? tpc_poison8(&a) : v;
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* The packet all_reduce with its header checked in thread 0's first data
+ * wait even in one block. */
+__global__ void probe_reduce_folded(const __grid_constant__ tpc_kernel_args a) {
+  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
+  const tpc_span span = tpc_data_span();
+  const uint2 *in = (const uint2 *)a.in;
+  uint2 v0 = make_uint2(0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = in[span.first];
+  });
+  tpc_header_send(&a, &op, 1);
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 v = u == span.first ? v0 : in[u];
+    tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
+  }
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 sum = tpc_sum_packet(&op, &a, u == span.first ? v0 : in[u], u, 1);
+    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
@@ -243,6 +333,25 @@ static void check_all_reduce(uint64_t nbytes) {
   }
 }
 
+static void check_all_gather(uint64_t nbytes) {
+  /* rank 0's bf16 1.0s, then rank 1's 2.0s, on both ranks */
+  std::vector<uint32_t> host(nbytes * world / 4);
+  for (int r = 0; r < world; ++r) {
+    CHECK(cudaSetDevice(r));
+    CHECK(cudaMemcpy(host.data(), ranks[r].out, nbytes * world, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < host.size(); ++i)
+      if (host[i] != (i < nbytes / 4 ? 0x3f803f80u : 0x40004000u)) {
+        fprintf(stderr, "all_gather %llu B: rank %d word %zu is %08x\n", (unsigned long long)nbytes, r, i, host[i]);
+        exit(1);
+      }
+  }
+}
+
+static void check(int op, uint64_t nbytes) {
+  if (op == TPC_OP_ALL_REDUCE) check_all_reduce(nbytes);
+  else check_all_gather(nbytes);
+}
+
 int main(int argc, char **argv) {
   const int quick = argc > 1 && std::string(argv[1]) == "quick";
   int count = 0;
@@ -252,6 +361,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   const int bulk_sweep = argc > 1 && std::string(argv[1]) == "bulk";
+  const int geom_sweep = argc > 1 && std::string(argv[1]) == "geom";
   const size_t max_bytes = bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20;
   layout = tpc_layout_for(world, max_bytes, max_bytes);
   for (int r = 0; r < world; ++r) {
@@ -322,6 +432,47 @@ int main(int argc, char **argv) {
     return 0;
   }
 
+  if (geom_sweep) {
+    /* The packet and line kernels of both ops over other block sizes than
+     * launch.cu's: data threads per block, blocks as many as the items need
+     * (up to one per multiprocessor). */
+    const unsigned sms = (unsigned)ranks[0].args.max_blocks;
+    for (uint64_t n : {(uint64_t)64, (uint64_t)2048, (uint64_t)4096, (uint64_t)16384, (uint64_t)65536}) {
+      const uint64_t lines = (n / 16 + TPC_LINE_UNITS - 1) / TPC_LINE_UNITS;
+      const struct {
+        const char *name;
+        int op;
+        tpc_kernel kernel;
+        uint64_t items;
+      } kinds[] = {
+          {"all_reduce packet", TPC_OP_ALL_REDUCE, tpc_all_reduce_packet_kernel, n / TPC_PACKET_DATA_BYTES},
+          {"all_gather packet", TPC_OP_ALL_GATHER, tpc_all_gather_packet_kernel, (n / 4 + 1) / 2},
+          {"all_reduce line", TPC_OP_ALL_REDUCE, tpc_all_reduce_line_kernel, (lines + 3) / 4 * 32},
+          {"all_gather line", TPC_OP_ALL_GATHER, tpc_all_gather_line_kernel, (lines + 3) / 4 * 32},
+      };
+      for (const auto &k : kinds) {
+        set_size(n, k.op);
+        const tpc_geometry mine = tpc_packet_geometry(&ranks[0].args, k.items);
+        char name[80];
+        snprintf(name, sizeof name, "%s (tpcomm: %ux%u)", k.name, mine.blocks, mine.threads);
+        report(name, n, [&](int r) { launch_pdl(k.kernel, mine, r, 1); });
+        check(k.op, n);
+        for (unsigned t : {32u, 64u, 128u, 256u, 512u}) {
+          const uint64_t want = (k.items + t - 1) / t;
+          tpc_geometry g;
+          g.blocks = (unsigned)(want < sms ? want : sms);
+          g.threads = (g.blocks == 1 ? (unsigned)((k.items + 31) / 32 * 32) : t) + TPC_CONTROL_THREADS;
+          if (g.blocks == mine.blocks && g.threads == mine.threads) continue;
+          if (g.blocks == 1 && t > 32 && k.items <= t / 2) continue; /* the same one block as a smaller t */
+          snprintf(name, sizeof name, "  %u blocks x %u threads", g.blocks, g.threads);
+          report(name, n, [&](int r) { launch_pdl(k.kernel, g, r, 1); });
+          check(k.op, n);
+        }
+      }
+    }
+    return 0;
+  }
+
   const tpc_geometry one = {1, 64};
   set_size(64, TPC_OP_ALL_REDUCE);
   report("empty kernel", 0, [&](int r) { launch_pdl(probe_empty, one, r, 0); });
@@ -329,6 +480,8 @@ int main(int argc, char **argv) {
   report("+ device epoch", 0, [&](int r) { launch_pdl(probe_epoch, one, r, 1); });
   report("+ one packet each way", 0, [&](int r) { launch_pdl(probe_ping, one, r, 1); });
   report("+ its input loaded, output stored", 0, [&](int r) { launch_pdl(probe_ping_load, one, r, 1); });
+  report("epoch by atomic add", 0, [&](int r) { launch_pdl(probe_epoch_atomic<false>, one, r, 1); });
+  report("  + one packet, input and output", 0, [&](int r) { launch_pdl(probe_epoch_atomic<true>, one, r, 1); });
 
   const uint64_t sizes[] = {64, 2048, 16384, 65536, 262144, 1048576};
   for (uint64_t n : sizes) {
@@ -347,6 +500,8 @@ int main(int argc, char **argv) {
            [&](int r) { launch_pdl(probe_packets_two_loops<false>, g, r, 1); });
     report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_two_loops<true>, g, r, 1); });
     check_all_reduce(n);
+    report("  header in thread 0's data wait", n, [&](int r) { launch_pdl(probe_reduce_folded, g, r, 1); });
+    check_all_reduce(n);
     report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {
       launch_pdl(probe_empty, one, r, 0);
@@ -358,8 +513,17 @@ int main(int argc, char **argv) {
     set_size(n, TPC_OP_ALL_GATHER);
     report("all_gather packet (tpcomm)", n,
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_gather(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
+    check_all_gather(n);
+    {
+      const tpc_geometry ga = tpc_packet_geometry(&ranks[0].args, n / 8);
+      report("  header in thread 0's data wait", n, [&](int r) { launch_pdl(probe_gather<1>, ga, r, 1); });
+      check_all_gather(n);
+      report("  without the header", n, [&](int r) { launch_pdl(probe_gather<0>, ga, r, 1); });
+      check_all_gather(n);
+    }
     report("all_gather bulk (tpcomm)", n,
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_gather(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+    check_all_gather(n);
   }
   return 0;
 }

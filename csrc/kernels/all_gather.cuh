@@ -34,46 +34,67 @@ static __device__ __forceinline__ uint64_t tpc_gather_index(uint64_t index, uint
   return (uint64_t)(i / r) * (uint64_t)n * row + (uint64_t)q * row + (i % r);
 }
 
+/* Packet unit u (words 2u, 2u+1) of this rank's input; past the end of an
+ * odd number of words, 0. `wide`: sizes, rows and both pointers are 8-byte
+ * multiples, so a unit is one 8-byte load and lands as one 8-byte store
+ * (4-byte ones cost 0.1 us of a 64 B op on 2xH200, latency_probe). */
+TPC_DEVICE uint2 tpc_gather_load(const tpc_kernel_args *a, uint64_t u, int wide) {
+  const uint32_t *in = (const uint32_t *)a->in;
+  if (wide) return ((const uint2 *)in)[u];
+  return make_uint2(in[2 * u], 2 * u + 1 < a->nbytes / 4 ? in[2 * u + 1] : 0u);
+}
+
+/* Unit u of rank q's input, v, into its place in the output; with `broken`,
+ * NaN there instead where the output is floating, nothing where not. */
+TPC_DEVICE void tpc_gather_store(const tpc_kernel_args *a, uint64_t u, int q, uint2 v, int wide, int broken) {
+  const uint64_t row = a->row_bytes / 4, w = 2 * u;
+  uint32_t *out = (uint32_t *)a->out;
+  const uint64_t o = tpc_gather_index(w, row, q, a->world);
+  if (wide) { /* o is even: rows hold whole units */
+    if (broken && !a->poison_out) return;
+    *(uint2 *)(out + o) = broken ? tpc_poison8(a) : v;
+    return;
+  }
+  const uint64_t o1 = tpc_gather_index(w + 1, row, q, a->world);
+  if (broken) {
+    if (!a->poison_out) return;
+    v = make_uint2(tpc_poison_word(a, o), tpc_poison_word(a, o1));
+  }
+  out[o] = v.x;
+  if (w + 1 < a->nbytes / 4) out[o1] = v.y;
+}
+
+/* Unit u of peer q, waited for, into its place. */
+TPC_DEVICE void tpc_gather_place(tpc_op *op, const tpc_kernel_args *a, uint64_t u, int q, int folded, int wide) {
+  const uint2 v = tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
+  tpc_gather_store(a, u, q, v, wide, tpc_op_broken(op));
+}
+
 __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const int n = a.world, me = a.rank;
-  const uint64_t words = a.nbytes / 4, row = a.row_bytes / 4;
-  const uint64_t units = (words + 1) / 2; /* a packet carries two words */
+  const uint64_t units = (a.nbytes / 4 + 1) / 2; /* a packet carries two words */
+  const int wide = ((a.nbytes | a.row_bytes | (uint64_t)(uintptr_t)a.in | (uint64_t)(uintptr_t)a.out) & 7) == 0;
   const tpc_span span = tpc_data_span();
   const uint64_t first = span.first, stride = span.stride;
-  const uint32_t *in = (const uint32_t *)a.in;
-  uint32_t *out = (uint32_t *)a.out;
   uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
   tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = make_uint2(in[2 * first], 2 * first + 1 < words ? in[2 * first + 1] : 0u);
+    if (first < units) v0 = tpc_gather_load(&a, first, wide);
   });
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
   tpc_header_exchange(&a, &op, folded);
 
   for (uint64_t u = first; u < units; u += stride) {
-    const uint64_t w = 2 * u;
-    const int pair = w + 1 < words;
-    const uint2 v = u == first ? v0 : make_uint2(in[w], pair ? in[w + 1] : 0u);
-    for (int i = 1; i < n; ++i) {
-      const int peer = (me + i) % n;
-      tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, v, op.epoch);
-    }
-    out[tpc_gather_index(w, row, me, n)] = v.x;
-    if (pair) out[tpc_gather_index(w + 1, row, me, n)] = v.y;
+    const uint2 v = u == first ? v0 : tpc_gather_load(&a, u, wide);
+    tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
+    tpc_gather_store(&a, u, me, v, wide, 0);
   }
   for (uint64_t u = first; u < units; u += stride) {
-    const uint64_t w = 2 * u;
-    const int pair = w + 1 < words;
-    for (int i = 1; i < n; ++i) {
-      const int q = (me + i) % n;
-      uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
-      const uint64_t o = tpc_gather_index(w, row, q, n), o1 = tpc_gather_index(w + 1, row, q, n);
-      if (tpc_op_broken(&op)) {
-        if (!a.poison_out) continue;
-        v = make_uint2(tpc_poison_word(&a, o), tpc_poison_word(&a, o1));
-      }
-      out[o] = v.x;
-      if (pair) out[o1] = v.y;
+    /* Two ranks in straight-line code, as tpc_packet_push. */
+    if (n == 2) {
+      tpc_gather_place(&op, &a, u, 1 - me, folded, wide);
+    } else {
+      for (int i = 1; i < n; ++i) tpc_gather_place(&op, &a, u, (me + i) % n, folded, wide);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

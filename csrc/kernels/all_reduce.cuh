@@ -43,10 +43,7 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : in[u];
-    for (int i = 1; i < a.world; ++i) {
-      const int peer = (a.rank + i) % a.world; /* ranks start on different peers */
-      tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, v, op.epoch);
-    }
+    tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
   }
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 sum = tpc_sum_packet(&op, &a, u == first ? v0 : in[u], u, folded);

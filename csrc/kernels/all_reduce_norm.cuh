@@ -85,11 +85,10 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   if (spread && t < data_threads) {
     const uint64_t total = rows * row_units, share = (total + gridDim.x - 1) / gridDim.x;
     const uint64_t end = (blockIdx.x + 1) * share < total ? (blockIdx.x + 1) * share : total;
-    for (uint64_t u = blockIdx.x * share + t; u < end; u += data_threads)
-      for (int i = 1; i < a.world; ++i) {
-        const int peer = (a.rank + i) % a.world;
-        tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, in[u], op.epoch);
-      }
+    for (uint64_t u = blockIdx.x * share + t; u < end; u += data_threads) {
+      const uint2 v = in[u];
+      tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
+    }
   }
 
   for (uint64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -97,10 +96,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     if (!spread && t < data_threads)
       for (uint64_t u = t; u < row_units; u += data_threads) {
         const uint2 v = in[base + u];
-        for (int i = 1; i < a.world; ++i) {
-          const int peer = (a.rank + i) % a.world;
-          tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + (base + u) * TPC_PACKET_BYTES, v, op.epoch);
-        }
+        tpc_packet_push(&a, op.epoch, base + u, [&](int) { return v; });
       }
 
     float z[TPC_NORM_UNITS][4];

@@ -46,17 +46,22 @@ TPC_DEVICE void tpc_add_rank(float *acc, const uint32_t *words, int nwords, int 
   else tpc_accumulate(acc, words, nwords, dtype);
 }
 
-/* Two ranks: the rounded sum of two 16-byte units, bit for bit what
- * tpc_add_rank over both and tpc_round give (for fp32 the same one addition;
- * for 16-bit dtypes portability.cuh's tpc_add2 says why), in a quarter
- * of the instructions. */
+/* Two ranks: the rounded sum of two words, bit for bit what tpc_add_rank
+ * over both and tpc_round give (for fp32 the same one addition; for 16-bit
+ * dtypes portability.cuh's tpc_add2 says why), in a quarter of the
+ * instructions; and of 8- and 16-byte units. */
+TPC_DEVICE uint32_t tpc_sum_pair(uint32_t x, uint32_t y, int dtype) {
+  return dtype == TPC_FLOAT32 ? __float_as_uint(__uint_as_float(x) + __uint_as_float(y))
+                              : tpc_add2(x, y, dtype == TPC_BFLOAT16);
+}
+
+TPC_DEVICE uint2 tpc_sum_pair8(uint2 a, uint2 b, int dtype) {
+  return make_uint2(tpc_sum_pair(a.x, b.x, dtype), tpc_sum_pair(a.y, b.y, dtype));
+}
+
 TPC_DEVICE uint4 tpc_sum_pair16(uint4 a, uint4 b, int dtype) {
-  const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
-  uint32_t w[4];
-  for (int i = 0; i < 4; ++i)
-    w[i] = dtype == TPC_FLOAT32 ? __float_as_uint(__uint_as_float(x[i]) + __uint_as_float(y[i]))
-                                : tpc_add2(x[i], y[i], dtype == TPC_BFLOAT16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(tpc_sum_pair(a.x, b.x, dtype), tpc_sum_pair(a.y, b.y, dtype), tpc_sum_pair(a.z, b.z, dtype),
+                    tpc_sum_pair(a.w, b.w, dtype));
 }
 
 TPC_DEVICE uint4 tpc_load16(const void *p) { return *(const uint4 *)p; }

@@ -39,17 +39,13 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
   tpc_header_exchange(&a, &op, folded);
-  const int n = a.world, me = a.rank;
+  const int me = a.rank;
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES; /* per chunk */
   const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
 
-  for (uint64_t u = span.first; u < units; u += span.stride) {
-    for (int i = 1; i < n; ++i) {
-      const int peer = (me + i) % n;
-      tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, in[peer * units + u], op.epoch);
-    }
-  }
+  for (uint64_t u = span.first; u < units; u += span.stride)
+    tpc_packet_push(&a, op.epoch, u, [&](int peer) { return in[peer * units + u]; });
   for (uint64_t u = span.first; u < units; u += span.stride) {
     if (OutF32) {
       float acc[4];
