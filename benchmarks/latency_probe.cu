@@ -51,7 +51,8 @@ __global__ void probe_empty_pdl(const __grid_constant__ tpc_kernel_args a) {
   tpc_grid_release();
 }
 
-/* + the device epoch: read the control slot, advance it at the end. */
+/* + the device epoch: read the control slot, advance it (tpc_op_begin also
+ * sends the header, unchecked here). */
 __global__ void probe_epoch(const __grid_constant__ tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   tpc_op_end(&a, &op, 0);
@@ -118,8 +119,9 @@ __global__ void probe_epoch_atomic(const __grid_constant__ tpc_kernel_args a) {
   }
 }
 
-/* The packet all_reduce without its header exchange: what the mismatch check
- * costs (the real kernel is the row above it). */
+/* The packet all_reduce without its header check (tpc_op_begin still sends
+ * the header): what the mismatch check costs (the real kernel is the row
+ * above it). */
 __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
@@ -183,11 +185,11 @@ __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args 
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
-/* The packet all_gather of two ranks at a dim-0 output, without its header
- * exchange (Folded = 0) or with the header checked in thread 0's first data
- * wait even in one block (Folded = 1; the real kernel has one block's
- * control warp check it). */
-template <int Folded>
+/* The packet all_gather of two ranks at a dim-0 output (no index arithmetic),
+ * with its header check in thread 0's first wait (Header = 1, as the real
+ * kernel in several blocks; one block has its control warp check it) or
+ * without it (0; tpc_op_begin still sends the header). */
+template <int Header>
 __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / 8;
   const tpc_span span = tpc_data_span();
@@ -198,7 +200,6 @@ __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
     if (span.first < units) v0 = in[span.first];
   });
   const int me = a.rank, peer = 1 - a.rank;
-  if (Folded) tpc_header_send(&a, &op, 1);
   for (uint64_t u = span.first; u < units; u += span.stride) {
     const uint2 v = u == span.first ? v0 : in[u];
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, me) + u * TPC_PACKET_BYTES, v, op.epoch);
@@ -206,30 +207,8 @@ __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
   }
   for (uint64_t u = span.first; u < units; u += span.stride) {
     const uint2 v =
-        tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, peer) + u * TPC_PACKET_BYTES, peer, Folded && u == 0);
+        tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, peer) + u * TPC_PACKET_BYTES, peer, Header && u == 0);
     out[peer * units + u] = tpc_op_broken(&op) ? tpc_poison8(&a) : v;
-  }
-  tpc_op_end(&a, &op, TPC_NOT_BULK);
-}
-
-/* The packet all_reduce with its header checked in thread 0's first data
- * wait even in one block. */
-__global__ void probe_reduce_folded(const __grid_constant__ tpc_kernel_args a) {
-  const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
-  const uint2 *in = (const uint2 *)a.in;
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = in[span.first];
-  });
-  tpc_header_send(&a, &op, 1);
-  for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 v = u == span.first ? v0 : in[u];
-    tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
-  }
-  for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, u == span.first ? v0 : in[u], u, 1);
-    ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
@@ -477,7 +456,7 @@ int main(int argc, char **argv) {
   set_size(64, TPC_OP_ALL_REDUCE);
   report("empty kernel", 0, [&](int r) { launch_pdl(probe_empty, one, r, 0); });
   report("empty kernel, PDL", 0, [&](int r) { launch_pdl(probe_empty_pdl, one, r, 1); });
-  report("+ device epoch", 0, [&](int r) { launch_pdl(probe_epoch, one, r, 1); });
+  report("+ device epoch, header sent", 0, [&](int r) { launch_pdl(probe_epoch, one, r, 1); });
   report("+ one packet each way", 0, [&](int r) { launch_pdl(probe_ping, one, r, 1); });
   report("+ its input loaded, output stored", 0, [&](int r) { launch_pdl(probe_ping_load, one, r, 1); });
   report("epoch by atomic add", 0, [&](int r) { launch_pdl(probe_epoch_atomic<false>, one, r, 1); });
@@ -492,7 +471,7 @@ int main(int argc, char **argv) {
     report("all_reduce packet (tpcomm)", n,
            [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream)); });
     check_all_reduce(n);
-    report("  without the header exchange", n, [&](int r) { launch_pdl(probe_packet_no_header, g, r, 1); });
+    report("  without the header check", n, [&](int r) { launch_pdl(probe_packet_no_header, g, r, 1); });
     check_all_reduce(n);
     if (n <= TPC_PACKET_DATA_BYTES * (g.threads - TPC_CONTROL_THREADS) * (uint64_t)g.blocks && g.blocks == 1)
       report("  ... and without the sum", n, [&](int r) { launch_pdl(probe_packets_no_sum, g, r, 1); });
@@ -500,7 +479,6 @@ int main(int argc, char **argv) {
            [&](int r) { launch_pdl(probe_packets_two_loops<false>, g, r, 1); });
     report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_two_loops<true>, g, r, 1); });
     check_all_reduce(n);
-    report("  header in thread 0's data wait", n, [&](int r) { launch_pdl(probe_reduce_folded, g, r, 1); });
     check_all_reduce(n);
     report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {
@@ -516,9 +494,9 @@ int main(int argc, char **argv) {
     check_all_gather(n);
     {
       const tpc_geometry ga = tpc_packet_geometry(&ranks[0].args, n / 8);
-      report("  header in thread 0's data wait", n, [&](int r) { launch_pdl(probe_gather<1>, ga, r, 1); });
+      report("  dim 0, header in thread 0's wait", n, [&](int r) { launch_pdl(probe_gather<1>, ga, r, 1); });
       check_all_gather(n);
-      report("  without the header", n, [&](int r) { launch_pdl(probe_gather<0>, ga, r, 1); });
+      report("  without the header check", n, [&](int r) { launch_pdl(probe_gather<0>, ga, r, 1); });
       check_all_gather(n);
     }
     report("all_gather bulk (tpcomm)", n,

@@ -50,6 +50,8 @@ typedef struct {
   uint32_t stopped;
 } tpc_control;
 
+#define TPC_HEADER_SLOTS 4 /* a power of two */
+
 /* Lives at offset 0 of every registered buffer. Fields marked "local" are
  * only touched by this rank; the others are written by peers. */
 typedef struct {
@@ -67,8 +69,9 @@ typedef struct {
    * included) carries epoch flags and is cleared at the wrap. */
   uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed */
   uint32_t barrier_out[TPC_MAX_BLOCKS][TPC_MAX_RANKS];  /* peers: phase done */
-  /* peers: one header packet per [parity][sender], says the op and its size */
-  uint64_t header[2][TPC_MAX_RANKS][2];
+  /* peers: one header packet per [epoch % TPC_HEADER_SLOTS][sender], says
+   * the op and its size (four slots: sent early, primitives.cuh) */
+  uint64_t header[TPC_HEADER_SLOTS][TPC_MAX_RANKS][2];
 } tpc_signals;
 
 /* Packets are stored as 16-byte vectors: the header array must be aligned. */

@@ -82,7 +82,7 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   });
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
-  tpc_header_exchange(&a, &op, folded);
+  tpc_header_check(&a, &op, folded);
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : tpc_gather_load(&a, u, wide);
@@ -108,7 +108,7 @@ __global__ void tpc_all_gather_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
   uint4 v0;
   tpc_op op = tpc_line_begin(&a, &l, &v0);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 1); /* checked in warp 0's first waits */
+  /* the header is checked in warp 0's first waits */
 
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
     const uint4 v = tpc_line_own(&l, a.in, s, v0);

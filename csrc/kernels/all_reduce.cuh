@@ -39,7 +39,7 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   });
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
-  tpc_header_exchange(&a, &op, folded);
+  tpc_header_check(&a, &op, folded);
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : in[u];
@@ -57,7 +57,7 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
   uint4 v0;
   tpc_op op = tpc_line_begin(&a, &l, &v0);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 1); /* checked in warp 0's first waits */
+  /* the header is checked in warp 0's first waits */
 
   for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
@@ -165,7 +165,6 @@ static __device__ __forceinline__ uint64_t tpc_chunk_begin(uint64_t units, int j
 __global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 0);
   tpc_bulk_acquire(&a, &op, TPC_BULK_WHOLE);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16;
@@ -185,7 +184,7 @@ __global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
     for (uint64_t k = b + first; k < e; k += stride)
       tpc_store16(SCATTER_SLOT(j, me) + (k - b) * 16, tpc_load16(in + k * 16));
   }
-  tpc_header_check(&a, &op);
+  tpc_header_check(&a, &op, 0);
   tpc_block_barrier(&a, &op, 0);
 
   const uint64_t b = tpc_chunk_begin(units, me, n), e = tpc_chunk_begin(units, me + 1, n);

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_norm_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
-  tpc_header_exchange(&a, &op, folded);
+  tpc_header_check(&a, &op, folded);
 
   const unsigned data_threads = blockDim.x - TPC_CONTROL_THREADS;
   const unsigned t = threadIdx.x; /* a data thread when t < data_threads */

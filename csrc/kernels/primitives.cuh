@@ -40,6 +40,11 @@ TPC_DEVICE tpc_signals *tpc_signals_of(const tpc_kernel_args *a, int rank) {
   return (tpc_signals *)a->bufs[rank];
 }
 
+/* Sender's header packet for an op in rank owner's signals (tpc_header_send). */
+TPC_DEVICE uint64_t *tpc_header_slot(const tpc_kernel_args *a, int owner, uint32_t epoch, int sender) {
+  return tpc_signals_of(a, owner)->header[epoch & (TPC_HEADER_SLOTS - 1)][sender];
+}
+
 /* Per-thread view of the op being run. */
 typedef struct {
   const tpc_kernel_args *args;
@@ -78,6 +83,7 @@ TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, 
  * kernel's first input load, so that it overlaps the control load. */
 TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
 TPC_DEVICE void tpc_epoch_advance(const tpc_op *op);
+TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op);
 
 template <typename Prefetch>
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
@@ -119,6 +125,9 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
      * under the last epoch advances it only after the wrap (tpc_op_end) and
      * lets the next kernel start only when it has finished. */
     if (lead && !op.refused && op.epoch != TPC_EPOCH_LAST) tpc_epoch_advance(&op);
+    /* The header goes out before the wait too, so that it is at the peer
+     * before the data (tpc_header_send says why that is safe). */
+    if (!op.refused) tpc_header_send(a, &op);
     tpc_grid_wait();
     /* Released only now, after the previous kernel: one kernel ahead is
      * enough to hide the epoch, and a deeper cascade of waiting blocks slows
@@ -287,7 +296,7 @@ TPC_DEVICE int tpc_packet_ready(uint64_t lo, uint64_t hi, uint32_t epoch) {
  * mismatch naming the peer (op->failed is then set). */
 TPC_DEVICE int tpc_header_poll(tpc_op *op, int peer) {
   uint64_t lo, hi;
-  tpc_load_packet(op->sig->header[op->epoch & 1u][peer], &lo, &hi);
+  tpc_load_packet(tpc_header_slot(op->args, op->args->rank, op->epoch, peer), &lo, &hi);
   if (!tpc_packet_ready(lo, hi, op->epoch)) return 0;
   if ((uint32_t)lo == (uint32_t)op->args->nbytes && (uint32_t)hi == op->args->kind) return 1;
   tpc_record_error(op, TPC_ERR_MISMATCH, peer, (uint32_t)lo, (uint32_t)hi);
@@ -344,43 +353,40 @@ TPC_DEVICE void tpc_packet_push(const tpc_kernel_args *a, uint32_t epoch, uint64
 
 /* Headers let peers that disagree on an op, its size, algorithm, dtype or
  * layout (the kind word, layout.h) fail with a clear record (and stop this
- * rank's other waits) instead of timing out. Where they are checked depends
- * on the op (measured, benchmarks/latency_probe.cu):
- *  - one-block ops and bulk ops: the control warp, one lane per peer, sends
- *    them and waits for the peers' beside the data threads;
+ * rank's other waits) instead of timing out.
+ *
+ * Block 0's control warp, one lane per peer, sends them in tpc_op_begin,
+ * before the wait for the previous kernel: sent after it, with the data,
+ * they cost 0.04-0.12 us of a 64 B - 2 KiB op on 2xH200 (latency_probe.cu).
+ * That is safe with four slots per sender, by epoch: this op's control warp
+ * runs only once op e-2 has completed here (op e-1 releases it after its own
+ * wait), so the peer has sent its data of op e-2, so it had finished op e-3
+ * and its check of the header of op e-4, the last one this slot held. Where they are checked depends on the op
+ * (measured, latency_probe):
+ *  - one-block packet ops and the two-shot bulk ops: the same control lanes
+ *    wait for the peers' beside the data threads (tpc_header_check); folded
+ *    into thread 0's first data wait instead, a 64 B all_gather took
+ *    0.05-0.1 us longer;
  *  - packet ops of several blocks (tpc_header_folded): thread 0 of block 0
- *    sends them before its data and checks them inside its first data wait
- *    (tpc_packet_wait), which frees block 0's control warp. */
+ *    checks them inside its first data wait (tpc_packet_wait: header and
+ *    data polled in the same loop), which frees block 0's control warp;
+ *  - line and streamed ops: the first lane of warp 0 in its first waits. */
 TPC_DEVICE int tpc_header_folded(int packet) { return packet && gridDim.x > 1; }
 
-TPC_DEVICE void tpc_header_store(const tpc_kernel_args *a, const tpc_op *op, int peer) {
-  uint64_t *slot = tpc_signals_of(a, peer)->header[op->epoch & 1u][a->rank];
-  tpc_store_packet(slot, tpc_packet_half((uint32_t)a->nbytes, op->epoch), tpc_packet_half(a->kind, op->epoch));
-}
-
-TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op, int folded) {
-  if (!folded) {
-    const int peer = tpc_control_peer(a);
-    if (peer >= 0) tpc_header_store(a, op, peer);
-  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
-    for (int i = 1; i < a->world; ++i) tpc_header_store(a, op, (a->rank + i) % a->world);
-  }
-}
-
-/* The control warp's check (not folded). */
-TPC_DEVICE void tpc_header_check(const tpc_kernel_args *a, tpc_op *op) {
+TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op) {
   const int peer = tpc_control_peer(a);
   if (peer < 0) return;
-  uint2 h = tpc_packet_wait(op, op->sig->header[op->epoch & 1u][peer], peer);
-  if (!op->failed && (h.x != (uint32_t)a->nbytes || h.y != a->kind))
-    tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x, h.y);
+  tpc_store_packet(tpc_header_slot(a, peer, op->epoch, a->rank), tpc_packet_half((uint32_t)a->nbytes, op->epoch),
+                   tpc_packet_half(a->kind, op->epoch));
 }
 
-/* Both halves for a kernel: send, and check in the control warp unless the
- * check is folded into the data waits. */
-TPC_DEVICE void tpc_header_exchange(const tpc_kernel_args *a, tpc_op *op, int folded) {
-  tpc_header_send(a, op, folded);
-  if (!folded) tpc_header_check(a, op);
+/* The control lanes' check, unless it is folded into the data waits. */
+TPC_DEVICE void tpc_header_check(const tpc_kernel_args *a, tpc_op *op, int folded) {
+  const int peer = folded ? -1 : tpc_control_peer(a);
+  if (peer < 0) return;
+  uint2 h = tpc_packet_wait(op, tpc_header_slot(a, a->rank, op->epoch, peer), peer);
+  if (!op->failed && (h.x != (uint32_t)a->nbytes || h.y != a->kind))
+    tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x, h.y);
 }
 
 /* Block b of every rank meets block b of every other rank. Blocks of one op

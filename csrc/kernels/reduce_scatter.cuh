@@ -38,7 +38,7 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const int folded = tpc_header_folded(1);
-  tpc_header_exchange(&a, &op, folded);
+  tpc_header_check(&a, &op, folded);
   const int me = a.rank;
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES; /* per chunk */
   const tpc_span span = tpc_data_span();
@@ -63,7 +63,6 @@ template <int OutF32>
 __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_header_send(&a, &op, 0);
   tpc_bulk_acquire(&a, &op, TPC_BULK_WHOLE);
   const int n = a.world, me = a.rank;
   const uint64_t units = a.nbytes / 16; /* per chunk */
@@ -77,7 +76,7 @@ __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kerne
     for (uint64_t k = span.first; k < units; k += span.stride)
       tpc_store16(SLOT(j, me) + k * 16, tpc_load16(in + (j * units + k) * 16));
   }
-  tpc_header_check(&a, &op);
+  tpc_header_check(&a, &op, 0);
   tpc_block_barrier(&a, &op, 0);
   const int broken = tpc_op_broken(&op);
   for (uint64_t k = span.first; k < units && (!broken || a.poison_out); k += span.stride) {

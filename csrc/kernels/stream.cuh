@@ -166,12 +166,11 @@ TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
 }
 
 /* What every streamed kernel does between tpc_op_begin and its data loop:
- * send the headers, zero the push counts (before the block barrier inside
+ * zero the push counts (before the block barrier inside
  * tpc_bulk_acquire, which orders that before any count), acquire this op's
  * half, and run the control warp's signalling. Nonzero for a data warp with
  * steps to take. */
 TPC_DEVICE int tpc_stream_start(tpc_op *op, tpc_steps *s) {
-  tpc_header_send(op->args, op, 0);
   tpc_stream_reset();
   *s = tpc_stream_of(op->args, tpc_bulk_acquire(op->args, op, TPC_BULK_HALF));
   if (s->warp == s->data_warps) {
