@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, free_port
+from tpcomm.bench.measure import environment, rendezvous
 
 
 def parse_args(argv=None):
@@ -96,10 +96,10 @@ def host_us_per_call(call, calls, rounds):
     return statistics.median(times), min(times)
 
 
-def worker(rank, world, port, args, queue):
+def worker(rank, world, init_method, args, queue):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     import tpcomm
     comm = tpcomm.Communicator(dist.group.WORLD)
@@ -128,8 +128,8 @@ def main(argv=None):
         sys.exit("host_cost: needs 2 or more GPUs")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    init_method = rendezvous()
+    procs = [ctx.Process(target=worker, args=(r, world, init_method, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     ranks = queue.get(timeout=600)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, free_port  # the benchmark's: GPU, driver, torch, NCCL, date
+from tpcomm.bench.measure import environment, rendezvous  # the benchmark's: GPU, driver, torch, NCCL, date
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256)
@@ -164,7 +164,7 @@ def collectives(backend, comm):
 
 
 # ---------------------------------------------------------------- one rank
-def rank_main(rank, world, port, args, backends, result_path):
+def rank_main(rank, world, init_method, args, backends, result_path):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -174,7 +174,7 @@ def rank_main(rank, world, port, args, backends, result_path):
     device = torch.device("cpu") if cpu else torch.device("cuda", rank)
     if not cpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo" if cpu else "nccl", init_method=init_method, rank=rank,
                             world_size=world, **({} if cpu else {"device_id": device}))
     t0 = time.monotonic()
 
@@ -281,7 +281,7 @@ def run_set(world, args, backends, env):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rank0.json")
-            ctx = mp.start_processes(rank_main, args=(world, free_port(), args, backends, path), nprocs=world,
+            ctx = mp.start_processes(rank_main, args=(world, rendezvous(), args, backends, path), nprocs=world,
                                      join=False, start_method="spawn")
             _join(ctx, path)
             with open(path) as f:

@@ -6,7 +6,6 @@ as "not run" with their reasons, never as a crash)."""
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from tpcomm.bench import report
+from tpcomm.bench import measure, report
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -253,20 +252,13 @@ def test_command_help_and_bad_arguments():
 
 
 # ------------------------------------- the measurement loop on CPU (gloo)
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sim_rank(rank, world, port, out_path, errors, merge_path=None):
+def _sim_rank(rank, world, init_method, out_path, errors, merge_path=None):
     """One rank of the loop on CPU: CUDA calls and timers are faked, the
     collectives are real (gloo)."""
     try:
         import argparse
 
         from tpcomm.bench import __main__ as cli
-        from tpcomm.bench import measure
 
         torch.cuda.synchronize = lambda *a, **k: None
         fake_t = {"graph": 5.0, "eager": 9.0}
@@ -280,7 +272,7 @@ def _sim_rank(rank, world, port, out_path, errors, merge_path=None):
 
         measure.time_graph = fake_time("graph")
         measure.time_eager = fake_time("eager")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         args = cli.parse_args(["--max-bytes", str(4 * MiB), "--sizes-step", "16", "--dtypes", "bf16,fp32",
                                "--out", out_path, "--no-progress"] + (["--merge-from", merge_path] if merge_path else []))
         assert isinstance(args, argparse.Namespace)
@@ -302,7 +294,7 @@ def _run_sim(out_path, merge_path=None):
     """The measurement loop on 2 gloo ranks (_sim_rank); the results it wrote."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_sim_rank, args=(2, _free_port(), out_path, errors, merge_path), nprocs=2,
+    procs = mp.start_processes(_sim_rank, args=(2, measure.rendezvous(), out_path, errors, merge_path), nprocs=2,
                                join=False, start_method="spawn")
     try:
         import time

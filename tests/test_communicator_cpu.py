@@ -9,7 +9,6 @@ finish within RUN_TIMEOUT_S is killed and fails.
 """
 import datetime
 import os
-import socket
 import sys
 import time
 import traceback
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 
 import tpcomm
 from tpcomm import policy
+from tpcomm.bench.measure import rendezvous
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -29,13 +29,7 @@ RUN_TIMEOUT_S = 60
 
 # ------------------------------------------------------------------ harness
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, body, env, errors):
+def _entry(rank, world_size, init_method, body, env, errors):
     """Runs in each spawned rank: joins a gloo group and runs body(rank, world_size).
     A failure is also put on `errors`, so the parent can show every rank's
     traceback (the first rank to die is often a peer that only lost its
@@ -44,7 +38,7 @@ def _entry(rank, world_size, port, body, env, errors):
         os.environ.update(env)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
         try:
             body(rank, world_size)
@@ -66,7 +60,7 @@ def run_ranks(world_size, body, env=None, timeout=RUN_TIMEOUT_S):
     """Runs body(rank, world_size) in world_size spawned processes; fails with
     every failing rank's traceback, or if they take longer than `timeout`."""
     errors = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_entry, args=(world_size, _free_port(), body, dict(env or {}), errors),
+    ctx = mp.start_processes(_entry, args=(world_size, rendezvous(), body, dict(env or {}), errors),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

@@ -14,7 +14,6 @@ one GPU, their speed cannot (the ranks' kernels time-slice).
 TPCOMM_TEST_WORLD sets how many ranks (2 unless set): 4 and 8 check the
 kernels at those world sizes before a machine with that many GPUs is lent."""
 import os
-import socket
 import time
 import traceback
 
@@ -22,23 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tpcomm.bench.measure import rendezvous
 from tpcomm.topology import force_multicast_off
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank, world, port, fn, args, errors, backend, device):
+def _child(rank, world, init_method, fn, args, errors, backend, device):
     import faulthandler
 
     faulthandler.enable()  # a crash prints the Python stack instead of vanishing
     force_multicast_off()
     torch.cuda.set_device(device)
     extra = {"device_id": torch.device("cuda", device)} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **extra)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **extra)
     try:
         fn(rank, world, *args)
         torch.cuda.synchronize()
@@ -68,8 +62,8 @@ def run(fn, *args, world=None, timeout_s=150, devices=None, backend="nccl", expe
     devices = list(devices) if devices is not None else list(range(world))
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, errors, backend, devices[r]), daemon=False)
+    init_method = rendezvous()
+    procs = [ctx.Process(target=_child, args=(r, world, init_method, fn, args, errors, backend, devices[r]), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

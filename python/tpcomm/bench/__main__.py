@@ -145,7 +145,7 @@ def spawn_with_nomix(n, args):
 
 
 def spawn(n, args, target=None):
-    """Runs one rank per GPU (target(rank, n, port, args, queue), default
+    """Runs one rank per GPU (target(rank, n, init_method, args, queue), default
     measure.spawned_worker) under --deadline-s; then draws the figures.
     Returns 0 when the results file is complete, else 1."""
     import torch.multiprocessing as mp
@@ -158,7 +158,7 @@ def spawn(n, args, target=None):
     queue = ctx.SimpleQueue()
     start = time.monotonic()
     failure = None
-    procs = mp.start_processes(target, args=(n, measure.free_port(), args, queue), nprocs=n,
+    procs = mp.start_processes(target, args=(n, measure.rendezvous(), args, queue), nprocs=n,
                                join=False, start_method="spawn")
     previous = signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout`: keep what was measured
     try:

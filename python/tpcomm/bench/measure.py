@@ -10,12 +10,13 @@ and the run goes on. Rank 0 writes the results file after every op/dtype
 block (so that a run cut short keeps what it measured) and at the end.
 """
 import datetime
+import itertools
 import math
 import os
 import platform
-import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import zlib
 
@@ -31,10 +32,21 @@ from .report import BACKENDS, OPS, human_bytes  # noqa: F401 - re-exported
 PEER_COPY_BYTES = 256 << 20
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_rendezvous_dir = None  # this process's, made on first use and removed at its exit
+_rendezvous_count = itertools.count()
+
+
+def rendezvous():
+    """An init_method for the ranks of one spawned run: a file of its own
+    (torch's FileStore) in a temporary directory that the calling process
+    removes at its exit, so that ranks which leave with os._exit leave no
+    file behind. A TCP port picked in advance could be taken before rank 0
+    listened on it: on the device machine a GPU test's rank 0 once failed
+    with EADDRINUSE and its peer waited out the test's timeout."""
+    global _rendezvous_dir
+    if _rendezvous_dir is None:
+        _rendezvous_dir = tempfile.TemporaryDirectory(prefix="tpcomm-rendezvous-")
+    return "file://" + os.path.join(_rendezvous_dir.name, f"store-{next(_rendezvous_count)}")
 
 
 # ------------------------------------------------------------------- timing
@@ -248,17 +260,17 @@ def plan(args):
     return ops, dtypes, modes, backends, report.size_list(args.min_bytes, args.max_bytes, step)
 
 
-def worker(rank, world, port, args, queue=None, destroy=True):
+def worker(rank, world, init_method, args, queue=None, destroy=True):
     """One rank. Returns the results path (rank 0) or None. With destroy
     False the process group is left for the process's exit to end."""
     topology.force_multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    if port is None:
+    if init_method is None:
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                                 device_id=device, timeout=timeout)
     if not destroy:
         return _run(rank, world, device, args, queue)
@@ -271,14 +283,14 @@ def worker(rank, world, port, args, queue=None, destroy=True):
             pass
 
 
-def spawned_worker(rank, world, port, args, queue=None):
+def spawned_worker(rank, world, init_method, args, queue=None):
     """worker() in a process spawned by python -m tpcomm.bench: once the
     results are written and everything is closed, the process leaves with
     os._exit(0), skipping interpreter teardown (destructors of CUDA, NCCL and
     symmetric-memory state at exit, or an NCCL teardown waiting for a peer
     that already left, are not worth a crash or a hang after the work is
     done). An exception still propagates, with its traceback, to the parent."""
-    worker(rank, world, port, args, queue, destroy=False)
+    worker(rank, world, init_method, args, queue, destroy=False)
     try:
         dist.barrier()  # every rank is done before any leaves
         torch.cuda.synchronize()
