@@ -64,7 +64,7 @@ __global__ void probe_ping(const __grid_constant__ tpc_kernel_args a) {
   if (threadIdx.x == 0) {
     const int peer = 1 - a.rank;
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), make_uint2(1, 2), op.epoch);
-    tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+    tpc_packet_from(&op, 0, peer, 0);
   }
   tpc_op_end(&a, &op, 0);
 }
@@ -76,7 +76,7 @@ __global__ void probe_ping_load(const __grid_constant__ tpc_kernel_args a) {
   if (threadIdx.x == 0) {
     const int peer = 1 - a.rank;
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), *(const uint2 *)a.in, op.epoch);
-    const uint2 v = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+    const uint2 v = tpc_packet_from(&op, 0, peer, 0);
     *(uint2 *)a.out = v;
   }
   tpc_op_end(&a, &op, 0);
@@ -115,8 +115,19 @@ __global__ void probe_epoch_atomic(const __grid_constant__ tpc_kernel_args a) {
   if (Ping && threadIdx.x == 0) {
     const int peer = 1 - a.rank;
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank), v, op.epoch);
-    *(uint2 *)a.out = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer), peer);
+    *(uint2 *)a.out = tpc_packet_from(&op, 0, peer, 0);
   }
+}
+
+/* How the packet variants below start, as the real packet kernels do: the op,
+ * with this thread's first 8-byte unit of the input (v0) loaded beside the
+ * control load. */
+static __device__ __forceinline__ tpc_op probe_begin(const tpc_kernel_args &a, const tpc_span &span, uint64_t units,
+                                                     uint2 &v0) {
+  v0 = make_uint2(0, 0);
+  return tpc_op_begin(&a, [&] {
+    if (span.first < units) v0 = ((const uint2 *)a.in)[span.first];
+  });
 }
 
 /* The packet all_reduce without its header check (tpc_op_begin still sends
@@ -126,14 +137,12 @@ __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = in[span.first];
-  });
-  for (uint64_t u = span.first; u < units; u += span.stride)
-    for (int i = 1; i < a.world; ++i)
-      tpc_packet_put(tpc_packet_slot(&a, (a.rank + i) % a.world, op.epoch, a.rank) + u * TPC_PACKET_BYTES,
-                     u == span.first ? v0 : in[u], op.epoch);
+  uint2 v0;
+  tpc_op op = probe_begin(a, span, units, v0);
+  for (uint64_t u = span.first; u < units; u += span.stride) {
+    const uint2 v = u == span.first ? v0 : in[u];
+    tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
+  }
   for (uint64_t u = span.first; u < units; u += span.stride)
     ((uint2 *)a.out)[u] = tpc_sum_packet(&op, &a, u == span.first ? v0 : in[u], u, 0);
   tpc_op_end(&a, &op, TPC_NOT_BULK);
@@ -144,15 +153,12 @@ __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a
 __global__ void probe_packets_no_sum(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = ((const uint2 *)a.in)[span.first];
-  });
+  uint2 v0;
+  tpc_op op = probe_begin(a, span, units, v0);
   const int peer = 1 - a.rank;
   if (span.first < units) {
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + span.first * TPC_PACKET_BYTES, v0, op.epoch);
-    ((uint2 *)a.out)[span.first] =
-        tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + span.first * TPC_PACKET_BYTES, peer);
+    ((uint2 *)a.out)[span.first] = tpc_packet_from(&op, span.first, peer, 0);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
@@ -165,16 +171,14 @@ __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args 
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = in[span.first];
-  });
+  uint2 v0;
+  tpc_op op = probe_begin(a, span, units, v0);
   const int peer = 1 - a.rank;
   for (uint64_t u = span.first; u < units; u += span.stride)
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
                    op.epoch);
   for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 p = tpc_packet_wait(&op, tpc_packet_slot(&a, a.rank, op.epoch, peer) + u * TPC_PACKET_BYTES, peer);
+    const uint2 p = tpc_packet_from(&op, u, peer, 0);
     if (Sum) {
       const uint2 own = u == span.first ? v0 : in[u];
       ((uint2 *)a.out)[u] = make_uint2(tpc_add2(own.x, p.x, 1), tpc_add2(own.y, p.y, 1));
@@ -195,10 +199,8 @@ __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
   const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
   uint2 *out = (uint2 *)a.out;
-  uint2 v0 = make_uint2(0, 0);
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = in[span.first];
-  });
+  uint2 v0;
+  tpc_op op = probe_begin(a, span, units, v0);
   const int me = a.rank, peer = 1 - a.rank;
   for (uint64_t u = span.first; u < units; u += span.stride) {
     const uint2 v = u == span.first ? v0 : in[u];
@@ -206,8 +208,7 @@ __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
     out[me * units + u] = v;
   }
   for (uint64_t u = span.first; u < units; u += span.stride) {
-    const uint2 v =
-        tpc_packet_wait(&op, tpc_packet_slot(&a, me, op.epoch, peer) + u * TPC_PACKET_BYTES, peer, Header && u == 0);
+    const uint2 v = tpc_packet_from(&op, u, peer, Header);
     out[peer * units + u] = tpc_op_broken(&op) ? tpc_poison8(&a) : v;
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

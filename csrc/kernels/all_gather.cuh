@@ -66,7 +66,7 @@ TPC_DEVICE void tpc_gather_store(const tpc_kernel_args *a, uint64_t u, int q, ui
 
 /* Unit u of peer q, waited for, into its place. */
 TPC_DEVICE void tpc_gather_place(tpc_op *op, const tpc_kernel_args *a, uint64_t u, int q, int folded, int wide) {
-  const uint2 v = tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
+  const uint2 v = tpc_packet_from(op, u, q, folded); /* before tpc_op_broken: the wait may set it */
   tpc_gather_store(a, u, q, v, wide, tpc_op_broken(op));
 }
 

@@ -351,6 +351,13 @@ TPC_DEVICE void tpc_packet_push(const tpc_kernel_args *a, uint32_t epoch, uint64
   }
 }
 
+/* The other half: peer q's packet unit u of this op, from this rank's slot,
+ * waited for; with `folded`, unit 0 also checks q's header (tpc_packet_wait). */
+TPC_DEVICE uint2 tpc_packet_from(tpc_op *op, uint64_t u, int q, int folded) {
+  const tpc_kernel_args *a = op->args;
+  return tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
+}
+
 /* Headers let peers that disagree on an op, its size, algorithm, dtype or
  * layout (the kind word, layout.h) fail with a clear record (and stop this
  * rank's other waits) instead of timing out.

@@ -15,8 +15,7 @@
 TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
                                       float acc[4]) {
   for (int q = 0; q < a->world; ++q) {
-    const uint2 v = q == a->rank ? own
-                                 : tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
+    const uint2 v = q == a->rank ? own : tpc_packet_from(op, u, q, folded);
     const uint32_t words[2] = {v.x, v.y};
     tpc_add_rank(acc, words, 2, a->dtype, q);
   }
@@ -26,11 +25,7 @@ TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint
  * (tpc_sum_pair8, the same bits): on 2xH200 the general loop's sum took
  * 0.3 us of a 64 B all_reduce's 1.9 (benchmarks/latency_probe.cu). */
 TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded) {
-  if (a->world == 2) {
-    const int peer = 1 - a->rank;
-    const char *slot = tpc_packet_slot(a, a->rank, op->epoch, peer) + u * TPC_PACKET_BYTES;
-    return tpc_sum_pair8(own, tpc_packet_wait(op, slot, peer, folded && u == 0), a->dtype);
-  }
+  if (a->world == 2) return tpc_sum_pair8(own, tpc_packet_from(op, u, 1 - a->rank, folded), a->dtype);
   float acc[4];
   tpc_accumulate_packet(op, a, own, u, folded, acc);
   uint32_t sum[2];
