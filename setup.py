@@ -12,7 +12,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 CORE_SOURCES = ["csrc/core/comm.c", "csrc/core/registry.c", "csrc/core/runtime_gpu.c"]
@@ -43,24 +43,40 @@ def _extension():
     ), gpu_include, macros
 
 
+# The eager fast path (csrc/binding/fastpath.c): a C module of the limited
+# Python API, compiled by BuildWithCCore as C (torch's ninja build would hand
+# a .c file to the C++ compiler).
+FASTPATH = Extension("tpcomm._fastpath", sources=[], py_limited_api=True)
+FASTPATH_SOURCE = "csrc/binding/fastpath.c"
+
+
 def _build_ext_class(gpu_include, macros):
     from torch.utils.cpp_extension import BuildExtension
 
     class BuildWithCCore(BuildExtension):
-        """Compiles the C core as C11 (not as C++) and links its objects in."""
+        """Compiles the C core (into tpcomm._C) and the fast path module as
+        C11, not as C++, and links their objects in."""
 
         def build_extension(self, ext):
             cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
             out_dir = Path(self.build_temp) / "ccore"
             out_dir.mkdir(parents=True, exist_ok=True)
+            fastpath = ext.name == FASTPATH.name
+            sources = [FASTPATH_SOURCE] if fastpath else CORE_SOURCES
+            extra = [f"-I{sysconfig.get_paths()['include']}"] if fastpath else [f"-I{gpu_include}", *macros]
             objects = []
-            for src in CORE_SOURCES:
+            for src in sources:
                 obj = out_dir / (Path(src).stem + ".o")
-                cmd = [cc, "-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror",
-                       f"-I{gpu_include}", *macros, "-c", str(ROOT / src), "-o", str(obj)]
+                cmd = [cc, "-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror", *extra,
+                       "-c", str(ROOT / src), "-o", str(obj)]
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
                 objects.append(str(obj))
+            if fastpath:  # linked here too: torch's build refuses an extension without sources
+                target = Path(self.get_ext_fullpath(ext.name))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.check_call([cc, "-shared", *objects, "-o", str(target)])
+                return
             ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extension(ext)
 
@@ -73,7 +89,7 @@ setup(
     version="0.1.0",
     package_dir={"": "python"},
     packages=find_packages("python"),
-    ext_modules=[ext],
+    ext_modules=[ext, FASTPATH],
     cmdclass={"build_ext": _build_ext_class(gpu_include, macros)},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

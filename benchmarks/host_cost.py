@@ -9,7 +9,8 @@ Each rank issues --calls back-to-back calls and times the host loop with
 perf_counter, without synchronising inside it. The kernels (2-3 us) are
 shorter than the host cost measured, so the GPU never holds the host back and
 the loop time is the host's own; the figure is the median over rounds of the
-loop time per call, rank 0's and rank 1's side by side. Writes JSON (--out).
+loop time per call, rank 0's and rank 1's side by side. Every round times
+every path (host_us_per_call). Writes JSON (--out).
 """
 import argparse
 import ctypes
@@ -62,17 +63,19 @@ def paths(comm, x):
         args = (comm._comm, x.data_ptr(), y.data_ptr(), x.numel() * 2, 2, algo,  # 2: TPC_BFLOAT16
                 torch.cuda.current_stream().cuda_stream)
         out["  C core alone (tpc_all_reduce through ctypes)"] = lambda: c_all_reduce(*args)
-        # A candidate eager path without the torch dispatcher: allocate in
-        # Python, call the C core with the current stream (what the
-        # Communicator could do outside torch.compile).
-        device_index, nbytes = x.get_device(), x.numel() * x.element_size()
-
-        def ctypes_path():
-            y2 = torch.empty_like(x)
-            c_all_reduce(comm._comm, x.data_ptr(), y2.data_ptr(), nbytes, 2, algo,
-                         torch._C._cuda_getCurrentRawStream(device_index))
-            return y2
-        out["  candidate: empty_like + the C core through ctypes"] = ctypes_path
+        # The eager fast path (tpcomm._fastpath, what Communicator.all_reduce
+        # takes for aligned tensors) beside the _out op it replaces, both
+        # behind the same Kernels.all_reduce, and the fast path's C call alone.
+        from tpcomm.backends.kernels import Kernels
+        through_op = Kernels(comm.handle, x.get_device())
+        through_op._fastpath = None
+        route = comm.route_all_reduce(x)
+        out["  Kernels.all_reduce, fast path"] = lambda: comm.kernels.all_reduce(x, route)
+        out["  Kernels.all_reduce, the _out op instead"] = lambda: through_op.all_reduce(x, route)
+        fast = comm.kernels._fastpath
+        if fast is not None:
+            fast_args = (comm.handle, *args[1:])  # the id instead of the pointer
+            out["  tpcomm._fastpath.all_reduce alone (no allocation)"] = lambda: fast.all_reduce(*fast_args)
     z = torch.zeros_like(x)
     out["reference: z.add_(1.0), one native torch kernel"] = lambda: z.add_(1.0)
     out["reference: torch.empty_like(x)"] = lambda: torch.empty_like(x)
@@ -80,20 +83,28 @@ def paths(comm, x):
     return out
 
 
-def host_us_per_call(call, calls, rounds):
-    for _ in range(50):
-        call()
+def host_us_per_call(calls_by_name, calls, rounds):
+    """name -> (median, min) us per call. Rounds are interleaved: each round
+    times every path once, starting one path further on, so a host that slows
+    down or speeds up over the run (they do, by a third) weighs on every path
+    alike instead of on whichever ran then."""
+    names = list(calls_by_name)
+    for name in names:
+        for _ in range(50):
+            calls_by_name[name]()
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call = calls_by_name[name]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
     torch.cuda.synchronize()
-    return statistics.median(times), min(times)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def worker(rank, world, init_method, args, queue):
@@ -106,10 +117,8 @@ def worker(rank, world, init_method, args, queue):
     if not comm.enabled:
         raise SystemExit(f"tpcomm: custom path off on rank {rank}: {comm.disabled_reason}")
     x = torch.ones(args.bytes // 2, device="cuda", dtype=torch.bfloat16)
-    rows = {}
-    for name, call in paths(comm, x).items():
-        med, best = host_us_per_call(call, args.calls, args.rounds)
-        rows[name] = {"median_us": round(med, 2), "min_us": round(best, 2)}
+    rows = {name: {"median_us": round(med, 2), "min_us": round(best, 2)}
+            for name, (med, best) in host_us_per_call(paths(comm, x), args.calls, args.rounds).items()}
     result = {"rank": rank, "route": comm.route_all_reduce(x), "rows": rows}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)

@@ -9,13 +9,15 @@
  * `/tmp/probe quick` leaves out 256 KiB; `/tmp/probe bulk` times only the
  * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's;
  * `/tmp/probe geom` the packet and line kernels at 64 B - 64 KiB over other
- * block sizes.
+ * block sizes; `/tmp/probe host` the host cost of one eager launch (how
+ * tpcomm launches, and plainer launches beside it).
  * Stages are placed by difference (HOPPER/METHOD advice: time variants that
  * leave one stage out), not by in-kernel clocks.
  */
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -44,6 +46,9 @@ static tpc_layout layout;
 
 /* The floor of a graph kernel node. */
 __global__ void probe_empty(const __grid_constant__ tpc_kernel_args a) {}
+
+/* A kernel without parameters: the launch with the least to copy. */
+__global__ void probe_no_params() {}
 
 /* The floor with programmatic dependent launch, as tpcomm launches. */
 __global__ void probe_empty_pdl(const __grid_constant__ tpc_kernel_args a) {
@@ -294,6 +299,25 @@ static double time_us(const Launcher &launch) {
   return per_op[per_op.size() / 2];
 }
 
+/* Host microseconds per eager launch on rank 0's stream: median over rounds
+ * of 500 launches, the stream drained between rounds (500 launches fit in
+ * the queue, so the host never waits for the GPU inside a round). */
+static void report_host(const char *name, const std::function<void()> &launch) {
+  CHECK(cudaSetDevice(0));
+  std::vector<double> per_call;
+  for (int round = 0; round < 25; ++round) {
+    CHECK(cudaStreamSynchronize(ranks[0].stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 500; ++i) launch();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (round >= 5) per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 500);
+  }
+  CHECK(cudaStreamSynchronize(ranks[0].stream));
+  std::sort(per_call.begin(), per_call.end());
+  printf("%-52s %7.3f us per call (host)\n", name, per_call[per_call.size() / 2]);
+  fflush(stdout);
+}
+
 static void report(const char *name, uint64_t nbytes, const Launcher &launch) {
   printf("%-34s %8llu B  %7.3f us\n", name, (unsigned long long)nbytes, time_us(launch));
   fflush(stdout);
@@ -391,6 +415,22 @@ int main(int argc, char **argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("%s x%d, %d graph nodes per replay, median of %d replays, slower GPU, us per op\n", prop.name, world,
          OPS, REPLAYS);
+
+  if (argc > 1 && std::string(argv[1]) == "host") {
+    const tpc_geometry one = {1, 64};
+    cudaStream_t st = ranks[0].stream;
+    printf("tpc_kernel_args: %zu bytes\n", sizeof(tpc_kernel_args));
+    report_host("<<<>>> of a kernel without parameters", [&] { probe_no_params<<<1, 64, 0, st>>>(); });
+    report_host("<<<>>> of a kernel taking tpc_kernel_args", [&] { probe_empty<<<1, 64, 0, st>>>(ranks[0].args); });
+    report_host("cudaLaunchKernelEx, PDL off", [&] { launch_pdl(probe_empty, one, 0, 0); });
+    report_host("cudaLaunchKernelEx, PDL on (as tpcomm launches)", [&] { launch_pdl(probe_empty_pdl, one, 0, 1); });
+    report_host("  + cudaGetDevice, as the C core does", [&] {
+      int device;
+      CHECK(cudaGetDevice(&device));
+      launch_pdl(probe_empty_pdl, one, 0, 1);
+    });
+    return 0;
+  }
 
   if (bulk_sweep) {
     /* The two-rank bulk all_reduce (the streamed kernel) over grids other

@@ -162,6 +162,13 @@ tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const
 tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           tpc_dtype dtype, tpc_algo algo, void *stream);
 
+/* tpc_all_reduce on the communicator of an id, claimed for the call
+ * (tpc_comm_acquire) and released after it: the eager fast path's one call
+ * per op. Any failure's message, the acquire's or the op's, is in
+ * tpc_comm_last_error(NULL). */
+tpc_result tpc_id_all_reduce(uint64_t id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
+                             tpc_algo algo, void *stream);
+
 /* All-reduce, residual add and RMSNorm of the rows of a 16-bit tensor (the
  * last dimension, row_bytes long, is a row; nbytes is the whole input), in one
  * launch of the packet kernel. With z = (sum over ranks in fp32, in rank order)

@@ -251,6 +251,56 @@ def test_command_help_and_bad_arguments():
     assert bad.returncode == 2 and "unknown backend" in bad.stderr
 
 
+def test_time_graphs_interleaves_rounds(monkeypatch):
+    """Every round replays every captured graph, in an order rotated by one
+    per round, each timed replay after `settle` untimed ones; a graph that
+    cannot be captured becomes that backend's error alone. CUDA graphs and
+    events are faked: the order is what counts."""
+    replayed = []
+
+    class FakeGraph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replayed.append(self.name)
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = len(replayed)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # ms: 1 per graph replayed in between, so every row reads 1 ms
+            return float(end.at - self.at)
+
+    def capture(call, ops):
+        name = call()
+        if name == "broken":
+            raise RuntimeError("capture refused")
+        return FakeGraph(name)
+
+    monkeypatch.setattr(measure, "capture_graph", capture)
+    monkeypatch.setattr(measure.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(measure, "_barrier", lambda: None)
+    names = ["a", "broken", "b", "c"]
+    out = measure.time_graphs([lambda n=n: n for n in names], ops_per_graph=10, replays=4, settle=1)
+    assert out[1][0] != out[1][0] and "capture refused" in out[1][1]  # nan, and why
+    assert [o for i, o in enumerate(out) if i != 1] == [(100.0, None)] * 3  # 1 ms (one replay) / 10 ops
+    rounds = replayed[9:]  # after 3 warm-up rounds of the three
+    assert [rounds[i:i + 6] for i in range(0, 24, 6)] == [
+        ["a", "a", "b", "b", "c", "c"], ["b", "b", "c", "c", "a", "a"],
+        ["c", "c", "a", "a", "b", "b"], ["a", "a", "b", "b", "c", "c"]]
+    # one graph: its replays in a row, none untimed
+    replayed.clear()
+    assert measure.time_graphs([lambda: "a"], ops_per_graph=10, replays=5) == [(100.0, None)]
+    assert replayed == ["a"] * 8
+
+
 # ------------------------------------- the measurement loop on CPU (gloo)
 def _sim_rank(rank, world, init_method, out_path, errors, merge_path=None):
     """One rank of the loop on CPU: CUDA calls and timers are faked, the
@@ -270,11 +320,20 @@ def _sim_rank(rank, world, init_method, out_path, errors, merge_path=None):
                 return fake_t[mode] + rank + ops * 0.0
             return timer
 
-        measure.time_graph = fake_time("graph")
+        def fake_graphs(calls, ops, reps, settle=0):
+            for call in calls:
+                for _ in range(2):
+                    call()
+            return [(fake_t["graph"] + rank, None) for _ in calls]
+
+        measure.time_graphs = fake_graphs
         measure.time_eager = fake_time("eager")
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         args = cli.parse_args(["--max-bytes", str(4 * MiB), "--sizes-step", "16", "--dtypes", "bf16,fp32",
-                               "--out", out_path, "--no-progress"] + (["--merge-from", merge_path] if merge_path else []))
+                               "--out", out_path, "--no-progress"]
+                              # the merging run times its graphs interleaved (the default), the other one
+                              # after the other
+                              + (["--merge-from", merge_path] if merge_path else ["--sequential"]))
         assert isinstance(args, argparse.Namespace)
         measure._run(rank, world, torch.device("cpu"), args, None)
         dist.barrier()

@@ -233,6 +233,26 @@ def test_c_null_communicator(lib):
     assert lib.tpc_comm_async_error(None, ctypes.byref(err)) == _lib.ERR_INVALID_ARG
 
 
+def test_fastpath_is_bound_and_raises_the_ops_errors(lib):
+    """tpcomm._fastpath, the eager all_reduce's C entry, is built beside the
+    extension and bound to its C core: an id it does not know fails in that
+    registry, with the message and the tag the torch ops' errors carry."""
+    fast = _lib.fastpath()
+    assert fast is not None
+    with pytest.raises(RuntimeError, match=r"communicator id 987654321 is unknown .*\[tpc_result 8\]$") as info:
+        fast.all_reduce(987654321, 0, 0, 64, 2, _lib.ALGO_PACKET, 0)
+    err = _lib.translated(info.value)
+    assert isinstance(err, tpcomm.CommunicatorClosed) and err.code == _lib.ERR_CLOSED
+    assert "communicator not usable" not in str(err)  # the result string is ERR_CLOSED's own
+    assert lib.tpc_result_string(_lib.ERR_CLOSED).decode() in str(err)
+    with pytest.raises(TypeError, match="takes 7 arguments, got 2"):
+        fast.all_reduce(1, 2)
+    with pytest.raises(OverflowError):
+        fast.all_reduce(-1, 0, 0, 64, 2, _lib.ALGO_PACKET, 0)
+    with pytest.raises(TypeError):
+        fast.all_reduce(1, "0", 0, 64, 2, _lib.ALGO_PACKET, 0)
+
+
 def test_ctypes_structs_match_the_header(tmp_path):
     """_lib's ctypes copies of csrc/tpcomm.h (structs, result codes) against
     what a C compiler makes of the header itself."""

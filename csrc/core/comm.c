@@ -705,6 +705,18 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
   return reduce_op(comm, TPC_OP_ALL_REDUCE, "all_reduce", in, out, nbytes, nbytes, dtype, algo, 0, stream);
 }
 
+tpc_result tpc_id_all_reduce(uint64_t id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
+                             tpc_algo algo, void *stream) {
+  tpc_comm *comm = NULL;
+  tpc_result r = tpc_comm_acquire(id, &comm);
+  if (r != TPC_OK) return r;
+  r = tpc_all_reduce(comm, in, out, nbytes, dtype, algo, stream);
+  /* the thread's slot: the caller holds no communicator to read it from */
+  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+  tpc_comm_release(comm);
+  return r;
+}
+
 static tpc_result reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
                                  tpc_dtype dtype, tpc_algo algo, int out_f32, void *stream) {
   const size_t world = comm ? (size_t)comm->cfg.world_size : 0;

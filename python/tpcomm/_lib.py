@@ -4,6 +4,7 @@ missing; `load()` raises ImportError with the reason, and the Communicator
 reports it as its disabled_reason."""
 import ctypes
 import glob
+import logging
 import os
 import re
 
@@ -75,6 +76,7 @@ _SIGNATURES = {
 
 _lib = None
 _load_error = None
+_fastpath = None
 
 
 def library_path():
@@ -108,8 +110,31 @@ def load():
     from . import _fake
 
     _fake.register()
+    _bind_fastpath(lib)
     _lib = lib
     return lib
+
+
+def _bind_fastpath(lib):
+    """Binds tpcomm._fastpath (csrc/binding/fastpath.c) to this library's C
+    core, so that both reach one registry of communicators."""
+    global _fastpath
+    try:
+        from . import _fastpath as module
+    except ImportError as e:
+        from ._log import log_once
+        log_once(logging.WARNING, f"tpcomm: the eager fast path was not built ({e}); eager all_reduce "
+                 f"goes through the torch op, a few microseconds more per call")
+        return
+    address = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+               for name in ("tpc_id_all_reduce", "tpc_comm_last_error", "tpc_result_string")]
+    module.bind(*address)
+    _fastpath = module
+
+
+def fastpath():
+    """tpcomm._fastpath, bound, once load() has run; None where it was not built."""
+    return _fastpath
 
 
 _CLASS_OF_CODE = {ERR_TIMEOUT: CollectiveTimeout, ERR_MISMATCH: CollectiveMismatch, ERR_CLOSED: CommunicatorClosed}

@@ -204,7 +204,7 @@ class Communicator:
         if reason is None:
             self._comm = comm
             self.handle = self._id = int(lib.tpc_comm_id(comm))
-            self._kernels = Kernels(self.handle)
+            self._kernels = Kernels(self.handle, self._cuda_index)
             _fake.WORLD_SIZES[self.handle] = self.world_size
             self._set_auto_routes(lib, comm)
             return None
@@ -310,7 +310,7 @@ class Communicator:
                 raise ValueError("tpcomm: out must be contiguous with the input's shape and dtype")
         if not x.is_contiguous():
             x = x.contiguous()
-        nbytes = x.numel() * x.element_size()
+        nbytes = x.nbytes
         hit = self._memo["all_reduce"].get((x.dtype, nbytes))
         if hit is None:
             backend = "aiter" if self._aiter is not None and self._aiter.can_take(x) else \

@@ -1822,6 +1822,51 @@ static void test_pool_chunks(void) {
   CHECK_ALL_RELEASED();
 }
 
+/* tpc_id_all_reduce: acquire, the op, release, with every failure's message
+ * in the thread's slot. */
+static void test_id_all_reduce(void) {
+  fake_reset();
+  world w;
+  CHECK(make_world(&w, 2, 1));
+  unsigned char *in = scratch_in, *out = scratch_out;
+  const uint64_t id = w.id[0];
+
+  /* an open id: one launch, with that communicator's arguments, and released */
+  int launches = fake.launches;
+  CHECK_RC(NULL, tpc_id_all_reduce(id, in, out, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.launches, launches + 1);
+  CHECK_EQ(fake.last_args.alive_id, (uint32_t)id);
+  CHECK_EQ(fake.last_args.rank, 0);
+  CHECK_EQ(fake.last_args.nbytes, 64);
+  CHECK_EQ(entry_of(id)->in_use, 0);
+
+  /* the op refuses: its message moves to the thread's slot, the id is released */
+  launches = fake.launches;
+  CHECK_RC(NULL, tpc_id_all_reduce(id, in, out, 40, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  CHECK_MSG(NULL, "all_reduce of 40 bytes: a positive multiple of 16 is needed");
+  CHECK_EQ(fake.launches, launches);
+  CHECK_EQ(entry_of(id)->in_use, 0);
+
+  /* held by another op: refused without touching it */
+  tpc_comm *got = NULL;
+  CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_OK);
+  CHECK_RC(NULL, tpc_id_all_reduce(id, in, out, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_STATE);
+  CHECK_MSG(NULL, "running an op (from another thread?)");
+  CHECK_EQ(entry_of(id)->in_use, 1);
+  CHECK_EQ(fake.launches, launches);
+  tpc_comm_release(got);
+
+  /* closed and unknown ids */
+  destroy_world(&w);
+  CHECK_RC(NULL, tpc_id_all_reduce(id, in, out, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, "closed");
+  CHECK_RC(NULL, tpc_id_all_reduce(0, in, out, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_CLOSED);
+  CHECK_MSG(NULL, "id 0 is unknown");
+  CHECK_EQ(fake.launches, launches);
+  CHECK_ALL_RELEASED();
+}
+
 static void test_acquire(void) {
   fake_reset();
   world w;
@@ -2527,6 +2572,7 @@ int main(void) {
   RUN(test_ids);
   RUN(test_pool_chunks);
   RUN(test_acquire);
+  RUN(test_id_all_reduce);
   RUN(test_destroy_control_slot);
   RUN(test_abort);
   RUN(test_args_control);

@@ -253,8 +253,79 @@ def body_errors(rank, world):
         closed.all_reduce(x)
 
 
+class _CountingFastpath:
+    """tpcomm._fastpath with its all_reduce calls counted."""
+
+    def __init__(self, fast):
+        self.fast, self.calls = fast, 0
+
+    def all_reduce(self, *args):
+        self.calls += 1
+        return self.fast.all_reduce(*args)
+
+
+def body_eager_fast_path(rank, world):
+    """Communicator.all_reduce calls the C core directly (tpcomm._fastpath)
+    for aligned tensors, on any stream and under capture, and the torch op for
+    misaligned views: both give NCCL's bits, with a random rank delayed and
+    every input overwritten right after its op."""
+    comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
+    assert tpcomm._lib.fastpath() is not None, "tpcomm._fastpath was not built"
+    counting = comm.kernels._fastpath = _CountingFastpath(comm.kernels._fastpath)
+    gen = torch.Generator(device="cuda").manual_seed(21 + rank)
+    delay_gen = torch.Generator().manual_seed(8)  # the same draws on every rank
+    side = torch.cuda.Stream()
+    expected_fast = 0
+    for i, nbytes in enumerate((64, 2 * KiB, 48 * KiB, 512 * KiB, 4 * MiB)):
+        for dtype in DTYPES:
+            x = _int_valued(nbytes // dtype.itemsize, dtype, gen)
+            kept = x.clone()
+            late = int(torch.randint(0, world, (1,), generator=delay_gen))
+            if rank == late:
+                torch.cuda._sleep(200_000)  # ~0.1 ms: the other ranks arrive first
+            stream = side if i % 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                y = comm.all_reduce(x)
+                x.fill_(float("nan"))
+            torch.cuda.current_stream().wait_stream(stream)
+            expected_fast += 1
+            assert comm.route_all_reduce(kept) in ("packet", "line", "bulk")
+            _assert_bits_equal(y, _nccl(kept), f"fast path {nbytes} B {dtype}")
+            # a view 4 bytes past an aligned start: the op path, which copies it
+            base = _int_valued(nbytes // dtype.itemsize + 8, dtype, gen)
+            view = base[4 // dtype.itemsize:][: nbytes // dtype.itemsize]
+            assert view.data_ptr() % 16
+            _assert_bits_equal(comm.all_reduce(view), _nccl(view.clone()), f"misaligned {nbytes} B {dtype}")
+            out = torch.empty(nbytes // dtype.itemsize + 8, dtype=dtype, device="cuda")[4 // dtype.itemsize:]
+            out = out[: nbytes // dtype.itemsize]
+            kept = x.copy_(_int_valued(x.numel(), dtype, gen)).clone()
+            comm.all_reduce(x, out=out)
+            _assert_bits_equal(out, _nccl(kept), f"misaligned out {nbytes} B {dtype}")
+    assert counting.calls == expected_fast, (counting.calls, expected_fast)
+    # captured: the graph holds the kernel the fast path launched
+    static = torch.zeros(4096, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        captured = comm.all_reduce(static)
+    assert counting.calls == expected_fast + 1
+    for replay in range(5):
+        static.copy_(_int_valued(4096, torch.bfloat16, gen))
+        graph.replay()
+        _assert_bits_equal(captured, _nccl(static), f"captured fast path, replay {replay}")
+    comm.check()
+    comm.close()
+    # a closed communicator: the fast path's error, as the op's
+    with pytest.raises(tpcomm.CommunicatorClosed):
+        comm.all_reduce(static)
+    with pytest.raises(RuntimeError, match=r"closed.*\[tpc_result 8\]"):
+        counting.fast.all_reduce(comm._id, static.data_ptr(), captured.data_ptr(), 8192, 2,
+                                 tpcomm._lib.ALGO_PACKET, 0)
+
+
 @pytest.mark.parametrize("body", [body_eager_matches_nccl, body_graph_replays, body_back_to_back_and_overwrite,
-                                  body_nan_inf, body_two_communicators, body_errors],
+                                  body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
     harness.run(body)

@@ -8,7 +8,10 @@ graph and takes the median over --replays replays divided by N; "eager" times
 N plain calls, --eager-reps times. N is --ops-per-graph up to --large-bytes
 per rank and --ops-per-graph-large above. Every backend is warmed up, checked
 bit for bit on integer-valued data and timed after a barrier; the figure kept
-is the slowest rank's median.
+is the slowest rank's median. In graph mode the backends of one op, dtype and
+size are replayed in shared rounds (each timed replay after an untimed one),
+so that drift of the machine weighs on all of them alike; --sequential times
+one backend after the other.
 
 Backends: nccl (torch.distributed), nccl_nomix and nccl_window_nomix (the
 same in a first set of processes started with NCCL_GRAPH_MIXING_SUPPORT=0,
@@ -57,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--large-bytes", type=int, default=1 << 20, help="size per rank above which ops are fewer")
     p.add_argument("--replays", type=int, default=20, help="graph replays timed (default 20)")
     p.add_argument("--eager-reps", type=int, default=10, help="eager runs timed (default 10)")
+    p.add_argument("--sequential", dest="interleave", action="store_false",
+                   help="graph mode: time one backend after the other, each in its own stretch, instead of every "
+                        "backend of a size in shared rounds (each timed replay after one untimed one)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>x<n>.json)")
     p.add_argument("--quick", action="store_true", help="x8 size steps, 5 replays, 3 eager runs (smoke run)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG figures")

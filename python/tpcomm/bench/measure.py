@@ -56,8 +56,9 @@ def _barrier():
     torch.cuda.synchronize()
 
 
-def time_graph(call, ops_per_graph, replays):
-    """Median us per op over `replays` replays of a graph of `ops_per_graph` ops."""
+def capture_graph(call, ops_per_graph):
+    """A CUDA graph of `ops_per_graph` back-to-back calls (warmed up eagerly
+    on a side stream first, as torch's graph capture asks)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -66,24 +67,54 @@ def time_graph(call, ops_per_graph, replays):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops_per_graph):
+            call()
+    return graph
+
+
+def time_graphs(calls, ops_per_graph, replays, settle=0):
+    """[(median us per op, None) or (nan, error text)] for each call, each
+    captured in a graph of `ops_per_graph` ops, after 3 untimed replays of
+    each. With one call: `replays` timed replays in a row. With several
+    (the benchmark's default; --sequential times one call at a time): rounds, each replaying every graph in an order rotated by
+    one, so the backends compared at one size are timed over the same
+    seconds; `settle` untimed replays of a graph come before its timed one,
+    since a graph replayed right after another backend's ran up to 1.6x
+    slower (seen on 2xH200: a graph that always followed an NCCL graph)."""
+    out = [None] * len(calls)
+    graphs = {}
+    for i, call in enumerate(calls):
+        try:
+            graphs[i] = capture_graph(call, ops_per_graph)
+        except Exception as e:  # noqa: BLE001 - that backend's row becomes a reason
+            out[i] = (float("nan"), describe(e))
+    live = list(graphs)
+    times = {i: [] for i in live}
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(ops_per_graph):
-                call()
-        for _ in range(3):
-            graph.replay()
+        for warm in range(3):
+            for i in live:
+                graphs[i].replay()
         _barrier()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0 / ops_per_graph)
+        for r in range(replays):
+            for i in live[r % len(live):] + live[:r % len(live)]:
+                for _ in range(settle):
+                    graphs[i].replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[i].replay()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) * 1000.0 / ops_per_graph)
+    except Exception as e:  # noqa: BLE001 - a replay failed: no row of this size is trusted
+        for i in live:
+            out[i] = (float("nan"), f"replays failed: {describe(e)}")
+        return out
     finally:
-        del graph
-    return statistics.median(times)
+        graphs.clear()
+    for i in live:
+        out[i] = (statistics.median(times[i]), None)
+    return out
 
 
 def time_eager(call, ops, reps):
@@ -329,6 +360,7 @@ def _run(rank, world, device, args, queue):
     env["bench"] = {"sizes_step": 8 if args.quick else args.sizes_step, "ops_per_graph": args.ops_per_graph,
                     "ops_per_graph_large": args.ops_per_graph_large, "large_bytes": args.large_bytes,
                     "replays": _replays(args), "eager_reps": _eager_reps(args), "timeout_s": args.timeout_s,
+                    "graph_order": "interleaved rounds, one settling replay" if args.interleave else "sequential",
                     "time": "slowest rank's median us per op", "check": "bit-exact vs float64 sum / NCCL all-gather "
                     "of integer-valued inputs"}
 
@@ -361,6 +393,7 @@ def _run(rank, world, device, args, queue):
                 x0 = make_input(rank, op, dtype, numel, device)
                 ref = reference(op, x0, world)
                 n_ops = args.ops_per_graph if nbytes <= args.large_bytes else args.ops_per_graph_large
+                ready = []  # (backend, case, bit-exact on every rank): first run done
                 for backend in backends:
                     label = f"{op} {dname} {human_bytes(nbytes)} {backend}"
                     why, case = None, None
@@ -389,18 +422,31 @@ def _run(rank, world, device, args, queue):
                         continue
                     oks = [None] * world
                     dist.all_gather_object(oks, bool(ok))
-                    ok = all(oks)
-                    for mode in modes:
-                        t, err = float("nan"), None
-                        try:
+                    ready.append((backend, case, all(oks)))
+                for mode in modes:
+                    if mode == "graph" and args.interleave:  # every backend of this size in the same rounds
+                        for _, case, _ in ready:
                             case.prepare()
-                            if mode == "graph":
-                                t = time_graph(case.call, n_ops, _replays(args))
-                            else:
-                                t = time_eager(case.call, n_ops, _eager_reps(args))
-                            _check_tpcomm(backend, res)
-                        except Exception as e:  # noqa: BLE001
-                            err = describe(e)
+                        timed = time_graphs([case.call for _, case, _ in ready], n_ops, _replays(args), settle=1)
+                    elif mode == "graph":  # one backend after the other, each in its own stretch
+                        timed = []
+                        for _, case, _ in ready:
+                            case.prepare()
+                            timed += time_graphs([case.call], n_ops, _replays(args))
+                    else:
+                        timed = []
+                        for _, case, _ in ready:
+                            try:
+                                case.prepare()
+                                timed.append((time_eager(case.call, n_ops, _eager_reps(args)), None))
+                            except Exception as e:  # noqa: BLE001
+                                timed.append((float("nan"), describe(e)))
+                    for (backend, case, ok), (t, err) in zip(ready, timed):
+                        if err is None:
+                            try:
+                                _check_tpcomm(backend, res)
+                            except Exception as e:  # noqa: BLE001
+                                t, err = float("nan"), describe(e)
                         got = [None] * world
                         dist.all_gather_object(got, (t, err))
                         errs = [f"rank {r}: {e}" for r, (_, e) in enumerate(got) if e]
@@ -413,8 +459,8 @@ def _run(rank, world, device, args, queue):
                             rows.append({"op": op, "backend": backend, "dtype": dname, "bytes_per_rank": nbytes,
                                          "mode": mode, "median_us": round(worst, 3), "correct": ok,
                                          **({"route": case.route} if case.route else {})})
-                        progress.advance(1, f"{label} {mode}")
-                    del case
+                        progress.advance(1, f"{op} {dname} {human_bytes(nbytes)} {backend} {mode}")
+                del ready
             if rank == 0:
                 _write(path, env, rows, not_run, world, complete=False, t0=t0, log=progress.write)
     progress.close()
