@@ -2,9 +2,10 @@
  * tpcomm._fastpath: the eager all_reduce of Communicator, one C call from
  * Python into the C core, without the torch dispatcher.
  *
- * Why: on the 2xH200 host a torch op costs about 2.5 us of dispatch (schema
- * parsing, boxing through the stable ABI) on top of the C core, and ctypes
- * about 0.8 us converting its arguments (benchmarks/host_cost.py). Model code
+ * Why: on the 2xH200 host a torch op costs about 2.5-3 us of dispatch
+ * (schema parsing, boxing through the stable ABI) on top of the C core, and
+ * ctypes about 1.3 us converting its arguments (benchmarks/host_cost.py),
+ * where the launch itself takes 3.2-4.7 us of host time. Model code
  * and torch.compile keep the torch ops; this path only serves
  * Communicator.all_reduce called eagerly with plain CUDA tensors.
  *

@@ -21,7 +21,7 @@ def custom(name):
     return op
 
 
-_REDUCE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tpc_dtype
+_REDUCE_DTYPE_CODES = {getattr(torch, name): code for name, code in _lib.DTYPE_CODES.items()}  # tpc_dtype
 
 
 class Kernels:
@@ -37,7 +37,7 @@ class Kernels:
         16-byte aligned, the C core runs the op directly (tpcomm._fastpath);
         otherwise, and while torch.compile traces, the _out torch op does,
         which copies misaligned views. Both launch the same kernel. On the
-        2xH200 host the torch op costs about 2.5 us more per call, and
+        2xH200 host the torch op costs about 2 us more per call, and
         allocating in Python less than the op that allocates through the
         stable ABI (benchmarks/host_cost.py)."""
         try:
