@@ -396,3 +396,76 @@ def test_policy_table_files(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(policy.TableError, match="is not JSON"):
         policy.load_table(str(bad))
+
+
+class _RecordingFastpath:
+    """Stands in for tpcomm._fastpath: records each call, or raises."""
+
+    def __init__(self, error=None):
+        self.calls, self.error = [], error
+
+    def all_reduce(self, *args):
+        self.calls.append(args)
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def _kernels_on_cpu(monkeypatch, fast):
+    """tpcomm's Kernels for a made-up id, with the fast path and the _out op
+    replaced by recorders and the current stream read as 1234: which path an
+    eager all_reduce takes, and with what, can be seen without a GPU."""
+    from tpcomm.backends.kernels import Kernels
+
+    kernels = Kernels(77, 0)
+    kernels._fastpath = fast
+    through_op = []
+    kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, handle, algo))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234 + device, raising=False)
+    return kernels, through_op
+
+
+@pytest.mark.parametrize("dtype, code", [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2)])
+def test_eager_all_reduce_takes_the_fast_path_when_aligned(lib, monkeypatch, dtype, code):
+    fast = _RecordingFastpath()
+    kernels, through_op = _kernels_on_cpu(monkeypatch, fast)
+    x = torch.ones(64, dtype=dtype)
+    y = kernels.all_reduce(x, "line")
+    assert through_op == [] and y.shape == x.shape and y.dtype == dtype and y.data_ptr() != x.data_ptr()
+    assert fast.calls == [(77, x.data_ptr(), y.data_ptr(), x.nbytes, code, _lib.ALGO_LINE, 1234)]
+    out = torch.empty_like(x)  # out= and in place: the same call with that output
+    assert kernels.all_reduce(x, "packet", out) is out and kernels.all_reduce(x, "bulk", x) is x
+    assert fast.calls[1:] == [(77, x.data_ptr(), out.data_ptr(), x.nbytes, code, _lib.ALGO_PACKET, 1234),
+                              (77, x.data_ptr(), x.data_ptr(), x.nbytes, code, _lib.ALGO_BULK, 1234)]
+
+
+def test_eager_all_reduce_takes_the_op_otherwise(lib, monkeypatch):
+    """Misaligned input or output, torch.compile tracing, or no fast path
+    built: the _out torch op, which copies misaligned views."""
+    fast = _RecordingFastpath()
+    kernels, through_op = _kernels_on_cpu(monkeypatch, fast)
+    base = torch.zeros(72, dtype=torch.bfloat16)
+    view = base[2:66]  # 4 bytes past an aligned start
+    assert view.data_ptr() % 16 == 4
+    y = kernels.all_reduce(view, "packet")
+    out_view = torch.empty(72, dtype=torch.bfloat16)[2:66]
+    aligned = torch.ones(64, dtype=torch.bfloat16)
+    kernels.all_reduce(aligned, "packet", out_view)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernels.all_reduce(aligned, "line")
+    monkeypatch.undo()
+    kernels, through_op_unbuilt = _kernels_on_cpu(monkeypatch, None)
+    kernels.all_reduce(aligned, "bulk")
+    assert fast.calls == []
+    assert [(t[0].data_ptr(), t[3]) for t in through_op] == [
+        (view.data_ptr(), _lib.ALGO_PACKET), (aligned.data_ptr(), _lib.ALGO_PACKET),
+        (aligned.data_ptr(), _lib.ALGO_LINE)]
+    assert through_op[0][1] is y and through_op[1][1] is out_view
+    assert [(t[0] is aligned, t[3]) for t in through_op_unbuilt] == [(True, _lib.ALGO_BULK)]
+
+
+def test_eager_all_reduce_fast_path_errors_are_tpcomm_errors(lib, monkeypatch):
+    fast = _RecordingFastpath("tpcomm: a peer did not arrive in time: peer 1 did not arrive [tpc_result 5]")
+    kernels, _ = _kernels_on_cpu(monkeypatch, fast)
+    with pytest.raises(tpcomm.CollectiveTimeout, match="peer 1 did not arrive") as info:
+        kernels.all_reduce(torch.ones(64), "packet")
+    assert info.value.code == _lib.ERR_TIMEOUT
