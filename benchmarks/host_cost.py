@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, rendezvous
+from tpcomm.bench.measure import environment, rendezvous, rotated
 
 
 def parse_args(argv=None):
@@ -96,7 +96,7 @@ def host_us_per_call(calls_by_name, calls, rounds):
     dist.barrier()
     times = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             call = calls_by_name[name]
             torch.cuda.synchronize()
             t0 = time.perf_counter()

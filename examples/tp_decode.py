@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, rendezvous  # the benchmark's: GPU, driver, torch, NCCL, date
+from tpcomm.bench.measure import environment, rendezvous, rotated  # the benchmark's: GPU, driver, torch, NCCL, date
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256)
@@ -257,8 +257,7 @@ def _time_interleaved(graphs, backends, rounds, replays):
     times = {b: [] for b in backends}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds + 1):  # round 0 warms up
-        order = backends[r % len(backends):] + backends[:r % len(backends)]
-        for b in order:
+        for b in rotated(backends, r):
             dist.barrier()
             torch.cuda.synchronize()
             start.record()

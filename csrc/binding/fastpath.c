@@ -11,7 +11,7 @@
  *
  * The C core lives in the torch extension (tpcomm._C), loaded by ctypes, so
  * this module does not link against it: bind() takes the addresses of the
- * two C functions it calls, read through ctypes from that same library, so
+ * three C functions it calls, read through ctypes from that same library, so
  * both paths use one registry of communicators.
  *
  * Built against the limited API (3.10+, METH_FASTCALL), like tpcomm._C.

@@ -271,10 +271,17 @@ static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
               : TPC_OK;
 }
 
-/* The host state of a communicator that is going: its last error moves to
- * the thread's slot (tpc_comm_last_error(NULL)) before it is freed. */
-static tpc_result free_host_state(tpc_comm *comm, tpc_result r) {
+/* A failure's message, moved to the thread's slot (tpc_comm_last_error(NULL))
+ * for a caller that will not hold the communicator to read it from. */
+static tpc_result to_thread_slot(const tpc_comm *comm, tpc_result r) {
   if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+  return r;
+}
+
+/* The host state of a communicator that is going: its last error moves to
+ * the thread's slot before it is freed. */
+static tpc_result free_host_state(tpc_comm *comm, tpc_result r) {
+  to_thread_slot(comm, r);
   free(comm);
   return r;
 }
@@ -710,9 +717,7 @@ tpc_result tpc_id_all_reduce(uint64_t id, const void *in, void *out, size_t nbyt
   tpc_comm *comm = NULL;
   tpc_result r = tpc_comm_acquire(id, &comm);
   if (r != TPC_OK) return r;
-  r = tpc_all_reduce(comm, in, out, nbytes, dtype, algo, stream);
-  /* the thread's slot: the caller holds no communicator to read it from */
-  if (r != TPC_OK) snprintf(create_error, sizeof create_error, "%s", comm->last_error);
+  r = to_thread_slot(comm, tpc_all_reduce(comm, in, out, nbytes, dtype, algo, stream));
   tpc_comm_release(comm);
   return r;
 }

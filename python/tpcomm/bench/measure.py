@@ -56,6 +56,13 @@ def _barrier():
     torch.cuda.synchronize()
 
 
+def rotated(items, r):
+    """items in round r's order: starting r places further on, so that over
+    len(items) rounds each goes first once."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def capture_graph(call, ops_per_graph):
     """A CUDA graph of `ops_per_graph` back-to-back calls (warmed up eagerly
     on a side stream first, as torch's graph capture asks)."""
@@ -77,9 +84,10 @@ def time_graphs(calls, ops_per_graph, replays, settle=0):
     """[(median us per op, None) or (nan, error text)] for each call, each
     captured in a graph of `ops_per_graph` ops, after 3 untimed replays of
     each. With one call: `replays` timed replays in a row. With several
-    (the benchmark's default; --sequential times one call at a time): rounds, each replaying every graph in an order rotated by
-    one, so the backends compared at one size are timed over the same
-    seconds; `settle` untimed replays of a graph come before its timed one,
+    (the benchmark's default; --sequential times one call at a time):
+    rounds, each replaying every graph in an order rotated by one, so the
+    backends compared at one size are timed over the same seconds; `settle`
+    untimed replays of a graph come before its timed one,
     since a graph replayed right after another backend's ran up to 1.6x
     slower (seen on 2xH200: a graph that always followed an NCCL graph)."""
     out = [None] * len(calls)
@@ -92,12 +100,12 @@ def time_graphs(calls, ops_per_graph, replays, settle=0):
     live = list(graphs)
     times = {i: [] for i in live}
     try:
-        for warm in range(3):
+        for _ in range(3):
             for i in live:
                 graphs[i].replay()
         _barrier()
         for r in range(replays):
-            for i in live[r % len(live):] + live[:r % len(live)]:
+            for i in rotated(live, r):
                 for _ in range(settle):
                     graphs[i].replay()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
