@@ -469,3 +469,61 @@ def test_eager_all_reduce_fast_path_errors_are_tpcomm_errors(lib, monkeypatch):
     with pytest.raises(tpcomm.CollectiveTimeout, match="peer 1 did not arrive") as info:
         kernels.all_reduce(torch.ones(64), "packet")
     assert info.value.code == _lib.ERR_TIMEOUT
+
+
+def _body_communicator_inline_fast_path(rank, world_size):
+    """Communicator.all_reduce calls the fast path itself (Kernels.all_reduce's
+    path, inlined): a CPU communicator given a made-up id and recording Kernels
+    shows the call, its stats, and where the other cases go."""
+    from tpcomm import communicator
+    from tpcomm.backends.kernels import ALGOS, Kernels
+
+    comm = tpcomm.Communicator(device="cpu")
+    fast = _RecordingFastpath()
+    kernels = Kernels(77, 0)
+    kernels._fastpath = fast
+    through_op = []
+    kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, algo))
+    torch._C._cuda_getCurrentRawStream = lambda device: 1234  # Kernels' own path (out=)
+    communicator._raw_stream = lambda device: 1234
+    comm.handle, comm._kernels = 77, kernels
+    x = torch.ones(64, dtype=torch.bfloat16)
+    route = comm.route_all_reduce(x)
+    assert route in ALGOS, route
+    y = comm.all_reduce(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.data_ptr() != x.data_ptr()
+    assert fast.calls == [(77, x.data_ptr(), y.data_ptr(), x.nbytes, 2, ALGOS[route], 1234)]
+    comm.all_reduce(x)  # the memoised route: the same call again
+    assert fast.calls[1][0::3] == (77, x.nbytes, 1234) and comm.stats() == {
+        ("all_reduce", route): {"calls": 2, "bytes": 2 * x.nbytes}}
+    out = torch.empty_like(x)  # out= goes on to Kernels.all_reduce, which takes the fast path too
+    assert comm.all_reduce(x, out) is out and fast.calls[2][2] == out.data_ptr()
+    view = torch.ones(72, dtype=torch.bfloat16)[2:66]  # misaligned: the op path
+    z = comm.all_reduce(view)
+    assert len(fast.calls) == 3 and through_op[0][0].data_ptr() == view.data_ptr() and through_op[0][1] is z
+    is_compiling = torch.compiler.is_compiling
+    communicator._is_compiling = torch.compiler.is_compiling = lambda: True  # tracing: the op path
+    comm.all_reduce(x)
+    assert len(fast.calls) == 3 and through_op[1][0] is x
+    communicator._is_compiling = torch.compiler.is_compiling = is_compiling
+    fast.error = "tpcomm: op failed: peer 1 did not arrive [tpc_result 5]"
+    try:
+        comm.all_reduce(x)
+        raise AssertionError("the fast path's error was not raised")
+    except tpcomm.CollectiveTimeout as e:
+        assert e.code == _lib.ERR_TIMEOUT and "peer 1 did not arrive" in str(e)
+    wide = torch.full((8,), float(rank + 1), dtype=torch.float64)  # not reducible by the kernels: NCCL (gloo)
+    assert comm.all_reduce(wide).tolist() == [3.0] * 8 and len(fast.calls) == 4
+    comm.handle, comm._kernels = 0, None
+    comm.close()
+    try:
+        comm.all_reduce(x)
+        raise AssertionError("a closed communicator took an op")
+    except tpcomm.CommunicatorClosed:
+        pass
+
+
+def test_communicator_all_reduce_calls_the_fast_path_inline(lib):
+    from test_communicator_cpu import run_ranks
+
+    run_ranks(2, _body_communicator_inline_fast_path)

@@ -16,7 +16,7 @@ from . import _fake, _lib, add_rms_norm, ops, policy, topology
 from ._log import log_once
 from ._shapes import checked_dim
 from .backends import aiter
-from .backends.kernels import Kernels
+from .backends.kernels import ALGOS as KERNEL_ALGOS, Kernels
 from .backends.nccl import Nccl
 from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
@@ -30,6 +30,9 @@ _ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
 # every rank of a group must create them in the same order, whatever other
 # groups (TP inside PP, DP replicas) it also belongs to.
 _serials = collections.defaultdict(itertools.count)
+# Looked up once: the eager all_reduce calls them on every op.
+_is_compiling = torch.compiler.is_compiling
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
 def group_key(group):
@@ -107,6 +110,7 @@ class Communicator:
         # Per op, the route of each (dtype or layout, size) seen, with its stats
         # cell: the eager path looks its route up instead of walking the bands.
         self._memo = {op: {} for op in policy.OPS}
+        self._all_reduce_memo = self._memo["all_reduce"]  # read on every all_reduce
         self._group_key = group_key(self.group)
         self.group_name = str(self._group_key)  # what torch.ops.tpcomm.all_reduce(x, group_name) takes
         self.serial = next(_serials[self._group_key])
@@ -303,7 +307,10 @@ class Communicator:
         anything else on NCCL (non-contiguous inputs are made contiguous).
         The route depends only on what every rank shares (dtype, size,
         configuration), never on where the tensor lies in memory."""
-        self._check_input(x, "input")
+        # The common case checked inline (as _check_input does first): every
+        # Python call is about 0.3 us of host time on the 2xH200 host.
+        if self._closed or type(x) is not torch.Tensor or not x.is_cuda or x.get_device() != self._cuda_index:
+            self._check_input(x, "input")
         if out is not None:
             self._check_input(out, "out")
             if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
@@ -311,14 +318,27 @@ class Communicator:
         if not x.is_contiguous():
             x = x.contiguous()
         nbytes = x.nbytes
-        hit = self._memo["all_reduce"].get((x.dtype, nbytes))
+        key = (x.dtype, nbytes)
+        hit = self._all_reduce_memo.get(key)
         if hit is None:
             backend = "aiter" if self._aiter is not None and self._aiter.can_take(x) else \
                 self._route_all_reduce(x, nbytes)
-            hit = self._remember("all_reduce", (x.dtype, nbytes), backend)
-        backend, cell = hit
+            hit = self._remember("all_reduce", key, backend)
+        backend, cell, fast = hit
         cell[0] += 1
         cell[1] += nbytes
+        if fast is not None and out is None and not _is_compiling():
+            # Kernels.all_reduce's eager fast path, inlined (one call fewer:
+            # benchmarks/host_cost.py); misaligned outputs go on to Kernels.
+            out = torch.empty_like(x)
+            src, dst = x.data_ptr(), out.data_ptr()
+            if not (src | dst) & 15:
+                call, cid, dtype_code, algo_code = fast
+                try:
+                    call(cid, src, dst, nbytes, dtype_code, algo_code, _raw_stream(self._cuda_index))
+                except RuntimeError as e:
+                    raise _lib.translated(e) from None
+                return out
         if backend == "aiter":
             y = self._aiter.all_reduce(x)
             if y is not None:
@@ -340,7 +360,7 @@ class Communicator:
         if hit is None:
             hit = self._remember("all_gather", key, self._aiter_all_gather_route(x, dim, nbytes)
                                  or self._route_all_gather(x, dim, nbytes))
-        backend, cell = hit
+        backend, cell, _ = hit
         cell[0] += 1
         cell[1] += nbytes
         if backend == "aiter":
@@ -367,7 +387,7 @@ class Communicator:
         hit = self._memo["reduce_scatter"].get((x.dtype, nbytes))
         if hit is None:
             hit = self._remember("reduce_scatter", (x.dtype, nbytes), self._route_reduce_scatter(x, nbytes))
-        backend, cell = hit
+        backend, cell, _ = hit
         cell[0] += 1
         cell[1] += nbytes
         parts = x.movedim(dim, 0) if dim else x
@@ -469,12 +489,17 @@ class Communicator:
 
     def _remember(self, op, key, backend):
         """Memoises a route (a few thousand shapes at most: a serving engine
-        sees a handful per batch size) with the stats cell it counts into."""
+        sees a handful per batch size) with the stats cell it counts into and,
+        for an all_reduce on tpcomm's kernels, the fast path's call and codes
+        (Kernels.fast_all_reduce)."""
         memo = self._memo[op]
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
         cell = self._stat_cells.setdefault((op, backend), [0, 0])
-        memo[key] = (backend, cell)
+        fast = None
+        if op == "all_reduce" and self._kernels is not None and backend in KERNEL_ALGOS:
+            fast = self._kernels.fast_all_reduce(key[0], backend)
+        memo[key] = (backend, cell, fast)
         return memo[key]
 
     def stats(self) -> dict:

@@ -9,15 +9,23 @@ They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
 routes each call (tpcomm's kernels or NCCL) exactly as Communicator.all_reduce
 does, and keeps working when the Communicator of the group is replaced.
-They are opaque to the compiler (torch.library custom ops with fake
-implementations), so fullgraph=True traces through them and mode=
-"reduce-overhead" captures them in CUDA graphs (the kernels are graph-safe).
+They are opaque to the compiler (ops with fake implementations), so
+fullgraph=True traces through them and mode="reduce-overhead" captures them
+in CUDA graphs (the kernels are graph-safe).
+
+Registered with torch.library.Library (define, impl, fake), as vLLM's
+direct_register_custom_op does, not with torch.library.custom_op: that
+wrapper's Python layers (autograd, aliasing checks) cost about 9 us a call on
+CPU here, 2 for a direct registration, and an eager all_reduce through the
+op took 22 us of host time on the 2xH200 host against 8.5 for
+Communicator.all_reduce (benchmarks/host_cost.py).
 """
 import torch
 
 from ._shapes import checked_dim
 
 _COMMUNICATORS = {}  # group name -> the open Communicator of that group created last
+_LIBRARY = torch.library.Library("tpcomm", "FRAGMENT")  # kept alive: it holds the registrations
 
 
 def register(comm):
@@ -37,53 +45,64 @@ def communicator_for(group_name):
     return comm
 
 
-@torch.library.custom_op("tpcomm::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of x over the group named group_name (a new tensor)."""
-    y = communicator_for(group_name).all_reduce(x)
-    return y if y.data_ptr() != x.data_ptr() else y.clone()  # a custom op's output never aliases its input
+def _op(schema, fake):
+    """Defines tpcomm::<schema> with the decorated function as its kernel on
+    every device (CompositeExplicitAutograd: no autograd, as for the other
+    collectives) and `fake` as its shape function for torch.compile."""
+    name = schema.split("(", 1)[0]
+
+    def define(impl):
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"tpcomm::{name}", fake, lib=_LIBRARY)
+        return impl
+
+    return define
 
 
-@all_reduce.register_fake
 def _all_reduce_fake(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("tpcomm::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """Concatenation of every rank's x along dim, contiguous."""
-    return communicator_for(group_name).all_gather(x, dim)
+@_op("all_reduce(Tensor x, str group_name) -> Tensor", _all_reduce_fake)
+def all_reduce(x, group_name):
+    """Sum of x over the group named group_name (a new tensor)."""
+    y = communicator_for(group_name).all_reduce(x)
+    return y if y.data_ptr() != x.data_ptr() else y.clone()  # an op's output never aliases its input
 
 
-@all_gather.register_fake
 def _all_gather_fake(x, dim, group_name):
     shape = list(x.shape)
     shape[checked_dim(x, dim, "all_gather")] *= communicator_for(group_name).world_size
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("tpcomm::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """This rank's part (along dim) of the sum over the group, contiguous."""
-    y = communicator_for(group_name).reduce_scatter(x, dim)
-    return y if y.data_ptr() != x.data_ptr() else y.clone()
+@_op("all_gather(Tensor x, SymInt dim, str group_name) -> Tensor", _all_gather_fake)
+def all_gather(x, dim, group_name):
+    """Concatenation of every rank's x along dim, contiguous."""
+    return communicator_for(group_name).all_gather(x, dim)
 
 
-@reduce_scatter.register_fake
 def _reduce_scatter_fake(x, dim, group_name):
     shape = list(x.shape)
     shape[checked_dim(x, dim, "reduce_scatter")] //= communicator_for(group_name).world_size
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("tpcomm::all_reduce_add_rms_norm", mutates_args=())
-def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+@_op("reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor", _reduce_scatter_fake)
+def reduce_scatter(x, dim, group_name):
+    """This rank's part (along dim) of the sum over the group, contiguous."""
+    y = communicator_for(group_name).reduce_scatter(x, dim)
+    return y if y.data_ptr() != x.data_ptr() else y.clone()
+
+
+def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
+    return torch.empty_like(x), torch.empty_like(residual)
+
+
+@_op("all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
+     "-> (Tensor, Tensor)", _all_reduce_add_rms_norm_fake)
+def all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
     group named group_name (new tensors)."""
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
-
-
-@all_reduce_add_rms_norm.register_fake
-def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
-    return torch.empty_like(x), torch.empty_like(residual)

@@ -31,6 +31,15 @@ class Kernels:
         self._all_reduce_out = custom("custom_all_reduce_out")
         self._fastpath = _lib.fastpath()
 
+    def fast_all_reduce(self, dtype, algo):
+        """(call, id, dtype code, algorithm code) of the fast path's all_reduce
+        for this dtype and kernel, or None where the module is not built: what
+        Communicator.all_reduce calls inline, with the tensors' pointers, the
+        size and the current raw stream, as all_reduce below does."""
+        if self._fastpath is None:
+            return None
+        return (self._fastpath.all_reduce, self.handle, _REDUCE_DTYPE_CODES[dtype], ALGOS[algo])
+
     def all_reduce(self, x, algo, out=None):
         """x is contiguous, of a reducible dtype, on the communicator's device.
         A new output comes from torch.empty_like. Eagerly, with both tensors
