@@ -535,6 +535,8 @@ int main(int argc, char **argv) {
     check_all_gather(n);
     {
       const tpc_geometry ga = tpc_packet_geometry(&ranks[0].args, n / 8);
+      report("  the general kernel (any dim)", n, [&](int r) { launch_pdl(tpc_all_gather_packet_kernel, ga, r, 1); });
+      check_all_gather(n);
       report("  dim 0, header in thread 0's wait", n, [&](int r) { launch_pdl(probe_gather<1>, ga, r, 1); });
       check_all_gather(n);
       report("  without the header check", n, [&](int r) { launch_pdl(probe_gather<0>, ga, r, 1); });
