@@ -327,8 +327,10 @@ def _chain(rank, world, table, want):
     launch) reads its epoch while its predecessor still runs. Five chains of
     different sizes and kernels are interleaved for 40 steps inside one graph,
     replayed 200 times with inputs that change every replay; after k steps a
-    chain holds world^(k-1) times the sum of the inputs, exact in bf16. One
-    stale epoch would pair an op with its predecessor's packets."""
+    chain holds the sum of the inputs multiplied by world k-1 times, each
+    product rounded to bf16 as the kernels round their fp32 sums (exact for
+    world sizes that are powers of two). One stale epoch would pair an op
+    with its predecessor's packets."""
     comm = tpcomm.Communicator(timeout_s=10.0, table=table)
     assert comm.enabled, comm.disabled_reason
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -345,7 +347,10 @@ def _chain(rank, world, table, want):
         for _ in range(steps):
             ys = [comm.all_reduce(y) for y in ys]
         for v, y in zip(vals, ys):
-            ref = (torch.stack(v).sum(0) * world ** (steps - 1)).to(torch.bfloat16)
+            # step by step: world^(steps-1) overflows int64 beyond 2 ranks (4^39 = 2^78)
+            ref = torch.stack(v).sum(0).to(torch.bfloat16)
+            for _ in range(steps - 1):
+                ref = (ref.float() * world).to(torch.bfloat16)
             mismatches.add_((y.view(torch.int16) != ref.view(torch.int16)).sum())
     start = time.monotonic()
     for _ in range(200):
