@@ -47,12 +47,12 @@ def paths(comm, x):
         "torch.distributed.all_reduce (NCCL, in place)": lambda: dist.all_reduce(x),
     }
     if algo is not None:
-        out["torch.ops.tpcomm.custom_all_reduce (raw op)"] = \
-            lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo)
+        out["torch.ops._tpcomm.all_reduce (raw op)"] = \
+            lambda: torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
         # Where the raw op's time goes: the same call on its OpOverload, the
         # out= variant (no allocation), and the C core alone through ctypes.
-        raw = torch.ops.tpcomm.custom_all_reduce.default
-        raw_out = torch.ops.tpcomm.custom_all_reduce_out.default
+        raw = torch.ops._tpcomm.all_reduce.default
+        raw_out = torch.ops._tpcomm.all_reduce_out.default
         y = torch.empty_like(x)
         out["  .default overload"] = lambda: raw(x, comm.handle, algo)
         out["  custom_all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.handle, algo)

@@ -208,8 +208,8 @@ def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
 
 def test_raw_op_schema_and_fake():
     tpcomm.load()
-    schema = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_out.default._schema
-    assert str(schema) == ("tpcomm::custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
+    schema = torch.ops._tpcomm.all_reduce_add_rms_norm_out.default._schema
+    assert str(schema) == ("_tpcomm::all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
                            "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["normed", "residual_out"]
@@ -218,7 +218,7 @@ def test_raw_op_schema_and_fake():
     try:
         with FakeTensorMode():
             x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
-            out = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_out(
+            out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
                 x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
                 torch.empty_like(x), torch.empty_like(x), h)
             assert out is None

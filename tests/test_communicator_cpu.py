@@ -477,35 +477,6 @@ def test_route_line_kernels():
         tpcomm.Config(force=(("reduce_scatter", "line"),)).checked()
 
 
-def test_raw_op_auto_follows_the_routes():
-    """The C core's AUTO gets the effective bands, op by op and dtype by
-    dtype, band for band: line as line (packet on ROCm), NCCL bands on bulk."""
-    table = {"routes": {"all_reduce": {"*": {"*": [[4 * KiB, "packet"], [1 * MiB, "line"], [8 * MiB, "nccl"]],
-                                             "float32": [[64, "bulk"]]}},
-                        "all_gather": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"]]}}}}
-    calls = {}
-
-    class Lib:
-        def tpc_comm_set_routes(self, comm, op, dtype, limits, algos, count):
-            calls[(op, dtype)] = [(limits[i], algos[i]) for i in range(count)]
-            return tpcomm._lib.OK
-
-    P, L, B = tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_LINE, tpcomm._lib.ALGO_BULK
-    for line_kernels, line in ((True, L), (False, P)):
-        calls.clear()
-        c = _routing_comm(table=table)
-        c.line_kernels = line_kernels
-        c._set_auto_routes(Lib(), None)
-        ar, ag, rs = (tpcomm._lib.ROUTE_OPS[op] for op in ("all_reduce", "all_gather", "reduce_scatter"))
-        star = [(4 * KiB, P), (1 * MiB, line), (8 * MiB, B)]
-        assert calls[(ar, -1)] == star and calls[(ar, 2)] == star and calls[(ar, 1)] == star
-        assert calls[(ar, 0)] == [(64, B)]
-        assert calls[(ag, -1)] == [(1 * KiB, P), (1 * MiB, line)]
-        assert calls[(rs, -1)] == [(limit, {"packet": P, "bulk": B}[b])
-                                   for limit, b in policy.bands_for(policy.load_table(None), "reduce_scatter", 2)]
-        assert len(calls) == 4 + 1 + 4  # all_reduce and reduce_scatter: "*" and each dtype; all_gather: "*"
-
-
 def test_route_all_reduce():
     c = _routing_comm()
     assert c.enabled

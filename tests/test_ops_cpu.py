@@ -19,12 +19,12 @@ KiB = 1024
 MiB = 1024 * KiB
 
 SCHEMAS = {
-    "custom_all_reduce": "tpcomm::custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor",
-    "custom_all_reduce_out":
-        "tpcomm::custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()",
-    "custom_all_gather": "tpcomm::custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor",
-    "custom_reduce_scatter": "tpcomm::custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor",
-    "custom_reduce_scatter_f32": "tpcomm::custom_reduce_scatter_f32(Tensor input, int comm, int algo=0) -> Tensor",
+    "all_reduce": "_tpcomm::all_reduce(Tensor input, int comm, int algo) -> Tensor",
+    "all_reduce_out":
+        "_tpcomm::all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()",
+    "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm, int algo) -> Tensor",
+    "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm, int algo) -> Tensor",
+    "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor",
 }
 
 
@@ -57,31 +57,45 @@ def test_extension_loads(lib):
     path = _lib.library_path()
     assert path.endswith(".so") and "_C" in path
     for name in SCHEMAS:
-        assert hasattr(torch.ops.tpcomm, name)
+        assert hasattr(torch.ops._tpcomm, name)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_op_schema(lib, name):
-    schema = getattr(torch.ops.tpcomm, name).default._schema
+    schema = getattr(torch.ops._tpcomm, name).default._schema
     assert str(schema) == SCHEMAS[name]
 
 
 def test_out_is_mutable_and_nothing_else(lib):
-    out_schema = torch.ops.tpcomm.custom_all_reduce_out.default._schema
+    out_schema = torch.ops._tpcomm.all_reduce_out.default._schema
     assert out_schema.arguments[1].name == "out"
     assert out_schema.arguments[1].alias_info is not None
     assert out_schema.arguments[1].alias_info.is_write
     assert out_schema.arguments[0].alias_info is None  # input is only read
-    for name in ("custom_all_reduce", "custom_all_gather"):
-        schema = getattr(torch.ops.tpcomm, name).default._schema
+    for name in ("all_reduce", "all_gather"):
+        schema = getattr(torch.ops._tpcomm, name).default._schema
         assert all(a.alias_info is None for a in schema.arguments), name
         assert not schema.is_mutable
 
 
-def test_ops_are_cuda_only(lib, handle):
-    """No CPU kernel is registered: a CPU tensor is refused by the dispatcher."""
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        torch.ops.tpcomm.custom_all_reduce(torch.zeros(16), handle(2), 0)
+CPU_CALLS = {
+    "all_reduce": lambda x, h: torch.ops._tpcomm.all_reduce(x, h, 1),
+    "all_reduce_out": lambda x, h: torch.ops._tpcomm.all_reduce_out(x, torch.empty_like(x), h, 1),
+    "all_gather": lambda x, h: torch.ops._tpcomm.all_gather(x, 0, h, 1),
+    "reduce_scatter": lambda x, h: torch.ops._tpcomm.reduce_scatter(x, h, 1),
+    "reduce_scatter_f32": lambda x, h: torch.ops._tpcomm.reduce_scatter_f32(x, h, 1),
+    "all_reduce_add_rms_norm_out": lambda x, h: torch.ops._tpcomm.all_reduce_add_rms_norm_out(
+        x, x, x, 1e-6, torch.empty_like(x), torch.empty_like(x), h),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CALLS))
+def test_ops_refuse_cpu_tensors_with_their_own_message(lib, handle, name):
+    """A CPU tensor gets tpcomm's one-line message, not the dispatcher's list of backends."""
+    with pytest.raises(RuntimeError) as caught:
+        CPU_CALLS[name](torch.zeros(16), handle(2))
+    assert not isinstance(caught.value, NotImplementedError)
+    assert str(caught.value) == f"tpcomm: _tpcomm::{name} needs CUDA tensors, got a cpu tensor"
 
 
 # ------------------------------------------------------------- fake impls
@@ -103,7 +117,7 @@ def test_fake_all_gather_shapes(lib, handle, world_size, dtype):
             (x3, -1, (2, 3, 7 * world_size)),
         ]
         for x, dim, shape in cases:
-            y = torch.ops.tpcomm.custom_all_gather(x, dim, h, 0)
+            y = torch.ops._tpcomm.all_gather(x, dim, h, 1)
             assert tuple(y.shape) == shape, (x.shape, dim)
             assert y.dtype == dtype
             assert y.device.type == "cuda"
@@ -115,11 +129,11 @@ def test_fake_reduce_scatter_shapes(lib, handle, world_size):
     h = handle(world_size)
     with FakeTensorMode():
         for shape, dtype in [((world_size * 4, 8), torch.float32), ((world_size, 3, 16), torch.bfloat16)]:
-            y = torch.ops.tpcomm.custom_reduce_scatter(torch.empty(shape, device="cuda", dtype=dtype), h, 0)
+            y = torch.ops._tpcomm.reduce_scatter(torch.empty(shape, device="cuda", dtype=dtype), h, 1)
             assert tuple(y.shape) == (shape[0] // world_size,) + shape[1:] and y.dtype == dtype
-            y = torch.ops.tpcomm.custom_reduce_scatter_f32(torch.empty(shape, device="cuda", dtype=dtype), h, 0)
+            y = torch.ops._tpcomm.reduce_scatter_f32(torch.empty(shape, device="cuda", dtype=dtype), h, 1)
             assert tuple(y.shape) == (shape[0] // world_size,) + shape[1:] and y.dtype == torch.float32
-        for op in (torch.ops.tpcomm.custom_reduce_scatter, torch.ops.tpcomm.custom_reduce_scatter_f32):
+        for op in (torch.ops._tpcomm.reduce_scatter, torch.ops._tpcomm.reduce_scatter_f32):
             with pytest.raises(ValueError, match="divisible by the world size"):
                 op(torch.empty(world_size + 1, device="cuda"), h, 0)
 
@@ -130,15 +144,15 @@ def test_fake_all_reduce_keeps_shape_and_dtype(lib, handle, world_size):
     with FakeTensorMode():
         for shape, dtype in [((4, 8), torch.float32), ((3, 5, 16), torch.bfloat16), ((64,), torch.float16)]:
             x = torch.empty(shape, device="cuda", dtype=dtype)
-            y = torch.ops.tpcomm.custom_all_reduce(x, h, 0)
+            y = torch.ops._tpcomm.all_reduce(x, h, 1)
             assert tuple(y.shape) == shape and y.dtype == dtype and y.device == x.device
             assert y.is_contiguous()
             # a transposed input still gives a contiguous output of its shape
             xt = torch.empty(8, 4, device="cuda", dtype=dtype).t()
-            yt = torch.ops.tpcomm.custom_all_reduce(xt, h, 1)
+            yt = torch.ops._tpcomm.all_reduce(xt, h, 1)
             assert tuple(yt.shape) == (4, 8) and yt.is_contiguous()
             out = torch.empty_like(x)
-            assert torch.ops.tpcomm.custom_all_reduce_out(x, out, h, 2) is None
+            assert torch.ops._tpcomm.all_reduce_out(x, out, h, 2) is None
 
 
 def test_fake_all_gather_errors(lib, handle):
@@ -147,11 +161,11 @@ def test_fake_all_gather_errors(lib, handle):
         x = torch.empty(3, 5, device="cuda")
         for dim in (2, -3, 7):
             with pytest.raises(IndexError, match="out of range"):
-                torch.ops.tpcomm.custom_all_gather(x, dim, h, 0)
+                torch.ops._tpcomm.all_gather(x, dim, h, 1)
         with pytest.raises(ValueError, match="at least one dimension"):
-            torch.ops.tpcomm.custom_all_gather(torch.empty((), device="cuda"), 0, h, 0)
+            torch.ops._tpcomm.all_gather(torch.empty((), device="cuda"), 0, h, 1)
         with pytest.raises(ValueError, match="not an open communicator"):
-            torch.ops.tpcomm.custom_all_gather(x, 0, 12345, 0)
+            torch.ops._tpcomm.all_gather(x, 0, 12345, 0)
 
 
 def test_fake_ops_trace_with_make_fx(lib, handle):
@@ -161,15 +175,15 @@ def test_fake_ops_trace_with_make_fx(lib, handle):
     h = handle(4)
 
     def f(x):
-        y = torch.ops.tpcomm.custom_all_reduce(x, h, 0)
-        return torch.ops.tpcomm.custom_all_gather(y, -1, h, 0)
+        y = torch.ops._tpcomm.all_reduce(x, h, 1)
+        return torch.ops._tpcomm.all_gather(y, -1, h, 1)
 
     with FakeTensorMode():
         x = torch.empty(2, 8, device="cuda")
         gm = make_fx(f, tracing_mode="fake")(x)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert torch.ops.tpcomm.custom_all_reduce.default in targets
-    assert torch.ops.tpcomm.custom_all_gather.default in targets
+    assert torch.ops._tpcomm.all_reduce.default in targets
+    assert torch.ops._tpcomm.all_gather.default in targets
 
 
 # ---------------------------------------------------------- C API (ctypes)
@@ -265,9 +279,9 @@ def test_ctypes_structs_match_the_header(tmp_path):
         for name, _ in cls._fields_:
             lines.append(f'printf("{c_name}.{name} %zu\\n", offsetof({c_name}, {name}));')
     codes = ["TPC_OK", "TPC_ERR_INVALID_ARG", "TPC_ERR_RUNTIME", "TPC_ERR_PEER", "TPC_ERR_STATE", "TPC_ERR_TIMEOUT",
-             "TPC_ERR_MISMATCH", "TPC_ERR_TOO_LARGE", "TPC_ERR_CLOSED", "TPC_ALGO_AUTO", "TPC_ALGO_PACKET",
-             "TPC_ALGO_BULK", "TPC_ALGO_LINE", "TPC_FLOAT32", "TPC_FLOAT16", "TPC_BFLOAT16", "TPC_ROUTE_ALL_REDUCE",
-             "TPC_ROUTE_ALL_GATHER", "TPC_ROUTE_REDUCE_SCATTER", "TPC_MAX_BANDS", "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
+             "TPC_ERR_MISMATCH", "TPC_ERR_TOO_LARGE", "TPC_ERR_CLOSED", "TPC_ALGO_PACKET",
+             "TPC_ALGO_BULK", "TPC_ALGO_LINE", "TPC_FLOAT32", "TPC_FLOAT16", "TPC_BFLOAT16",
+             "TPC_IPC_HANDLE_BYTES", "TPC_MAX_RANKS", "TPC_NORM_MAX_ROW_BYTES"]
     lines += [f'printf("{c} %d\\n", (int){c});' for c in codes]
     src = tmp_path / "layout.c"
     src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "tpcomm.h"\nint main(void) {\n'
@@ -281,10 +295,10 @@ def test_ctypes_structs_match_the_header(tmp_path):
         for name, _ in cls._fields_:
             assert int(seen[f"{c_name}.{name}"]) == getattr(cls, name).offset, (c_name, name)
     python_side = [_lib.OK, _lib.ERR_INVALID_ARG, _lib.ERR_RUNTIME, _lib.ERR_PEER, _lib.ERR_STATE, _lib.ERR_TIMEOUT,
-                   _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE, _lib.ERR_CLOSED, _lib.ALGO_AUTO, _lib.ALGO_PACKET,
+                   _lib.ERR_MISMATCH, _lib.ERR_TOO_LARGE, _lib.ERR_CLOSED, _lib.ALGO_PACKET,
                    _lib.ALGO_BULK, _lib.ALGO_LINE, _lib.DTYPE_CODES["float32"],
-                   _lib.DTYPE_CODES["float16"], _lib.DTYPE_CODES["bfloat16"], _lib.ROUTE_OPS["all_reduce"],
-                   _lib.ROUTE_OPS["all_gather"], _lib.ROUTE_OPS["reduce_scatter"], _lib.MAX_BANDS, _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
+                   _lib.DTYPE_CODES["float16"], _lib.DTYPE_CODES["bfloat16"],
+                   _lib.IPC_HANDLE_BYTES, _lib.MAX_RANKS, _lib.NORM_MAX_ROW_BYTES]
     assert [int(seen[c]) for c in codes] == python_side
 
 

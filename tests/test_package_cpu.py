@@ -19,12 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_import_alone_registers_the_ops():
     """A fresh interpreter that only imports tpcomm can name every op."""
     code = ("import torch, tpcomm\n"
-            "for name in ('custom_all_reduce', 'custom_all_reduce_out', 'custom_all_gather'):\n"
-            "    print(getattr(torch.ops.tpcomm, name).default._schema)\n")
+            "for name in ('all_reduce', 'all_reduce_out', 'all_gather'):\n"
+            "    print(getattr(torch.ops._tpcomm, name).default._schema)\n")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("tpcomm::custom_") == 3, out.stdout
+    assert out.stdout.count("_tpcomm::") == 3, out.stdout
 
 
 def test_console_script_and_metadata():

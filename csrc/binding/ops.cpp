@@ -153,13 +153,13 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
-Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
+Tensor all_reduce(Tensor input, int64_t comm, int64_t algo) {
   Tensor out = new_output(input, sizes_of(input));
   all_reduce_into(input, out, comm, algo);
   return out;
 }
 
-void custom_all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
+void all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
   all_reduce_into(input, out, comm, algo);
 }
 
@@ -176,8 +176,8 @@ tpc_dtype norm_dtype(const Tensor &t) {
 // dimension times weight, into residual_out and normed (which may be residual
 // and input themselves: the in-place variant). Misaligned views are copied,
 // as for all_reduce, so the kernel's choice never depends on a pointer.
-void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
-                                        Tensor residual_out, int64_t id) {
+void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
+                                 Tensor residual_out, int64_t id) {
   Held held(id);
   tpc_comm *comm = held.get();
   const Tensor *all[] = {&input, &residual, &weight, &normed, &residual_out};
@@ -212,7 +212,7 @@ void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor we
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
 // (NCCL's reduce_scatter_tensor layout); the output is the sum of part r, in
 // the input's dtype or (float32) as the fp32 sums, not rounded.
-Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float32) {
+Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool float32) {
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
@@ -234,15 +234,15 @@ Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float3
   return out;
 }
 
-Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter(input, id, algo, false); }
+Tensor reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter_into(input, id, algo, false); }
 
-Tensor custom_reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
-  return reduce_scatter(input, id, algo, true);
+Tensor reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
+  return reduce_scatter_into(input, id, algo, true);
 }
 
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
 // all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
-Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
+Tensor all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
@@ -269,24 +269,51 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
   return out;
 }
 
+// Refuses a tensor that is not on a CUDA device with tpcomm's own message
+// (the dispatcher's own would list every backend it has no kernel for).
+[[noreturn]] void needs_cuda(const char *op, const Tensor &t) {
+  const char *where = t.is_cpu() ? "cpu" : "non-CUDA";
+  fail("tpcomm: _tpcomm::%s needs CUDA tensors, got a %s tensor", op, where);
+}
+
+Tensor all_reduce_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("all_reduce", input); }
+void all_reduce_out_not_cuda(Tensor input, Tensor, int64_t, int64_t) { needs_cuda("all_reduce_out", input); }
+Tensor all_gather_not_cuda(Tensor input, int64_t, int64_t, int64_t) { needs_cuda("all_gather", input); }
+Tensor reduce_scatter_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter", input); }
+Tensor reduce_scatter_f32_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter_f32", input); }
+void all_reduce_add_rms_norm_out_not_cuda(Tensor input, Tensor, Tensor, double, Tensor, Tensor, int64_t) {
+  needs_cuda("all_reduce_add_rms_norm_out", input);
+}
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY(tpcomm, m) {
-  // `comm` is a communicator id (Communicator.handle), looked up on every call.
-  m.def("custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
-  m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
-  m.def("custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_reduce_scatter_f32(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
+// Internal ops: the Communicator (Python) picks `algo`, a tpc_algo; model code
+// uses the group-name ops torch.ops.tpcomm.* instead. `comm` is a
+// communicator id (Communicator.handle), looked up on every call.
+STABLE_TORCH_LIBRARY(_tpcomm, m) {
+  m.def("all_reduce(Tensor input, int comm, int algo) -> Tensor");
+  m.def("all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()");
+  m.def("all_gather(Tensor input, int dim, int comm, int algo) -> Tensor");
+  m.def("reduce_scatter(Tensor input, int comm, int algo) -> Tensor");
+  m.def("reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor");
+  m.def("all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
         "Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
-  m.impl("custom_all_reduce", TORCH_BOX(&custom_all_reduce));
-  m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
-  m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
-  m.impl("custom_reduce_scatter", TORCH_BOX(&custom_reduce_scatter));
-  m.impl("custom_reduce_scatter_f32", TORCH_BOX(&custom_reduce_scatter_f32));
-  m.impl("custom_all_reduce_add_rms_norm_out", TORCH_BOX(&custom_all_reduce_add_rms_norm_out));
+STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
+  m.impl("all_reduce", TORCH_BOX(&all_reduce));
+  m.impl("all_reduce_out", TORCH_BOX(&all_reduce_out));
+  m.impl("all_gather", TORCH_BOX(&all_gather));
+  m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter));
+  m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32));
+  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
+  m.impl("all_reduce", TORCH_BOX(&all_reduce_not_cuda));
+  m.impl("all_reduce_out", TORCH_BOX(&all_reduce_out_not_cuda));
+  m.impl("all_gather", TORCH_BOX(&all_gather_not_cuda));
+  m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter_not_cuda));
+  m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32_not_cuda));
+  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out_not_cuda));
 }

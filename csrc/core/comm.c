@@ -16,13 +16,6 @@
  * a token landing in the wrong slot is noticed. */
 #define TPC_PROBE_TOKEN(rank) (0x7c0a0000u | (uint32_t)(rank))
 
-/* One op's and dtype's routing bands for TPC_ALGO_AUTO (tpc_comm_set_routes). */
-typedef struct {
-  int count;
-  uint64_t limit[TPC_MAX_BANDS];
-  int32_t algo[TPC_MAX_BANDS];
-} tpc_bands;
-
 struct tpc_comm {
   tpc_config cfg;
   const tpc_runtime *rt;
@@ -34,7 +27,6 @@ struct tpc_comm {
   tpc_entry *entry;             /* id, control slot, error record (registry.c) */
   int ready;
   int failed;
-  tpc_bands routes[3][4];       /* TPC_ALGO_AUTO bands per [tpc_route_op][dtype + 1]: set_routes, set_cutover */
   int multiprocessors;          /* of the device: the packet kernels' block cap */
   void *last_stream;            /* where the previous eager op was enqueued */
   int have_last_stream;         /* the default stream is NULL: can't be the marker */
@@ -111,18 +103,6 @@ static tpc_result check_config(const tpc_config *c) {
   return TPC_OK;
 }
 
-/* One op's AUTO as a cutover: packet up to `cut` bytes per rank, bulk above
- * (cut 0: bulk only), for every dtype. reduce_scatter's bands compare its
- * whole input, so its cutover on the chunk becomes one on world * chunk. */
-static void set_cutover_bands(tpc_comm *comm, tpc_route_op op, size_t cut) {
-  for (int d = 0; d < 4; ++d) comm->routes[op][d].count = 0;
-  if (!cut) return; /* no band: past the last one is bulk */
-  tpc_bands *b = &comm->routes[op][0];
-  b->count = 1;
-  b->limit[0] = op == TPC_ROUTE_REDUCE_SCATTER ? (uint64_t)cut * (uint64_t)comm->cfg.world_size : cut;
-  b->algo[0] = TPC_ALGO_PACKET;
-}
-
 tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   if (!comm_out) return fail(NULL, TPC_ERR_INVALID_ARG, "comm_out is NULL");
   *comm_out = NULL;
@@ -135,9 +115,6 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
   comm->cfg = *config;
   comm->rt = rt;
   comm->layout = tpc_layout_for(config->world_size, config->max_bytes, config->packet_max_bytes);
-  set_cutover_bands(comm, TPC_ROUTE_ALL_REDUCE, config->packet_max_bytes);
-  set_cutover_bands(comm, TPC_ROUTE_REDUCE_SCATTER, config->packet_max_bytes);
-  set_cutover_bands(comm, TPC_ROUTE_ALL_GATHER, config->packet_max_bytes);
 
   int code;
   void *own = NULL;
@@ -406,60 +383,6 @@ tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask) {
   return TPC_OK;
 }
 
-tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
-                                size_t all_gather_packet_max) {
-  if (!comm) return fail(comm, TPC_ERR_INVALID_ARG, "NULL communicator");
-  if (all_reduce_packet_max > comm->cfg.packet_max_bytes ||
-      all_gather_packet_max > comm->cfg.packet_max_bytes)
-    return fail(comm, TPC_ERR_INVALID_ARG, "cutover above packet_max_bytes (%zu)",
-                comm->cfg.packet_max_bytes);
-  set_cutover_bands(comm, TPC_ROUTE_ALL_REDUCE, all_reduce_packet_max);
-  set_cutover_bands(comm, TPC_ROUTE_REDUCE_SCATTER, all_reduce_packet_max);
-  set_cutover_bands(comm, TPC_ROUTE_ALL_GATHER, all_gather_packet_max);
-  return TPC_OK;
-}
-
-tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const uint64_t *limits,
-                               const int32_t *algos, int count) {
-  if (!comm) return fail(comm, TPC_ERR_INVALID_ARG, "NULL communicator");
-  if ((int)op < 0 || (int)op > TPC_ROUTE_REDUCE_SCATTER)
-    return fail(comm, TPC_ERR_INVALID_ARG, "unknown route op %d", (int)op);
-  if (dtype < -1 || dtype > TPC_BFLOAT16 || (op == TPC_ROUTE_ALL_GATHER && dtype != -1))
-    return fail(comm, TPC_ERR_INVALID_ARG, "routes for dtype %d: -1 or a reducible dtype (all_gather: -1 only)", dtype);
-  if (count < 0 || count > TPC_MAX_BANDS || (count && (!limits || !algos)))
-    return fail(comm, TPC_ERR_INVALID_ARG, "%d bands: 0..%d, with limits and algorithms", count, TPC_MAX_BANDS);
-  for (int i = 0; i < count; ++i) {
-    const int32_t a = algos[i];
-    if (a != TPC_ALGO_PACKET && a != TPC_ALGO_BULK && a != TPC_ALGO_LINE)
-      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: algorithm %d is not packet, bulk or line", i, a);
-    if (a == TPC_ALGO_LINE && op == TPC_ROUTE_REDUCE_SCATTER)
-      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: reduce_scatter has no line kernel", i);
-    if (limits[i] == 0 || (i && limits[i] <= limits[i - 1]))
-      return fail(comm, TPC_ERR_INVALID_ARG, "band %d: limits must be positive and increase", i);
-  }
-  if (count == 0 && dtype == -1) { /* the default again */
-    set_cutover_bands(comm, op, comm->cfg.packet_max_bytes);
-    return TPC_OK;
-  }
-  tpc_bands *b = &comm->routes[op][dtype + 1];
-  b->count = count;
-  for (int i = 0; i < count; ++i) {
-    b->limit[i] = limits[i];
-    b->algo[i] = algos[i];
-  }
-  return TPC_OK;
-}
-
-/* The algorithm the bands give `bytes` for op and dtype (the dtype's own
- * bands, else those for any dtype); bulk past the last band. */
-static int routed_algo(const tpc_comm *comm, tpc_route_op op, int dtype, uint64_t bytes) {
-  const tpc_bands *b = &comm->routes[op][dtype + 1];
-  if (!b->count) b = &comm->routes[op][0];
-  for (int i = 0; i < b->count; ++i)
-    if (bytes <= b->limit[i]) return b->algo[i];
-  return TPC_ALGO_BULK;
-}
-
 static const char *op_name(uint32_t kind) {
   switch (kind & 0xffu) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
@@ -666,14 +589,22 @@ static int misaligned(const void *p, size_t to) { return ((uintptr_t)p % to) != 
 /* NaN of each reducible dtype, repeated over 8 bytes. */
 static const uint64_t reduce_nan[] = {0x7fc000007fc00000ull, 0x7e007e007e007e00ull, 0x7fc07fc07fc07fc0ull};
 
+/* The kernel the caller chose, one of the three: the core never picks one. */
+static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
+  if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) return TPC_OK;
+  return fail(comm, TPC_ERR_INVALID_ARG, "%s: unknown algorithm %d (packet %d, bulk %d or line %d)", name,
+              (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE);
+}
+
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
  * chunk (the whole input for all_reduce, one chunk for reduce_scatter),
  * `in_bytes` the whole input; out_f32: out takes the fp32 sums (reduce_scatter
- * only). Checks, picks the kernel, launches. */
+ * only). Checks what the chosen kernel needs, launches. */
 static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void *in, void *out,
                             size_t nbytes, size_t in_bytes, tpc_dtype dtype, tpc_algo algo, int out_f32,
                             void *stream) {
   tpc_result r = begin_op(comm, in, out, stream);
+  if (r == TPC_OK) r = check_algo(comm, name, algo);
   if (r != TPC_OK) return r;
   if (dtype != TPC_FLOAT32 && dtype != TPC_FLOAT16 && dtype != TPC_BFLOAT16)
     return fail(comm, TPC_ERR_INVALID_ARG, "dtype %d is not float32, float16 or bfloat16", dtype);
@@ -681,23 +612,15 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive multiple of 16 is needed", name, nbytes);
   if (misaligned(in, 16) || misaligned(out, 16))
     return fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
-  if (algo == TPC_ALGO_AUTO) {
-    /* the bands by the whole input, the packet cap on the chunk, as the Communicator routes */
-    algo = routed_algo(comm, op == TPC_OP_ALL_REDUCE ? TPC_ROUTE_ALL_REDUCE : TPC_ROUTE_REDUCE_SCATTER,
-                       dtype, in_bytes);
-    if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes) algo = TPC_ALGO_BULK;
-  }
   if (algo == TPC_ALGO_LINE && op != TPC_OP_ALL_REDUCE)
     return fail(comm, TPC_ERR_INVALID_ARG, "%s has no line kernel", name);
   /* lines live in the packet slots: 112 data bytes in 128, within the cap */
-  if ((algo == TPC_ALGO_PACKET || algo == TPC_ALGO_LINE) && nbytes > comm->cfg.packet_max_bytes)
+  if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
                 comm->cfg.packet_max_bytes);
   if (algo == TPC_ALGO_BULK && in_bytes > comm->cfg.max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the cap of %zu", name, in_bytes,
                 comm->cfg.max_bytes);
-  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK && algo != TPC_ALGO_LINE)
-    return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
   /* fp32 sums take 4 bytes a value: twice the chunk of a 16-bit dtype */
   const size_t out_bytes = out_f32 && dtype != TPC_FLOAT32 ? 2 * nbytes : nbytes;
   tpc_kernel_args a;
@@ -777,40 +700,28 @@ tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const voi
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           size_t row_bytes, tpc_algo algo, uint64_t nan_pattern, void *stream) {
+  static const char name[] = "all_gather";
   tpc_result r = begin_op(comm, in, out, stream);
+  if (r == TPC_OK) r = check_algo(comm, name, algo);
   if (r != TPC_OK) return r;
   if (nbytes == 0 || nbytes % 4)
     return fail(comm, TPC_ERR_INVALID_ARG, "all_gather of %zu bytes: a positive multiple of 4 is needed", nbytes);
   if (row_bytes == 0 || row_bytes % 4 || nbytes % row_bytes)
     return fail(comm, TPC_ERR_INVALID_ARG, "row of %zu bytes must be a positive multiple of 4 dividing %zu",
                 row_bytes, nbytes);
-  if (misaligned(in, 4) || misaligned(out, 4))
-    return fail(comm, TPC_ERR_INVALID_ARG, "all_gather input and output must be 4-byte aligned");
+  /* every kernel variant is chosen by shape; none may depend on a pointer */
+  if (misaligned(in, 16) || misaligned(out, 16))
+    return fail(comm, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned");
   const size_t out_bytes = nbytes * (size_t)comm->cfg.world_size;
-  /* Shapes and sizes only, never pointers: every rank must choose alike. */
-  const int units16 = nbytes % 16 == 0 && row_bytes % 16 == 0; /* what line and bulk move in */
-  const int bulk_ok = units16 && out_bytes <= comm->cfg.max_bytes;
-  if (algo == TPC_ALGO_AUTO) {
-    algo = routed_algo(comm, TPC_ROUTE_ALL_GATHER, -1, nbytes);
-    if (algo == TPC_ALGO_LINE && !units16) algo = TPC_ALGO_PACKET;
-    if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes && bulk_ok) algo = TPC_ALGO_BULK;
-    if (algo == TPC_ALGO_BULK && !bulk_ok) algo = TPC_ALGO_PACKET;
-  }
-  if ((algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) && (misaligned(in, 16) || misaligned(out, 16)))
-    return fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather input and output must be 16-byte aligned",
+  if (algo != TPC_ALGO_PACKET && (nbytes % 16 || row_bytes % 16)) /* line and bulk move 16-byte units */
+    return fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather needs 16-byte sizes and rows",
                 algo == TPC_ALGO_BULK ? "bulk" : "line");
-  if (algo == TPC_ALGO_LINE && !units16)
-    return fail(comm, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows");
-  if ((algo == TPC_ALGO_PACKET || algo == TPC_ALGO_LINE) && nbytes > comm->cfg.packet_max_bytes)
+  if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
                 nbytes, comm->cfg.packet_max_bytes);
   if (algo == TPC_ALGO_BULK && out_bytes > comm->cfg.max_bytes)
     return fail(comm, TPC_ERR_TOO_LARGE, "all_gather output of %zu bytes is over the cap of %zu",
                 out_bytes, comm->cfg.max_bytes);
-  if (algo == TPC_ALGO_BULK && !bulk_ok)
-    return fail(comm, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte sizes, rows and alignment");
-  if (algo != TPC_ALGO_PACKET && algo != TPC_ALGO_BULK && algo != TPC_ALGO_LINE)
-    return fail(comm, TPC_ERR_INVALID_ARG, "unknown algorithm %d", algo);
   tpc_kernel_args a;
   fill_args(comm, &a, in, out, nbytes, out_bytes, row_bytes, 0, TPC_OP_ALL_GATHER, algo, nan_pattern);
   return launch_on_device(comm, TPC_OP_ALL_GATHER, &a, algo, stream);

@@ -138,9 +138,10 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
 extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = (args->nbytes / 4 + 1) / 2;
-    /* dim 0 in whole 8-byte units: the flat kernel (all_gather.cuh) */
-    const int flat = args->row_bytes == args->nbytes &&
-                     ((args->nbytes | (uint64_t)(uintptr_t)args->in | (uint64_t)(uintptr_t)args->out) & 7) == 0;
+    /* dim 0 in whole 8-byte units: the flat kernel (all_gather.cuh). The
+     * core only takes 16-byte aligned pointers, so the shape alone decides
+     * and every rank runs the same variant. */
+    const int flat = args->row_bytes == args->nbytes && args->nbytes % 8 == 0;
     return tpc_launch(flat ? tpc_all_gather_packet_flat_kernel : tpc_all_gather_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
   }

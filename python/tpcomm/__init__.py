@@ -6,11 +6,11 @@
     with comm.capture(): ... CUDA graph capture ...
     comm.close()                              # collective, bounded; comm.abort(): not collective
 
-The torch ops behind them, usable inside a model's forward under CUDA graphs
-and torch.compile: torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo),
-custom_all_reduce_out(x, out, comm.handle, algo),
-custom_all_gather(x, dim, comm.handle, algo). comm.handle is the
-communicator's id (looked up on every call: a closed one raises).
+The internal torch ops behind them take the communicator's id and the kernel
+the Communicator chose: torch.ops._tpcomm.all_reduce(x, comm.handle, algo),
+all_reduce_out(x, out, comm.handle, algo), all_gather(x, dim, comm.handle,
+algo). comm.handle is the communicator's id (looked up on every call: a
+closed one raises).
 
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
 CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.

@@ -17,28 +17,28 @@ def register():
         return
     _registered = True
 
-    @torch.library.register_fake("tpcomm::custom_all_reduce")
-    def _all_reduce_fake(input, comm, algo=0):
+    @torch.library.register_fake("_tpcomm::all_reduce")
+    def _all_reduce_fake(input, comm, algo):
         return torch.empty_like(input, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("tpcomm::custom_all_reduce_out")
-    def _all_reduce_out_fake(input, out, comm, algo=0):
+    @torch.library.register_fake("_tpcomm::all_reduce_out")
+    def _all_reduce_out_fake(input, out, comm, algo):
         return None
 
-    @torch.library.register_fake("tpcomm::custom_all_reduce_add_rms_norm_out")
+    @torch.library.register_fake("_tpcomm::all_reduce_add_rms_norm_out")
     def _all_reduce_add_rms_norm_out_fake(input, residual, weight, eps, normed, residual_out, comm):
         return None
 
-    @torch.library.register_fake("tpcomm::custom_reduce_scatter")
-    def _reduce_scatter_fake(input, comm, algo=0):
+    @torch.library.register_fake("_tpcomm::reduce_scatter")
+    def _reduce_scatter_fake(input, comm, algo):
         return input.new_empty(_scattered_shape(input, comm))
 
-    @torch.library.register_fake("tpcomm::custom_reduce_scatter_f32")
-    def _reduce_scatter_f32_fake(input, comm, algo=0):
+    @torch.library.register_fake("_tpcomm::reduce_scatter_f32")
+    def _reduce_scatter_f32_fake(input, comm, algo):
         return input.new_empty(_scattered_shape(input, comm), dtype=torch.float32)
 
-    @torch.library.register_fake("tpcomm::custom_all_gather")
-    def _all_gather_fake(input, dim, comm, algo=0):
+    @torch.library.register_fake("_tpcomm::all_gather")
+    def _all_gather_fake(input, dim, comm, algo):
         shape = list(input.shape)
         shape[checked_dim(input, dim, "all_gather")] *= _world_size(comm)
         return input.new_empty(shape)

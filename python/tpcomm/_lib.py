@@ -20,12 +20,9 @@ NORM_MAX_ROW_BYTES = 32768  # csrc/tpcomm.h: the longest row the fused norm kern
 (OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE,
  ERR_CLOSED) = range(9)
 # tpc_algo
-ALGO_AUTO, ALGO_PACKET, ALGO_BULK, ALGO_LINE = 0, 1, 2, 3
+ALGO_PACKET, ALGO_BULK, ALGO_LINE = 1, 2, 3
 # tpc_dtype by torch name
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-# tpc_route_op, and the most bands tpc_comm_set_routes takes per op and dtype
-ROUTE_OPS = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2}
-MAX_BANDS = 32
 
 
 class Config(ctypes.Structure):
@@ -65,8 +62,6 @@ _SIGNATURES = {
     "tpc_comm_debug_set_epoch": (ctypes.c_int, [_P, ctypes.c_uint32]),
     "tpc_comm_probe_write": (ctypes.c_int, [_P]),
     "tpc_comm_probe_read": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint32)]),
-    "tpc_comm_set_routes": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
-                                           ctypes.POINTER(ctypes.c_int32), ctypes.c_int]),
     "tpc_comm_async_error": (ctypes.c_int, [_P, ctypes.POINTER(AsyncError)]),
     "tpc_result_string": (ctypes.c_char_p, [ctypes.c_int]),
     "tpc_comm_last_error": (ctypes.c_char_p, [_P]),
@@ -91,7 +86,7 @@ def library_path():
 
 
 def load():
-    """Returns the ctypes library, registering torch.ops.tpcomm.* on first use."""
+    """Returns the ctypes library, registering torch.ops._tpcomm.* on first use."""
     global _lib, _load_error
     if _lib is not None:
         return _lib

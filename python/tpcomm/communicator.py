@@ -210,25 +210,10 @@ class Communicator:
             self.handle = self._id = int(lib.tpc_comm_id(comm))
             self._kernels = Kernels(self.handle, self._cuda_index)
             _fake.WORLD_SIZES[self.handle] = self.world_size
-            self._set_auto_routes(lib, comm)
             return None
         if comm.value:
             lib.tpc_comm_destroy(comm)
         return reason
-
-    def _set_auto_routes(self, lib, comm):
-        """algo=0 on a raw op (the C core's AUTO) follows the same effective
-        routes, band for band; what they send to NCCL, which a raw op cannot
-        call, runs on the bulk kernel (as sizes past the last band do)."""
-        algos = {"packet": _lib.ALGO_PACKET, "bulk": _lib.ALGO_BULK, "nccl": _lib.ALGO_BULK,
-                 "line": _lib.ALGO_LINE if self.line_kernels else _lib.ALGO_PACKET}
-        for op, by_dtype in self._routes.items():
-            for name, bands in by_dtype.items():
-                dtype = -1 if name == "*" else _lib.DTYPE_CODES[name]
-                limits = (ctypes.c_uint64 * len(bands))(*(limit for limit, _ in bands))
-                codes = (ctypes.c_int32 * len(bands))(*(algos[backend] for _, backend in bands))
-                _lib.check(lib, comm, lib.tpc_comm_set_routes(comm, _lib.ROUTE_OPS[op], dtype, limits, codes,
-                                                              len(bands)), f"set the {op} routes")
 
     def _open_aiter(self):
         """AITER's CustomAllreduce where it can run on every rank (a verdict

@@ -15,7 +15,6 @@ deadlock."""
 import json
 import os
 
-from ._lib import MAX_BANDS
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
@@ -90,8 +89,6 @@ def path_is_default(source):
 def _checked_bands(bands, what):
     if not isinstance(bands, list) or not bands:
         raise TableError(f"{what}: bands must be a non-empty list of [limit, backend]")
-    if len(bands) > MAX_BANDS:  # what the C core's AUTO takes (tpc_comm_set_routes)
-        raise TableError(f"{what}: {len(bands)} bands, at most {MAX_BANDS}")
     checked, previous = [], 0
     for i, band in enumerate(bands):
         if not (isinstance(band, (list, tuple)) and len(band) == 2 and isinstance(band[0], int)

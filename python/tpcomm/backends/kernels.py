@@ -17,7 +17,7 @@ _OVERLOADS = {}  # op name -> its OpOverload, looked up once: the eager path cal
 def custom(name):
     op = _OVERLOADS.get(name)
     if op is None:
-        op = _OVERLOADS[name] = getattr(torch.ops.tpcomm, name).default
+        op = _OVERLOADS[name] = getattr(torch.ops._tpcomm, name).default
     return op
 
 
@@ -28,7 +28,7 @@ class Kernels:
     def __init__(self, handle, device_index):
         self.handle = handle  # the communicator id the ops take
         self.device_index = device_index  # of the communicator's CUDA device: its current stream
-        self._all_reduce_out = custom("custom_all_reduce_out")
+        self._all_reduce_out = custom("all_reduce_out")
         self._fastpath = _lib.fastpath()
 
     def fast_all_reduce(self, dtype, algo):
@@ -69,27 +69,27 @@ class Kernels:
         """The fused kernel: writes normed and residual_out (they may be x and
         residual); every tensor contiguous, of x's 16-bit dtype."""
         try:
-            custom("custom_all_reduce_add_rms_norm_out")(x, residual, weight, float(eps), normed, residual_out,
+            custom("all_reduce_add_rms_norm_out")(x, residual, weight, float(eps), normed, residual_out,
                                                          self.handle)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def all_gather(self, x, dim, algo):
         try:
-            return custom("custom_all_gather")(x, dim, self.handle, ALGOS[algo])
+            return custom("all_gather")(x, dim, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter(self, parts, algo):
         """Part `rank` of the sum; parts: dim 0 holds world_size equal parts."""
         try:
-            return custom("custom_reduce_scatter")(parts, self.handle, ALGOS[algo])
+            return custom("reduce_scatter")(parts, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter_f32(self, parts, algo):
         """The same part as fp32 sums, not rounded to the dtype."""
         try:
-            return custom("custom_reduce_scatter_f32")(parts, self.handle, ALGOS[algo])
+            return custom("reduce_scatter_f32")(parts, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
