@@ -1,4 +1,4 @@
-"""Runs the C tests of the core (tests/c: csrc/core/comm.c over a fake runtime)."""
+"""Runs the C tests of the core (tests/c: csrc/core over a fake runtime)."""
 import os
 import re
 import shutil

@@ -1,7 +1,10 @@
-// The torch ops, registered through torch's stable ABI (STABLE_TORCH_LIBRARY
-// and the aoti_torch_* C shim), so one build loads in later torch versions.
-// This file only translates tensors to the C API and results to exceptions;
-// validation and launching live in the C core.
+// The internal torch ops (_tpcomm::*), registered through torch's stable ABI
+// (STABLE_TORCH_LIBRARY and the aoti_torch_* C shim), so one build loads in
+// later torch versions. This file only turns tensors into what the C API
+// takes (pointers, byte sizes, a tpc_dtype, 16-byte aligned copies of
+// misaligned views) and results into exceptions: it checks only what that
+// translation needs (device, contiguity, matching sizes); what the kernel
+// needs is checked by the C core, once.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -22,8 +25,8 @@ using torch::headeronly::ScalarType;
 
 // Errors leave as std::runtime_error (RuntimeError in Python) with a message
 // built by snprintf, not by the torch check macro: its iostream formatting
-// crashed inside this library on the device machine's toolchain (g++ 13), seen
-// in a native backtrace at std::ostream::_M_insert<long>.
+// crashes inside this library when built with g++ 13
+// (std::ostream::_M_insert<long>).
 [[noreturn]] void fail(const char *fmt, ...) {
   char msg[768];
   va_list ap;
@@ -41,15 +44,11 @@ void check(tpc_comm *comm, tpc_result r) {
 }
 
 // Holds the communicator of an id for one op (tpc_comm_acquire): a closed or
-// unknown id raises naming it, and the communicator cannot be destroyed by
-// another thread while the op runs.
+// unknown id (0 and negative ones included) raises naming it, and the
+// communicator cannot be destroyed by another thread while the op runs.
 class Held {
  public:
-  explicit Held(int64_t id) {
-    if (id <= 0) fail("tpcomm: communicator id %lld is not a communicator (closed, or never created) [tpc_result %d]",
-                      static_cast<long long>(id), static_cast<int>(TPC_ERR_CLOSED));
-    check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_));
-  }
+  explicit Held(int64_t id) { check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_)); }
   ~Held() { tpc_comm_release(comm_); }
   Held(const Held &) = delete;
   Held &operator=(const Held &) = delete;
@@ -72,14 +71,15 @@ void *current_stream(int32_t device) {
   return stream;
 }
 
-tpc_dtype reduce_dtype(const Tensor &t) {
+// The tpc_dtype of a tensor; which of them an op takes is the C core's check.
+tpc_dtype reduce_dtype(const Tensor &t, const char *op) {
   switch (t.scalar_type()) {
     case ScalarType::Float: return TPC_FLOAT32;
     case ScalarType::Half: return TPC_FLOAT16;
     case ScalarType::BFloat16: return TPC_BFLOAT16;
     default: break;
   }
-  fail("tpcomm: all_reduce and reduce_scatter take float32, float16 or bfloat16");
+  fail("tpcomm: %s takes float32, float16 or bfloat16 tensors", op);
 }
 
 // 8 bytes of the dtype's NaN, which a failed op writes over its output; 0 for
@@ -106,6 +106,16 @@ uint64_t nan_pattern(ScalarType t) {
 // header every rank sends) never depends on a pointer.
 bool aligned16(const Tensor &t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 Tensor aligned_input(const Tensor &t) { return aligned16(t) ? t : torch::stable::clone(t); }
+
+// The op's int as the C API's tpc_algo. Whether it names a kernel is the C
+// core's check; a value beyond int would be truncated into one that might,
+// so it is refused here.
+tpc_algo to_algo(int64_t algo) {
+  if (algo < INT32_MIN || algo > INT32_MAX)
+    fail("tpcomm: unknown algorithm %lld [tpc_result %d]", static_cast<long long>(algo),
+         static_cast<int>(TPC_ERR_INVALID_ARG));
+  return static_cast<tpc_algo>(algo);
+}
 
 // The eager path allocates its outputs through the shim's empty_strided, one
 // dispatcher call (new_empty goes through two: new_empty, then empty), and a
@@ -144,12 +154,12 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   if (!input.is_contiguous() || !out.is_contiguous()) fail("tpcomm: all_reduce needs contiguous tensors");
   if (input.scalar_type() != out.scalar_type() || input.numel() != out.numel())
     fail("tpcomm: all_reduce output must match the input's dtype and size");
-  const tpc_dtype dtype = reduce_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce");
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const Tensor in = aligned_input(input);
   Tensor dst = aligned16(out) ? out : new_output(out, sizes_of(out));
   check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
-                             static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
+                             to_algo(algo), current_stream(input.get_device_index())));
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
@@ -161,15 +171,6 @@ Tensor all_reduce(Tensor input, int64_t comm, int64_t algo) {
 
 void all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
   all_reduce_into(input, out, comm, algo);
-}
-
-tpc_dtype norm_dtype(const Tensor &t) {
-  switch (t.scalar_type()) {
-    case ScalarType::Half: return TPC_FLOAT16;
-    case ScalarType::BFloat16: return TPC_BFLOAT16;
-    default: break;
-  }
-  fail("tpcomm: all_reduce_add_rms_norm takes float16 or bfloat16");
 }
 
 // The sum of input over the ranks plus residual, and its RMSNorm over the last
@@ -188,7 +189,7 @@ void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, d
     if (all[i]->scalar_type() != input.scalar_type())
       fail("tpcomm: all_reduce_add_rms_norm: %s has another dtype than the input", names[i]);
   }
-  const tpc_dtype dtype = norm_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce_add_rms_norm");
   if (input.dim() < 1) fail("tpcomm: all_reduce_add_rms_norm needs a tensor with at least one dimension");
   const int64_t hidden = input.size(input.dim() - 1);
   if (residual.numel() != input.numel() || normed.numel() != input.numel() || residual_out.numel() != input.numel())
@@ -216,7 +217,7 @@ Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool f
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
-  const tpc_dtype dtype = reduce_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "reduce_scatter");
   const int64_t world = tpc_comm_world_size(comm);
   if (input.dim() < 1 || input.size(0) % world != 0)
     fail("tpcomm: reduce_scatter needs dim 0 divisible by the world size %lld", static_cast<long long>(world));
@@ -226,7 +227,7 @@ Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool f
   Tensor out = new_output(x, sizes, float32);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
   void *stream = current_stream(x.get_device_index());
-  const tpc_algo how = static_cast<tpc_algo>(algo);
+  const tpc_algo how = to_algo(algo);
   check(comm, float32 ? tpc_reduce_scatter_f32(comm, x.const_data_ptr(), static_cast<float *>(out.mutable_data_ptr()),
                                                chunk, dtype, how, stream)
                       : tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype, how,
@@ -264,7 +265,7 @@ Tensor all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
   const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,
-                             static_cast<size_t>(row), static_cast<tpc_algo>(algo),
+                             static_cast<size_t>(row), to_algo(algo),
                              nan_pattern(x.scalar_type()), current_stream(x.get_device_index())));
   return out;
 }

@@ -1,5 +1,5 @@
 /*
- * Tests of the C core (csrc/core/comm.c, registry.c) over the fake runtime: no
+ * Tests of the C core (csrc/core: life cycle, ops, errors, registry) over the fake runtime: no
  * CUDA, no GPU.
  * Several fake ranks live in this one process and open each other's buffers.
  *
@@ -857,10 +857,10 @@ static void test_reduce_scatter(void) {
       {0, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter of 0 bytes"},
       {40, 0, 0, TPC_FLOAT16, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 4, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter input and output must be 16-byte"},
-      {64, 0, 0, 7, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype 7"},
+      {64, 0, 0, 7, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter: dtype 7 (no tpc_dtype) is not float32"},
       /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
-      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4160 bytes is over the cap of 4096"},
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "reduce_scatter has no line kernel"},
       {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 5 (packet 1, bulk 2 or line 3)"},
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 0"},
@@ -942,7 +942,7 @@ static void test_all_reduce_add_rms_norm(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "dtype 0 is not float16 or bfloat16"},
+      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "all_reduce_add_rms_norm: dtype 0 (float32) is not float16 or bfloat16"},
       {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: a multiple of 16 up to 32768"},
       {64, 0, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 0 bytes"},
       {TPC_NORM_MAX_ROW_BYTES + 16, TPC_NORM_MAX_ROW_BYTES + 16, TPC_FLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG,
@@ -1023,7 +1023,7 @@ static void test_all_reduce_validation(void) {
       {64, 4, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 0, 8, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 2, 2, TPC_BFLOAT16, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "16-byte aligned"},
-      {64, 0, 0, 3, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype 3"},
+      {64, 0, 0, 3, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_reduce: dtype 3 (no tpc_dtype) is not float32"},
       {64, 0, 0, -1, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype -1"},
       {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
@@ -1147,7 +1147,7 @@ static void test_all_gather(void) {
       {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* caps: bulk on the output (world * nbytes), packet on the input */
-      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 4128 bytes is over the cap of 4096"},
+      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 2 x 2064 bytes is over the cap of 4096"},
       {PACKET_MAX + 4, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "1028 bytes per rank is over the packet cap of 1024"},
       {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap"},
       /* line: 16-byte sizes, rows and pointers, up to the packet cap */
@@ -1221,7 +1221,15 @@ static void test_all_gather(void) {
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
   check_args(&w, 5, in, out, 1024, 1024, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
   CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_BULK, 0, STREAM_A), TPC_ERR_TOO_LARGE);
-  CHECK_MSG(c, "output of 8192 bytes");
+  CHECK_MSG(c, "output of 8 x 1024 bytes");
+  /* sizes whose product with the world size overflows are refused, not wrapped */
+  const size_t huge = (SIZE_MAX / 4 + 1) & ~(size_t)15; /* times 8 wraps to 0 */
+  CHECK_RC(c, tpc_all_gather(c, in, out, huge, 16, TPC_ALGO_BULK, 0, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_RC(c, tpc_all_gather(c, in, out, huge, 16, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, huge, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_MSG(c, "reduce_scatter of 8 x ");
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, huge, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_EQ(fake.last_args.nbytes, 1024); /* nothing launched since the packet all_gather above */
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }
