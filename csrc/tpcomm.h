@@ -51,8 +51,12 @@ extern "C" {
 #define TPC_IPC_HANDLE_BYTES 144
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
+/* Data threads of the largest block a kernel is launched with (the packet
+ * kernels' wide blocks, the two-shot bulk kernels, the fused norm kernel);
+ * one control warp of 32 threads comes on top. */
+#define TPC_BLOCK_THREADS 512
 /* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:
- * 512 threads x 8 packet units of 8 bytes, held in registers. */
+ * TPC_BLOCK_THREADS threads x 8 packet units of 8 bytes, held in registers. */
 #define TPC_NORM_MAX_ROW_BYTES 32768
 
 typedef struct tpc_comm tpc_comm;
