@@ -121,7 +121,7 @@ tpc_algo to_algo(int64_t algo) {
 // dispatcher call (new_empty goes through two: new_empty, then empty), and a
 // contiguous input is not "made contiguous": the stable empty_like and
 // contiguous look their aten op up by name in the boxed dispatcher on every
-// call, microseconds each.
+// call, a host cost the eager path does not need to pay.
 std::vector<int64_t> sizes_of(const Tensor &t) {
   std::vector<int64_t> sizes(t.dim());
   for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
