@@ -51,8 +51,9 @@ const char *tpc_comm_last_error(const tpc_comm *comm) {
 }
 
 static const char *op_name(uint32_t kind) {
-  switch (kind & 0xffu) {
+  switch (TPC_KIND_OP(kind)) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
+    case TPC_OP_ALL_REDUCE_NORM: return "all_reduce_add_rms_norm";
     case TPC_OP_ALL_GATHER: return "all_gather";
     case TPC_OP_REDUCE_SCATTER: return "reduce_scatter";
   }
@@ -60,7 +61,7 @@ static const char *op_name(uint32_t kind) {
 }
 
 static const char *algo_name(uint32_t kind) {
-  switch ((kind >> 8) & 0xffu) {
+  switch (TPC_KIND_ALGO(kind)) {
     case TPC_ALGO_PACKET: return "packet";
     case TPC_ALGO_BULK: return "bulk";
     case TPC_ALGO_LINE: return "line";
@@ -70,10 +71,10 @@ static const char *algo_name(uint32_t kind) {
 
 /* The first field in which two header announcements differ. */
 static const char *differing_field(const tpc_async_error *e) {
-  if ((e->peer_kind ^ e->own_kind) & 0xffu) return "op";
+  if (TPC_KIND_OP(e->peer_kind) != TPC_KIND_OP(e->own_kind)) return "op";
   if (e->peer_bytes != e->own_bytes) return "size";
-  if ((e->peer_kind ^ e->own_kind) & 0xff00u) return "algorithm";
-  if ((e->peer_kind ^ e->own_kind) & 0xff0000u) return "dtype";
+  if (TPC_KIND_ALGO(e->peer_kind) != TPC_KIND_ALGO(e->own_kind)) return "algorithm";
+  if (TPC_KIND_DTYPE(e->peer_kind) != TPC_KIND_DTYPE(e->own_kind)) return "dtype";
   return "layout (all_gather dim)";
 }
 

@@ -1343,6 +1343,7 @@ static void test_describe(void) {
   const uint32_t ar_pk_bf16 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
   const uint32_t ag_pk_256 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 256);
   const uint32_t ag_pk_64 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
+  const uint32_t norm_bf16 = tpc_kind_word(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
 
   static const struct {
     int code, peer, reported;
@@ -1362,6 +1363,8 @@ static void test_describe(void) {
       {TPC_ERR_MISMATCH, 0, 0, 15, 256, 256, 6, {"the algorithm differs", "peer: all_reduce line", "this rank: all_reduce packet", NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 16, 256, 256, 4, {"the dtype differs", "peer 0", NULL, NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 17, 256, 256, 5, {"the layout (all_gather dim) differs", NULL, NULL, NULL}},
+      {TPC_ERR_MISMATCH, 1, 0, 17, 256, 256, 7,
+       {"the op differs", "peer: all_reduce_add_rms_norm packet of 256 bytes", "this rank: all_reduce packet", NULL}},
       /* a peer found the mismatch and told this rank */
       {TPC_ERR_MISMATCH, 1, 1, 18, 0, 0, 0, {"peer 1 found that the ranks called different ops at op #18", NULL, NULL, NULL}},
       /* a peer aborted */
@@ -1378,6 +1381,7 @@ static void test_describe(void) {
       case 4: peer_kind = ar_pk_bf16; own_kind = ar_pk_f32; break;
       case 5: peer_kind = ag_pk_64; own_kind = ag_pk_256; break;
       case 6: peer_kind = ar_ln_f32; own_kind = ar_pk_f32; break;
+      case 7: peer_kind = norm_bf16; own_kind = ar_pk_bf16; break;
     }
     fill_record(rec, cases[i].code, cases[i].peer, cases[i].epoch, cases[i].reported,
                 (uint32_t)cases[i].peer_bytes_, peer_kind, (uint32_t)cases[i].own_bytes_, own_kind);
