@@ -43,8 +43,12 @@ static tpc_result check_config(const tpc_config *c) {
   if (c->packet_max_bytes < 16 || c->packet_max_bytes % 16)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG,
                 "packet_max_bytes %zu is not a positive multiple of 16", c->packet_max_bytes);
-  if (c->max_bytes > ((size_t)1 << 32) || c->packet_max_bytes > ((size_t)1 << 31))
-    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes or packet_max_bytes over 4 GiB / 2 GiB");
+  if ((uint64_t)c->max_bytes > TPC_MAX_BYTES_LIMIT)
+    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes %zu is over %llu", c->max_bytes,
+                    (unsigned long long)TPC_MAX_BYTES_LIMIT);
+  if ((uint64_t)c->packet_max_bytes > TPC_PACKET_MAX_BYTES_LIMIT)
+    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "packet_max_bytes %zu is over %llu", c->packet_max_bytes,
+                    (unsigned long long)TPC_PACKET_MAX_BYTES_LIMIT);
   if (c->timeout_ns == 0) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "timeout_ns is 0");
   return TPC_OK;
 }

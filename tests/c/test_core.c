@@ -277,7 +277,9 @@ static void test_config_validation(void) {
   c = config(0, 2); c.max_bytes = 0; bad[nb].cfg = c; bad[nb++].needle = "max_bytes 0";
   c = config(0, 2); c.max_bytes = 8; bad[nb].cfg = c; bad[nb++].needle = "max_bytes 8";
   c = config(0, 2); c.packet_max_bytes = 40; bad[nb].cfg = c; bad[nb++].needle = "packet_max_bytes 40";
-  c = config(0, 2); c.max_bytes = ((size_t)1 << 32) + 16; bad[nb].cfg = c; bad[nb++].needle = "4 GiB";
+  c = config(0, 2); c.max_bytes = TPC_MAX_BYTES_LIMIT + 16; bad[nb].cfg = c; bad[nb++].needle = "max_bytes 4294967312 is over 4294967296";
+  c = config(0, 2); c.packet_max_bytes = TPC_PACKET_MAX_BYTES_LIMIT + 16; bad[nb].cfg = c;
+  bad[nb++].needle = "packet_max_bytes 2147483664 is over 2147483648";
   c = config(0, 2); c.timeout_ns = 0; bad[nb].cfg = c; bad[nb++].needle = "timeout_ns is 0";
 
   for (int i = 0; i < nb; ++i) {
@@ -311,8 +313,8 @@ static void test_config_validation(void) {
   CHECK_EQ(tpc_comm_rank(comm), 7);
   CHECK_RC(NULL, tpc_comm_destroy(comm), TPC_OK);
   c = config(1, 2);
-  c.max_bytes = (size_t)1 << 32;
-  c.packet_max_bytes = (size_t)1 << 31;
+  c.max_bytes = TPC_MAX_BYTES_LIMIT;
+  c.packet_max_bytes = TPC_PACKET_MAX_BYTES_LIMIT;
   /* the largest caps pass validation (the allocation is made to fail before
    * the fake asks for 12 GiB of host memory) */
   fake_fail_nth(FK_DEVICE_MALLOC, 1, 2);
