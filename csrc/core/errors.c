@@ -88,35 +88,35 @@ static tpc_result describe(tpc_comm *comm, int rank, uint64_t id, uint64_t timeo
     case TPC_ERR_TIMEOUT:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                    "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
-                    "within %.3f s); this rank's output of that op is NaN; %s",
-                    rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
+                        "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
+                        "within %.3f s); this rank's output of that op is NaN; %s",
+                        rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
       return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                  "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
-                  rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
+                      "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
+                      rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
     case TPC_ERR_MISMATCH:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_MISMATCH,
-                    "rank %d: peer %d found that the ranks called different ops at op #%u on "
-                    "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
+                        "rank %d: peer %d found that the ranks called different ops at op #%u on "
+                        "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
       return tpc_fail(comm, TPC_ERR_MISMATCH,
-                  "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
-                  "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
-                  rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
-                  op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
-                  op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
+                      "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
+                      "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
+                      rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
+                      op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
+                      op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
     case TPC_ERR_CLOSED:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_CLOSED,
-                    "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
-                    e->peer, (unsigned long long)id, e->epoch, tail);
+                        "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
+                        e->peer, (unsigned long long)id, e->epoch, tail);
       return tpc_fail(comm, TPC_ERR_CLOSED,
-                  "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
-                  "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
-                  rank, (unsigned long long)id);
+                      "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
+                      "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
+                      rank, (unsigned long long)id);
   }
   return tpc_fail(comm, (tpc_result)e->code, "rank %d: device error %d involving peer %d (op #%u)", rank,
-              e->code, e->peer, e->epoch);
+                  e->code, e->peer, e->epoch);
 }
 
 /* The device writes the record's code last, after a system fence; a
@@ -155,6 +155,6 @@ tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out) {
   if (copy.code != TPC_OK) return describe(NULL, e->rank, id, e->timeout_ns, &copy);
   if (state != TPC_ENTRY_OPEN)
     return tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
-                state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
+                    state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
   return TPC_OK;
 }
