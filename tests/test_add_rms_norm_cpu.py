@@ -194,7 +194,7 @@ def test_route_to_the_fused_kernel():
 
 
 def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
-    assert Config().fused_kernel is True  # on by default since it ran on 2xH200
+    assert Config().fused_kernel is True  # on by default
     monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "0")
     cfg = Config.from_env()
     assert cfg.fused_kernel is False and cfg.describe()["fused_kernel"] == "False"
