@@ -15,7 +15,7 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
-CORE_SOURCES = ["csrc/core/comm.c", "csrc/core/registry.c", "csrc/core/runtime_gpu.c"]
+CORE_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.c"))
 # Stable-ABI target: the oldest torch whose stable ops we use (contiguous, new_empty).
 TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 

@@ -51,8 +51,12 @@ extern "C" {
 #define TPC_IPC_HANDLE_BYTES 144
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
+/* Data threads of the largest block a kernel is launched with (the packet
+ * kernels' wide blocks, the two-shot bulk kernels, the fused norm kernel);
+ * one control warp of 32 threads comes on top. */
+#define TPC_BLOCK_THREADS 512
 /* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:
- * 512 threads x 8 packet units of 8 bytes, held in registers. */
+ * TPC_BLOCK_THREADS threads x 8 packet units of 8 bytes, held in registers. */
 #define TPC_NORM_MAX_ROW_BYTES 32768
 
 typedef struct tpc_comm tpc_comm;
@@ -71,9 +75,9 @@ typedef enum {
 
 typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
 
-/* Which kernel runs an op. TPC_ALGO_AUTO picks by size (tpc_comm_set_cutover). */
+/* Which kernel runs an op: the caller decides (tpcomm.routing), the core runs
+ * it. Any other value is refused with TPC_ERR_INVALID_ARG naming it. */
 typedef enum {
-  TPC_ALGO_AUTO = 0,
   TPC_ALGO_PACKET = 1,     /* barrier-free: data and epoch flag in one store */
   TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed or between barriers    */
   TPC_ALGO_LINE = 3        /* 128-byte lines of data and flag (NVLink only):
@@ -132,29 +136,6 @@ tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out);
 tpc_result tpc_comm_probe_write(tpc_comm *comm);
 tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask);
 
-/* Sizes (input bytes per rank) up to which TPC_ALGO_AUTO uses the packet
- * kernel, the bulk kernel above (the default: packet_max_bytes): a band of
- * tpc_comm_set_routes for every dtype, replacing what was set.
- * reduce_scatter compares its chunk with the all_reduce cutover. */
-tpc_result tpc_comm_set_cutover(tpc_comm *comm, size_t all_reduce_packet_max,
-                                size_t all_gather_packet_max);
-
-/* The routing table's bands for TPC_ALGO_AUTO, so that an op called with
- * algo 0 runs the kernel the dispatcher would: for `op` and `dtype` (a
- * tpc_dtype, or -1 for the dtypes without bands of their own; all_gather
- * takes -1 only), `count` bands (at most TPC_MAX_BANDS) of increasing
- * `limits` (input bytes per rank; reduce_scatter: its whole input), band i
- * run on `algos[i]` (packet, bulk or line). Sizes past the last band run on
- * the bulk kernel. Where a band's kernel cannot take the call, the one the
- * Communicator falls back to runs: line -> packet when the shape does not
- * allow it, packet or line -> bulk past the packet cap, bulk -> packet for
- * an all_gather the bulk kernel cannot take. count 0 removes the op's bands
- * for that dtype; for -1 it restores the default cutover. */
-#define TPC_MAX_BANDS 32
-typedef enum { TPC_ROUTE_ALL_REDUCE = 0, TPC_ROUTE_ALL_GATHER = 1, TPC_ROUTE_REDUCE_SCATTER = 2 } tpc_route_op;
-tpc_result tpc_comm_set_routes(tpc_comm *comm, tpc_route_op op, int dtype, const uint64_t *limits,
-                               const int32_t *algos, int count);
-
 /* Sum in fp32, in rank order 0..n-1, rounded once: identical bits on every rank.
  * nbytes is the byte size of input and output; a multiple of 16; in and out
  * 16-byte aligned (the torch binding copies misaligned views: routing never
@@ -185,7 +166,10 @@ tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const voi
 /* Gather nbytes from every rank. The output is the concatenation along a
  * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):
  * rank q's byte b lands at (b / row_bytes) * n * row_bytes + q * row_bytes
- * + b % row_bytes. nbytes and row_bytes are multiples of 4. nan_pattern: 8
+ * + b % row_bytes. nbytes and row_bytes are multiples of 4 (of 16 for the
+ * line and bulk kernels); in and out 16-byte aligned, so which packet kernel
+ * runs depends on the shape alone (the torch binding copies misaligned
+ * views). nan_pattern: 8
  * bytes of the output dtype's NaN (0x7fc07fc07fc07fc0 for bfloat16), written
  * over the output when the op cannot produce it; 0 for dtypes without NaN
  * (the output is then left as is). all_reduce derives it from its dtype. */
@@ -196,7 +180,7 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
  * holds world_size chunks of chunk_bytes each (the layout of NCCL's
  * reduce_scatter_tensor), `out` one chunk. Sums in fp32 in rank order, as
  * all_reduce. chunk_bytes is a multiple of 16; in and out 16-byte aligned.
- * TPC_ALGO_AUTO uses the all_reduce cutover on the chunk size. */
+ * The packet cap applies to the chunk, the bulk cap to the whole input. */
 tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t chunk_bytes,
                               tpc_dtype dtype, tpc_algo algo, void *stream);
 

@@ -36,8 +36,8 @@ kernels=$(grep -c 'tpc_.*_kernel' <<<"$symbols" || true)
 [ "$kernels" -ge 9 ] || { echo "expected the 9 kernels in the gfx942 object, found $kernels symbols" >&2; exit 1; }
 echo "kernels: gfx942 (clang-19 + llc-19), $kernels kernel symbols"
 
-for src in comm registry runtime_gpu; do
-  gcc -std=c11 -O2 -fPIC -Wall -Wextra -Werror "${macros[@]}" -c "csrc/core/$src.c" -o "$out/$src.o"
+for src in csrc/core/*.c; do
+  gcc -std=c11 -O2 -fPIC -Wall -Wextra -Werror "${macros[@]}" -c "$src" -o "$out/$(basename "$src" .c).o"
 done
-echo "C core: comm.c, registry.c, runtime_gpu.c against the HIP headers"
+echo "C core: $(cd csrc/core && echo *.c) against the HIP headers"
 echo "ROCm compile: ok ($out)"

@@ -1,4 +1,4 @@
-"""Runs the C tests of the core (tests/c: csrc/core/comm.c over a fake runtime)."""
+"""Runs the C tests of the core (tests/c: csrc/core over a fake runtime)."""
 import os
 import re
 import shutil
@@ -23,3 +23,23 @@ def test_c_core():
     passed, failed = map(int, summary[0])
     assert failed == 0, output[-8000:]
     assert passed > 0, output[-8000:]
+
+
+def test_fast_path_refuses_codes_that_do_not_fit_a_c_enum():
+    """tpcomm._fastpath passes dtype and algorithm to the C core as enums: a
+    code beyond int would be truncated into another (2**32 + 1 into packet),
+    so it is refused before the call; codes within int reach the core, which
+    names what it refuses."""
+    import tpcomm
+    from tpcomm import _lib
+
+    tpcomm.load()
+    fast = _lib.fastpath()
+    if fast is None:
+        pytest.skip("tpcomm._fastpath is not built")
+    for dtype, algo in ((0, 2**32 + 1), (2**32, 1), (-(2**40), 1)):
+        with pytest.raises(ValueError, match="is not a C enum value"):
+            fast.all_reduce(1, 0, 0, 16, dtype, algo, 0)
+    # in range: the core answers (here: no communicator has this id)
+    with pytest.raises(RuntimeError, match=r"communicator id 123456789 is unknown.*\[tpc_result 8\]"):
+        fast.all_reduce(123456789, 0, 0, 16, 0, 1, 0)

@@ -73,10 +73,24 @@ def test_out_is_mutable_and_nothing_else(lib):
         assert not schema.is_mutable
 
 
-def test_ops_are_cuda_only(lib, handle):
-    """A CPU tensor gets tpcomm's own short message, not the dispatcher's."""
-    with pytest.raises(RuntimeError, match=r"tpcomm: _tpcomm::all_reduce needs CUDA tensors, got a cpu tensor"):
-        torch.ops._tpcomm.all_reduce(torch.zeros(16), handle(2), P)
+CPU_CALLS = {
+    "all_reduce": lambda x, h: torch.ops._tpcomm.all_reduce(x, h, P),
+    "all_reduce_out": lambda x, h: torch.ops._tpcomm.all_reduce_out(x, torch.empty_like(x), h, P),
+    "all_gather": lambda x, h: torch.ops._tpcomm.all_gather(x, 0, h, P),
+    "reduce_scatter": lambda x, h: torch.ops._tpcomm.reduce_scatter(x, h, P),
+    "reduce_scatter_f32": lambda x, h: torch.ops._tpcomm.reduce_scatter_f32(x, h, P),
+    "all_reduce_add_rms_norm_out": lambda x, h: torch.ops._tpcomm.all_reduce_add_rms_norm_out(
+        x, x, x, 1e-6, torch.empty_like(x), torch.empty_like(x), h),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CALLS))
+def test_ops_refuse_cpu_tensors_with_their_own_message(lib, handle, name):
+    """A CPU tensor gets tpcomm's one-line message, not the dispatcher's list of backends."""
+    with pytest.raises(RuntimeError) as caught:
+        CPU_CALLS[name](torch.zeros(16), handle(2))
+    assert not isinstance(caught.value, NotImplementedError)
+    assert str(caught.value) == f"tpcomm: _tpcomm::{name} needs CUDA tensors, got a cpu tensor"
 
 
 # ------------------------------------------------------------- fake impls

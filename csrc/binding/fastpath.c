@@ -2,12 +2,12 @@
  * tpcomm._fastpath: the eager all_reduce of Communicator, one C call from
  * Python into the C core, without the torch dispatcher.
  *
- * Why: on the 2xH200 host a torch op costs about 2.5-3 us of dispatch
- * (schema parsing, boxing through the stable ABI) on top of the C core, and
- * ctypes about 1.3 us converting its arguments (benchmarks/host_cost.py),
- * where the launch itself takes 3.2-4.7 us of host time. Model code
- * and torch.compile keep the torch ops; this path only serves
- * Communicator.all_reduce called eagerly with plain CUDA tensors.
+ * Why: a torch op adds dispatch (schema lookup, boxing through the stable
+ * ABI) and ctypes adds argument conversion, each comparable to the launch's
+ * own host time (benchmarks/host_cost.py measures them; the figures are in
+ * docs). Model code and torch.compile keep the torch ops; this path only
+ * serves Communicator.all_reduce called eagerly with plain CUDA tensors,
+ * 16-byte aligned (the C core refuses others; the torch op copies them).
  *
  * The C core lives in the torch extension (tpcomm._C), loaded by ctypes, so
  * this module does not link against it: bind() takes the addresses of the
@@ -19,6 +19,7 @@
 #define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 
 #include "../tpcomm.h"
 
@@ -60,6 +61,10 @@ static PyObject *all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t na
   const long dtype = PyLong_AsLong(args[4]), algo = PyLong_AsLong(args[5]);
   void *stream = address(args[6]);
   if (PyErr_Occurred()) return NULL;
+  /* the C core checks the codes; one beyond int would be truncated into another */
+  if (dtype < INT_MIN || dtype > INT_MAX || algo < INT_MIN || algo > INT_MAX)
+    return PyErr_Format(PyExc_ValueError, "all_reduce: dtype %ld or algorithm %ld is not a C enum value", dtype,
+                        algo);
   tpc_result r;
   /* the launch never waits for the GPU, but a first call may load modules */
   Py_BEGIN_ALLOW_THREADS

@@ -1,7 +1,10 @@
-// The torch ops, registered through torch's stable ABI (STABLE_TORCH_LIBRARY
-// and the aoti_torch_* C shim), so one build loads in later torch versions.
-// This file only translates tensors to the C API and results to exceptions;
-// validation and launching live in the C core.
+// The internal torch ops (_tpcomm::*), registered through torch's stable ABI
+// (STABLE_TORCH_LIBRARY and the aoti_torch_* C shim), so one build loads in
+// later torch versions. This file only turns tensors into what the C API
+// takes (pointers, byte sizes, a tpc_dtype, 16-byte aligned copies of
+// misaligned views) and results into exceptions: it checks only what that
+// translation needs (device, contiguity, matching sizes); what the kernel
+// needs is checked by the C core, once.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -22,8 +25,8 @@ using torch::headeronly::ScalarType;
 
 // Errors leave as std::runtime_error (RuntimeError in Python) with a message
 // built by snprintf, not by the torch check macro: its iostream formatting
-// crashed inside this library on the device machine's toolchain (g++ 13), seen
-// in a native backtrace at std::ostream::_M_insert<long>.
+// crashes inside this library when built with g++ 13
+// (std::ostream::_M_insert<long>).
 [[noreturn]] void fail(const char *fmt, ...) {
   char msg[768];
   va_list ap;
@@ -41,15 +44,11 @@ void check(tpc_comm *comm, tpc_result r) {
 }
 
 // Holds the communicator of an id for one op (tpc_comm_acquire): a closed or
-// unknown id raises naming it, and the communicator cannot be destroyed by
-// another thread while the op runs.
+// unknown id (0 and negative ones included) raises naming it, and the
+// communicator cannot be destroyed by another thread while the op runs.
 class Held {
  public:
-  explicit Held(int64_t id) {
-    if (id <= 0) fail("tpcomm: communicator id %lld is not a communicator (closed, or never created) [tpc_result %d]",
-                      static_cast<long long>(id), static_cast<int>(TPC_ERR_CLOSED));
-    check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_));
-  }
+  explicit Held(int64_t id) { check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_)); }
   ~Held() { tpc_comm_release(comm_); }
   Held(const Held &) = delete;
   Held &operator=(const Held &) = delete;
@@ -72,14 +71,15 @@ void *current_stream(int32_t device) {
   return stream;
 }
 
-tpc_dtype reduce_dtype(const Tensor &t) {
+// The tpc_dtype of a tensor; which of them an op takes is the C core's check.
+tpc_dtype reduce_dtype(const Tensor &t, const char *op) {
   switch (t.scalar_type()) {
     case ScalarType::Float: return TPC_FLOAT32;
     case ScalarType::Half: return TPC_FLOAT16;
     case ScalarType::BFloat16: return TPC_BFLOAT16;
     default: break;
   }
-  fail("tpcomm: all_reduce and reduce_scatter take float32, float16 or bfloat16");
+  fail("tpcomm: %s takes float32, float16 or bfloat16 tensors", op);
 }
 
 // 8 bytes of the dtype's NaN, which a failed op writes over its output; 0 for
@@ -107,11 +107,21 @@ uint64_t nan_pattern(ScalarType t) {
 bool aligned16(const Tensor &t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 Tensor aligned_input(const Tensor &t) { return aligned16(t) ? t : torch::stable::clone(t); }
 
+// The op's int as the C API's tpc_algo. Whether it names a kernel is the C
+// core's check; a value beyond int would be truncated into one that might,
+// so it is refused here.
+tpc_algo to_algo(int64_t algo) {
+  if (algo < INT32_MIN || algo > INT32_MAX)
+    fail("tpcomm: unknown algorithm %lld [tpc_result %d]", static_cast<long long>(algo),
+         static_cast<int>(TPC_ERR_INVALID_ARG));
+  return static_cast<tpc_algo>(algo);
+}
+
 // The eager path allocates its outputs through the shim's empty_strided, one
 // dispatcher call (new_empty goes through two: new_empty, then empty), and a
 // contiguous input is not "made contiguous": the stable empty_like and
 // contiguous look their aten op up by name in the boxed dispatcher on every
-// call, microseconds each.
+// call, a host cost the eager path does not need to pay.
 std::vector<int64_t> sizes_of(const Tensor &t) {
   std::vector<int64_t> sizes(t.dim());
   for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
@@ -144,40 +154,31 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   if (!input.is_contiguous() || !out.is_contiguous()) fail("tpcomm: all_reduce needs contiguous tensors");
   if (input.scalar_type() != out.scalar_type() || input.numel() != out.numel())
     fail("tpcomm: all_reduce output must match the input's dtype and size");
-  const tpc_dtype dtype = reduce_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce");
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const Tensor in = aligned_input(input);
   Tensor dst = aligned16(out) ? out : new_output(out, sizes_of(out));
   check(comm, tpc_all_reduce(comm, in.const_data_ptr(), dst.mutable_data_ptr(), nbytes, dtype,
-                             static_cast<tpc_algo>(algo), current_stream(input.get_device_index())));
+                             to_algo(algo), current_stream(input.get_device_index())));
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
-Tensor custom_all_reduce(Tensor input, int64_t comm, int64_t algo) {
+Tensor all_reduce(Tensor input, int64_t comm, int64_t algo) {
   Tensor out = new_output(input, sizes_of(input));
   all_reduce_into(input, out, comm, algo);
   return out;
 }
 
-void custom_all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
+void all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
   all_reduce_into(input, out, comm, algo);
-}
-
-tpc_dtype norm_dtype(const Tensor &t) {
-  switch (t.scalar_type()) {
-    case ScalarType::Half: return TPC_FLOAT16;
-    case ScalarType::BFloat16: return TPC_BFLOAT16;
-    default: break;
-  }
-  fail("tpcomm: all_reduce_add_rms_norm takes float16 or bfloat16");
 }
 
 // The sum of input over the ranks plus residual, and its RMSNorm over the last
 // dimension times weight, into residual_out and normed (which may be residual
 // and input themselves: the in-place variant). Misaligned views are copied,
 // as for all_reduce, so the kernel's choice never depends on a pointer.
-void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
-                                        Tensor residual_out, int64_t id) {
+void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
+                                 Tensor residual_out, int64_t id) {
   Held held(id);
   tpc_comm *comm = held.get();
   const Tensor *all[] = {&input, &residual, &weight, &normed, &residual_out};
@@ -188,7 +189,7 @@ void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor we
     if (all[i]->scalar_type() != input.scalar_type())
       fail("tpcomm: all_reduce_add_rms_norm: %s has another dtype than the input", names[i]);
   }
-  const tpc_dtype dtype = norm_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce_add_rms_norm");
   if (input.dim() < 1) fail("tpcomm: all_reduce_add_rms_norm needs a tensor with at least one dimension");
   const int64_t hidden = input.size(input.dim() - 1);
   if (residual.numel() != input.numel() || normed.numel() != input.numel() || residual_out.numel() != input.numel())
@@ -212,11 +213,11 @@ void custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor we
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
 // (NCCL's reduce_scatter_tensor layout); the output is the sum of part r, in
 // the input's dtype or (float32) as the fp32 sums, not rounded.
-Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float32) {
+Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool float32) {
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
-  const tpc_dtype dtype = reduce_dtype(input);
+  const tpc_dtype dtype = reduce_dtype(input, "reduce_scatter");
   const int64_t world = tpc_comm_world_size(comm);
   if (input.dim() < 1 || input.size(0) % world != 0)
     fail("tpcomm: reduce_scatter needs dim 0 divisible by the world size %lld", static_cast<long long>(world));
@@ -226,7 +227,7 @@ Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float3
   Tensor out = new_output(x, sizes, float32);
   const size_t chunk = static_cast<size_t>(x.numel() / world) * x.element_size();
   void *stream = current_stream(x.get_device_index());
-  const tpc_algo how = static_cast<tpc_algo>(algo);
+  const tpc_algo how = to_algo(algo);
   check(comm, float32 ? tpc_reduce_scatter_f32(comm, x.const_data_ptr(), static_cast<float *>(out.mutable_data_ptr()),
                                                chunk, dtype, how, stream)
                       : tpc_reduce_scatter(comm, x.const_data_ptr(), out.mutable_data_ptr(), chunk, dtype, how,
@@ -234,15 +235,15 @@ Tensor reduce_scatter(const Tensor &input, int64_t id, int64_t algo, bool float3
   return out;
 }
 
-Tensor custom_reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter(input, id, algo, false); }
+Tensor reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter_into(input, id, algo, false); }
 
-Tensor custom_reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
-  return reduce_scatter(input, id, algo, true);
+Tensor reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
+  return reduce_scatter_into(input, id, algo, true);
 }
 
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
 // all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
-Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
+Tensor all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
   Held held(id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
@@ -264,29 +265,56 @@ Tensor custom_all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
   const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
   if (nbytes == 0) return out;
   check(comm, tpc_all_gather(comm, x.const_data_ptr(), out.mutable_data_ptr(), nbytes,
-                             static_cast<size_t>(row), static_cast<tpc_algo>(algo),
+                             static_cast<size_t>(row), to_algo(algo),
                              nan_pattern(x.scalar_type()), current_stream(x.get_device_index())));
   return out;
 }
 
+// Refuses a tensor that is not on a CUDA device with tpcomm's own message
+// (the dispatcher's own would list every backend it has no kernel for).
+[[noreturn]] void needs_cuda(const char *op, const Tensor &t) {
+  const char *where = t.is_cpu() ? "cpu" : "non-CUDA";
+  fail("tpcomm: _tpcomm::%s needs CUDA tensors, got a %s tensor", op, where);
+}
+
+Tensor all_reduce_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("all_reduce", input); }
+void all_reduce_out_not_cuda(Tensor input, Tensor, int64_t, int64_t) { needs_cuda("all_reduce_out", input); }
+Tensor all_gather_not_cuda(Tensor input, int64_t, int64_t, int64_t) { needs_cuda("all_gather", input); }
+Tensor reduce_scatter_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter", input); }
+Tensor reduce_scatter_f32_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter_f32", input); }
+void all_reduce_add_rms_norm_out_not_cuda(Tensor input, Tensor, Tensor, double, Tensor, Tensor, int64_t) {
+  needs_cuda("all_reduce_add_rms_norm_out", input);
+}
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY(tpcomm, m) {
-  // `comm` is a communicator id (Communicator.handle), looked up on every call.
-  m.def("custom_all_reduce(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo=0) -> ()");
-  m.def("custom_all_gather(Tensor input, int dim, int comm, int algo=0) -> Tensor");
-  m.def("custom_reduce_scatter(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_reduce_scatter_f32(Tensor input, int comm, int algo=0) -> Tensor");
-  m.def("custom_all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
+// Internal ops: the Communicator (Python) picks `algo`, a tpc_algo; model code
+// uses the group-name ops torch.ops.tpcomm.* instead. `comm` is a
+// communicator id (Communicator.handle), looked up on every call.
+STABLE_TORCH_LIBRARY(_tpcomm, m) {
+  m.def("all_reduce(Tensor input, int comm, int algo) -> Tensor");
+  m.def("all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()");
+  m.def("all_gather(Tensor input, int dim, int comm, int algo) -> Tensor");
+  m.def("reduce_scatter(Tensor input, int comm, int algo) -> Tensor");
+  m.def("reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor");
+  m.def("all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
         "Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(tpcomm, CUDA, m) {
-  m.impl("custom_all_reduce", TORCH_BOX(&custom_all_reduce));
-  m.impl("custom_all_reduce_out", TORCH_BOX(&custom_all_reduce_out));
-  m.impl("custom_all_gather", TORCH_BOX(&custom_all_gather));
-  m.impl("custom_reduce_scatter", TORCH_BOX(&custom_reduce_scatter));
-  m.impl("custom_reduce_scatter_f32", TORCH_BOX(&custom_reduce_scatter_f32));
-  m.impl("custom_all_reduce_add_rms_norm_out", TORCH_BOX(&custom_all_reduce_add_rms_norm_out));
+STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
+  m.impl("all_reduce", TORCH_BOX(&all_reduce));
+  m.impl("all_reduce_out", TORCH_BOX(&all_reduce_out));
+  m.impl("all_gather", TORCH_BOX(&all_gather));
+  m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter));
+  m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32));
+  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
+  m.impl("all_reduce", TORCH_BOX(&all_reduce_not_cuda));
+  m.impl("all_reduce_out", TORCH_BOX(&all_reduce_out_not_cuda));
+  m.impl("all_gather", TORCH_BOX(&all_gather_not_cuda));
+  m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter_not_cuda));
+  m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32_not_cuda));
+  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out_not_cuda));
 }

@@ -31,7 +31,9 @@ static unsigned tpc_packet_max_blocks(const tpc_kernel_args *args) {
 /* Remote stores from one SM saturate early: small packet ops spread thin
  * blocks over many SMs; large ones use fat blocks to keep more in flight. */
 #define TPC_PACKET_THIN_THREADS 128
-#define TPC_PACKET_FAT_THREADS 512
+#define TPC_PACKET_FAT_THREADS TPC_BLOCK_THREADS
+/* The fused norm kernel's rows are sized by the same block (tpcomm.h). */
+static_assert(TPC_NORM_THREADS == TPC_BLOCK_THREADS, "the norm kernel's block is TPC_BLOCK_THREADS data threads");
 
 typedef struct {
   unsigned blocks, threads;
@@ -132,15 +134,16 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
   /* two-shot: the busiest phase handles one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
-                    tpc_geometry_for(args->nbytes / 16 / args->world, 512, TPC_MAX_BLOCKS), args, stream);
+                    tpc_geometry_for(args->nbytes / 16 / args->world, TPC_BLOCK_THREADS, TPC_MAX_BLOCKS), args, stream);
 }
 
 extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {
   if (algo == TPC_ALGO_PACKET) {
     const uint64_t items = (args->nbytes / 4 + 1) / 2;
-    /* dim 0 in whole 8-byte units: the flat kernel (all_gather.cuh) */
-    const int flat = args->row_bytes == args->nbytes &&
-                     ((args->nbytes | (uint64_t)(uintptr_t)args->in | (uint64_t)(uintptr_t)args->out) & 7) == 0;
+    /* dim 0 in whole 8-byte units: the flat kernel (all_gather.cuh). The
+     * core only takes 16-byte aligned pointers, so the shape alone decides
+     * and every rank runs the same variant. */
+    const int flat = args->row_bytes == args->nbytes && args->nbytes % 8 == 0;
     return tpc_launch(flat ? tpc_all_gather_packet_flat_kernel : tpc_all_gather_packet_kernel,
                       tpc_packet_geometry(args, items), args, stream);
   }
@@ -158,7 +161,7 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
                       tpc_packet_geometry(args, items), args, stream);
   }
   return tpc_launch(args->out_f32 ? tpc_reduce_scatter_bulk_kernel<1> : tpc_reduce_scatter_bulk_kernel<0>,
-                    tpc_geometry_for(args->nbytes / 16, 512, TPC_MAX_BLOCKS), args, stream);
+                    tpc_geometry_for(args->nbytes / 16, TPC_BLOCK_THREADS, TPC_MAX_BLOCKS), args, stream);
 }
 
 /* One block per row, up to one per multiprocessor; as many data threads as

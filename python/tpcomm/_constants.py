@@ -5,6 +5,7 @@ edit; run that script after changing the header."""
 TPC_MAX_RANKS = 8
 TPC_IPC_HANDLE_BYTES = 144
 TPC_MAX_BLOCKS = 128
+TPC_BLOCK_THREADS = 512
 TPC_NORM_MAX_ROW_BYTES = 32768
 
 # enum tpc_result
@@ -24,15 +25,6 @@ TPC_FLOAT16 = 1
 TPC_BFLOAT16 = 2
 
 # enum tpc_algo
-TPC_ALGO_AUTO = 0
 TPC_ALGO_PACKET = 1
 TPC_ALGO_BULK = 2
 TPC_ALGO_LINE = 3
-
-# macros
-TPC_MAX_BANDS = 32
-
-# enum tpc_route_op
-TPC_ROUTE_ALL_REDUCE = 0
-TPC_ROUTE_ALL_GATHER = 1
-TPC_ROUTE_REDUCE_SCATTER = 2

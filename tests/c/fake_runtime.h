@@ -1,5 +1,5 @@
 /*
- * A fake GPU runtime for testing the C core (csrc/core/comm.c) on the CPU.
+ * A fake GPU runtime for testing the C core (csrc/core) on the CPU.
  *
  * "Device" memory is host memory, the IPC handle of an allocation (a buffer
  * or a control chunk; TPC_ALLOC_HANDLE_BYTES, a magic and the pointer)

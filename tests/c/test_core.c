@@ -1,5 +1,5 @@
 /*
- * Tests of the C core (csrc/core/comm.c, registry.c) over the fake runtime: no
+ * Tests of the C core (csrc/core: life cycle, ops, errors, registry) over the fake runtime: no
  * CUDA, no GPU.
  * Several fake ranks live in this one process and open each other's buffers.
  *
@@ -838,8 +838,8 @@ static void check_args(const world *w, int rank, const void *in, void *out, size
 }
 
 /* reduce_scatter: the checks of all_reduce on the chunk (packet cap on one
- * chunk, bulk cap on the whole input of world chunks), AUTO by the
- * all_reduce cutover, and the arguments its kernels get. */
+ * chunk, bulk cap on the whole input of world chunks), and the arguments its
+ * kernels get. */
 static void test_reduce_scatter(void) {
   fake_reset();
   world w;
@@ -854,15 +854,16 @@ static void test_reduce_scatter(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {0, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "reduce_scatter of 0 bytes"},
-      {40, 0, 0, TPC_FLOAT16, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "multiple of 16"},
-      {64, 4, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "reduce_scatter input and output must be 16-byte"},
-      {64, 0, 0, 7, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "dtype 7"},
+      {0, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter of 0 bytes"},
+      {40, 0, 0, TPC_FLOAT16, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {64, 4, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter input and output must be 16-byte"},
+      {64, 0, 0, 7, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter: dtype 7 (no tpc_dtype) is not float32"},
       /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
-      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4160 bytes is over the cap of 4096"},
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "reduce_scatter has no line kernel"},
-      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "unknown algorithm 5"},
+      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 5 (packet 1, bulk 2 or line 3)"},
+      {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_reduce_scatter(c, in + cases[i].in_off, out + cases[i].out_off, cases[i].chunk,
@@ -871,12 +872,11 @@ static void test_reduce_scatter(void) {
     CHECK_MSG(c, cases[i].needle);
   }
   CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 0);
-  /* AUTO: packet up to the cutover, bulk past it (the whole input within the cap) */
-  CHECK_RC(c, tpc_comm_set_cutover(c, 512, 256), TPC_OK);
-  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 512, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  /* the kernel asked for runs: packet at the packet cap, bulk with the whole input within the cap */
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 512, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_op_entry, FK_LAUNCH_REDUCE_SCATTER);
   check_args(&w, 1, in, out, 512, 512, TPC_BFLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_PACKET, NAN_BF16);
-  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 528, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 528, TPC_FLOAT16, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   check_args(&w, 1, in, out, 528, 528, TPC_FLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F16);
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, MAX_BYTES / 4, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   check_args(&w, 1, in, out, MAX_BYTES / 4, MAX_BYTES / 4, TPC_FLOAT32, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F32);
@@ -885,7 +885,7 @@ static void test_reduce_scatter(void) {
   fake_fail_nth(FK_LAUNCH_REDUCE_SCATTER, 1, 77);
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching reduce_scatter failed");
-  CHECK_RC(NULL, tpc_reduce_scatter(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(NULL, tpc_reduce_scatter(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_INVALID_ARG);
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }
@@ -898,10 +898,10 @@ static void test_reduce_scatter_f32(void) {
   CHECK(make_world(&w, 2, 1));
   tpc_comm *c = w.comm[0];
   float *out = (float *)scratch_out;
-  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, 40, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A),
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, 40, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A),
            TPC_ERR_INVALID_ARG);
   CHECK_MSG(c, "multiple of 16");
-  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, (float *)(scratch_out + 8), 64, TPC_BFLOAT16, TPC_ALGO_AUTO,
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, (float *)(scratch_out + 8), 64, TPC_BFLOAT16, TPC_ALGO_PACKET,
                                      STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_MSG(c, "16-byte aligned");
   CHECK_RC(c, tpc_reduce_scatter_f32(c, scratch_in, out, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A),
@@ -942,7 +942,7 @@ static void test_all_reduce_add_rms_norm(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "dtype 0 is not float16 or bfloat16"},
+      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "all_reduce_add_rms_norm: dtype 0 (float32) is not float16 or bfloat16"},
       {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: a multiple of 16 up to 32768"},
       {64, 0, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 0 bytes"},
       {TPC_NORM_MAX_ROW_BYTES + 16, TPC_NORM_MAX_ROW_BYTES + 16, TPC_FLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG,
@@ -1001,9 +1001,9 @@ static void test_all_reduce_validation(void) {
   unsigned char *in = scratch_in, *out = scratch_out;
 
   /* not ready */
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_STATE);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_STATE);
   CHECK_MSG(c, "not ready");
-  CHECK_RC(NULL, tpc_all_reduce(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A),
+  CHECK_RC(NULL, tpc_all_reduce(NULL, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A),
            TPC_ERR_INVALID_ARG);
   destroy_world(&w);
 
@@ -1017,23 +1017,26 @@ static void test_all_reduce_validation(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {0, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "multiple of 16"},
-      {24, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "all_reduce of 24 bytes"},
+      {0, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {24, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_reduce of 24 bytes"},
       {72, 0, 0, TPC_FLOAT16, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 16"},
-      {64, 4, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "16-byte aligned"},
-      {64, 0, 8, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      {64, 4, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      {64, 0, 8, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 2, 2, TPC_BFLOAT16, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "16-byte aligned"},
-      {64, 0, 0, 3, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "dtype 3"},
-      {64, 0, 0, -1, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "dtype -1"},
-      {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      {64, 0, 0, 3, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_reduce: dtype 3 (no tpc_dtype) is not float32"},
+      {64, 0, 0, -1, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype -1"},
       {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       /* lines live in the packet slots: the packet cap, 16-byte sizes and pointers */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {40, 0, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 8, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "16-byte aligned"},
-      {64, 0, 0, TPC_FLOAT32, 4, TPC_ERR_INVALID_ARG, "unknown algorithm 4"},
-      {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "unknown algorithm -2"},
+      /* the caller picks the kernel: 0 (no choice) and unknown values are refused, naming them */
+      {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 0 (packet 1, bulk 2 or line 3)"},
+      {64, 0, 0, TPC_FLOAT32, 4, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 4"},
+      {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm -2"},
+      /* the algorithm is checked before the sizes: its message is the one given */
+      {24, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG, "unknown algorithm 9"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_all_reduce(c, in + cases[i].in_off, out + cases[i].out_off, cases[i].nbytes,
@@ -1041,14 +1044,14 @@ static void test_all_reduce_validation(void) {
              cases[i].want);
     CHECK_MSG(c, cases[i].needle);
   }
-  CHECK_RC(c, tpc_all_reduce(c, NULL, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
-  CHECK_RC(c, tpc_all_reduce(c, in, NULL, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_all_reduce(c, NULL, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_all_reduce(c, in, NULL, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_EQ(fake.launches, 0); /* nothing invalid reached a kernel */
 
   /* the limits themselves are fine; in == out is allowed */
   CHECK_RC(c, tpc_all_reduce(c, in, in, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in + 16, out + 48, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in + 16, out + 48, 16, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in, in, PACKET_MAX, TPC_BFLOAT16, TPC_ALGO_LINE, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
   CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_LINE, TPC_BFLOAT16, PACKET_MAX));
@@ -1057,7 +1060,7 @@ static void test_all_reduce_validation(void) {
 
   /* a launch the runtime refuses */
   fake_fail_nth(FK_LAUNCH_ALL_REDUCE, 1, 98);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching all_reduce failed: fake error 98");
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -1071,56 +1074,36 @@ static void test_all_reduce_algo_and_args(void) {
   tpc_comm *c = w.comm[r];
   unsigned char *in = scratch_in, *out = scratch_out;
 
-  /* default cutover: packet_max_bytes */
-  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  /* the kernel asked for runs, whatever the size (within its cap) */
+  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX + 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-
-  /* the cutover set by tpc_comm_set_cutover decides AUTO, byte for byte */
-  CHECK_RC(c, tpc_comm_set_cutover(c, 256, 512), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 256, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 272, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, MAX_BYTES, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, MAX_BYTES, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  /* an explicit algorithm overrides the cutover */
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 512, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 32, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  /* cutover 0: AUTO is always bulk */
-  CHECK_RC(c, tpc_comm_set_cutover(c, 0, 0), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  /* cutovers above packet_max_bytes are refused and change nothing */
-  CHECK_RC(c, tpc_comm_set_cutover(c, PACKET_MAX + 16, 0), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "packet_max_bytes (1024)");
-  CHECK_RC(c, tpc_comm_set_cutover(c, 0, PACKET_MAX + 1), TPC_ERR_INVALID_ARG);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  CHECK_RC(NULL, tpc_comm_set_cutover(NULL, 0, 0), TPC_ERR_INVALID_ARG);
-  CHECK_RC(c, tpc_comm_set_cutover(c, PACKET_MAX, PACKET_MAX), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 512, TPC_FLOAT32, TPC_ALGO_LINE, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
+  /* past the packet cap the packet kernel is refused, never switched to bulk */
+  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX + 16, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A),
+           TPC_ERR_TOO_LARGE);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
 
   /* what the kernel is given */
   const int launches = fake.launches;
-  CHECK_RC(c, tpc_all_reduce(c, in + 32, out + 64, 96, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in + 32, out + 64, 96, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launches, launches + 1);
   CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_REDUCE);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
   CHECK_PTR(fake.last_stream, STREAM_A);
   check_args(&w, r, in + 32, out + 64, 96, 96, TPC_BFLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_BF16);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 2048, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 2048, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   check_args(&w, r, in, out, 2048, 2048, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, NAN_F32);
   CHECK_RC(c, tpc_all_reduce(c, in, out, 48, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   check_args(&w, r, in, out, 48, 48, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F16);
 
   /* every rank gets the same table of buffers, and its own rank */
   for (int q = 0; q < 4; ++q) {
-    CHECK_RC(w.comm[q], tpc_all_reduce(w.comm[q], in, out, 4096, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+    CHECK_RC(w.comm[q], tpc_all_reduce(w.comm[q], in, out, 4096, TPC_FLOAT16, TPC_ALGO_BULK, STREAM_B), TPC_OK);
     CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
     check_args(&w, q, in, out, 4096, 4096, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, NAN_F16);
   }
@@ -1134,7 +1117,7 @@ static void test_all_gather(void) {
   CHECK(make_world(&w, 2, 0));
   tpc_comm *c = w.comm[1];
   unsigned char *in = scratch_in, *out = scratch_out;
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_STATE);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_STATE);
   destroy_world(&w);
 
   CHECK(make_world(&w, 2, 1));
@@ -1146,31 +1129,34 @@ static void test_all_gather(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {0, 4, 0, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "all_gather of 0 bytes"},
-      {6, 6, 0, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "multiple of 4"},
-      {64, 0, 0, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "row of 0 bytes"},
-      {64, 6, 0, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "row of 6 bytes"},
-      {48, 32, 0, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "dividing 48"},
+      {0, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather of 0 bytes"},
+      {6, 6, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 4"},
+      {64, 0, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "row of 0 bytes"},
+      {64, 6, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "row of 6 bytes"},
+      {48, 32, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dividing 48"},
       {64, 128, 0, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dividing 64"},
-      {64, 64, 2, 0, TPC_ALGO_AUTO, TPC_ERR_INVALID_ARG, "4-byte aligned"},
-      {64, 64, 0, 2, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "4-byte aligned"},
+      /* every kernel takes 16-byte aligned pointers only, packet too: which
+       * variant runs must not depend on a pointer */
+      {64, 64, 2, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
+      {64, 64, 0, 2, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
+      {64, 64, 8, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
+      {120, 12, 4, 8, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* bulk needs 16-byte sizes, rows and pointers */
       {20, 20, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
       {64, 8, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
-      {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned"},
-      {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather input and output must be 16-byte aligned"},
+      {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
+      {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* caps: bulk on the output (world * nbytes), packet on the input */
-      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 4128 bytes is over the cap of 4096"},
+      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 2 x 2064 bytes is over the cap of 4096"},
       {PACKET_MAX + 4, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "1028 bytes per rank is over the packet cap of 1024"},
-      /* AUTO past the packet cap where bulk is impossible: too large */
-      {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the packet cap"},
-      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_AUTO, TPC_ERR_TOO_LARGE, "over the packet cap"},
+      {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap"},
       /* line: 16-byte sizes, rows and pointers, up to the packet cap */
       {20, 20, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
       {64, 8, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
-      {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather input and output must be 16-byte aligned"},
+      {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {PACKET_MAX + 16, 16, 0, 0, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "1040 bytes per rank is over the packet cap of 1024"},
-      {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG, "unknown algorithm 5"},
+      {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 5 (packet 1, bulk 2 or line 3)"},
+      {64, 64, 0, 0, 0, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_all_gather(c, in + cases[i].in_off, out + cases[i].out_off, cases[i].nbytes,
@@ -1178,72 +1164,35 @@ static void test_all_gather(void) {
              cases[i].want);
     CHECK_MSG(c, cases[i].needle);
   }
-  CHECK_RC(c, tpc_all_gather(c, NULL, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_all_gather(c, NULL, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_EQ(fake.launches, 0);
 
-  /* AUTO: packet up to the all-gather cutover, bulk above when the sizes
-   * allow it, packet when they do not; pointers never decide */
-  CHECK_RC(c, tpc_comm_set_cutover(c, 16, 64), TPC_OK);
+  /* the kernel asked for runs: the core never switches one for another */
   struct {
-    size_t nbytes, row, in_off, out_off;
-    int want_algo;
-  } autos[] = {
-      {64, 64, 0, 0, TPC_ALGO_PACKET},   /* at the cutover */
-      {80, 80, 0, 0, TPC_ALGO_BULK},     /* just above */
-      {80, 16, 0, 0, TPC_ALGO_BULK},     /* 16-byte rows are fine */
-      {MAX_BYTES / 2, MAX_BYTES / 2, 0, 0, TPC_ALGO_BULK}, /* output exactly max_bytes */
-      {128, 8, 0, 0, TPC_ALGO_PACKET},   /* row not a multiple of 16 */
-      {132, 132, 0, 0, TPC_ALGO_PACKET}, /* size not a multiple of 16 */
-      {64, 64, 4, 0, TPC_ALGO_PACKET},   /* at the cutover: misaligned is fine */
-      {64, 64, 0, 4, TPC_ALGO_PACKET},
-      {132, 132, 4, 4, TPC_ALGO_PACKET}, /* bulk impossible by size: misaligned is fine */
-      {128, 8, 4, 0, TPC_ALGO_PACKET},
-      {PACKET_MAX, 4, 0, 0, TPC_ALGO_PACKET},
+    size_t nbytes, row;
+    int algo;
+  } chosen[] = {
+      {64, 64, TPC_ALGO_PACKET},       {80, 80, TPC_ALGO_BULK},   {80, 16, TPC_ALGO_BULK},
+      {MAX_BYTES / 2, MAX_BYTES / 2, TPC_ALGO_BULK}, /* output exactly max_bytes */
+      {128, 8, TPC_ALGO_PACKET},       {132, 132, TPC_ALGO_PACKET}, {PACKET_MAX, 4, TPC_ALGO_PACKET},
+      {PACKET_MAX, 16, TPC_ALGO_LINE}, {16, 16, TPC_ALGO_BULK},
   };
-  for (size_t i = 0; i < sizeof autos / sizeof autos[0]; ++i) {
+  for (size_t i = 0; i < sizeof chosen / sizeof chosen[0]; ++i) {
     const int before = fake.launches;
-    CHECK_RC(c, tpc_all_gather(c, in + autos[i].in_off, out + autos[i].out_off, autos[i].nbytes,
-                               autos[i].row, TPC_ALGO_AUTO, 0, STREAM_A),
+    CHECK_RC(c, tpc_all_gather(c, in, out, chosen[i].nbytes, chosen[i].row, (tpc_algo)chosen[i].algo, 0, STREAM_A),
              TPC_OK);
     CHECK_EQ(fake.launches, before + 1);
     CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_GATHER);
-    CHECK_EQ(fake.last_algo, autos[i].want_algo);
-    CHECK_EQ(fake.last_args.nbytes, autos[i].nbytes);
-    CHECK_EQ(fake.last_args.row_bytes, autos[i].row);
+    CHECK_EQ(fake.last_algo, chosen[i].algo);
+    CHECK_EQ(fake.last_args.nbytes, chosen[i].nbytes);
+    CHECK_EQ(fake.last_args.row_bytes, chosen[i].row);
   }
-  /* line, asked for: AUTO never picks it (only the dispatcher routes to it) */
-  CHECK_RC(c, tpc_all_gather(c, in, out, PACKET_MAX, 16, TPC_ALGO_LINE, 0, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
-  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_LINE, 0, 16));
-  /* AUTO picks bulk by size alone, so a misaligned pointer where the sizes
-   * say bulk is an error, not a silent switch to packet (ranks whose
-   * pointers differ would otherwise run different kernels) */
-  static const struct {
-    size_t in_off, out_off;
-  } misaligned_autos[] = {{4, 0}, {0, 4}, {8, 8}};
-  for (size_t i = 0; i < sizeof misaligned_autos / sizeof misaligned_autos[0]; ++i) {
-    const int before = fake.launches;
-    CHECK_RC(c, tpc_all_gather(c, in + misaligned_autos[i].in_off, out + misaligned_autos[i].out_off,
-                               128, 128, TPC_ALGO_AUTO, 0, STREAM_A),
-             TPC_ERR_INVALID_ARG);
-    CHECK_MSG(c, "bulk all_gather input and output must be 16-byte aligned");
-    CHECK_EQ(fake.launches, before);
-  }
-  CHECK_RC(c, tpc_comm_set_cutover(c, 16, 16), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 32, 32, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-
-  /* the all-reduce cutover does not move the all-gather one */
-  CHECK_RC(c, tpc_comm_set_cutover(c, PACKET_MAX, 0), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 16, 16, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
+  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_BULK, 0, 16));
 
   /* arguments */
-  CHECK_RC(c, tpc_all_gather(c, in + 4, out + 8, 120, 12, TPC_ALGO_PACKET, 0, STREAM_C), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in + 16, out + 32, 120, 12, TPC_ALGO_PACKET, 0, STREAM_C), TPC_OK);
   CHECK_PTR(fake.last_stream, STREAM_C);
-  check_args(&w, 1, in + 4, out + 8, 120, 12, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
+  check_args(&w, 1, in + 16, out + 32, 120, 12, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
   CHECK_RC(c, tpc_all_gather(c, in, out, 2048, 2048, TPC_ALGO_BULK, 0, STREAM_C), TPC_OK);
   check_args(&w, 1, in, out, 2048, 2048, 0, TPC_OP_ALL_GATHER, TPC_ALGO_BULK, 0);
   /* the caller's NaN pattern is passed through as given (all_gather has no dtype) */
@@ -1257,118 +1206,30 @@ static void test_all_gather(void) {
   CHECK(fake.last_args.kind != kind_row16);
 
   fake_fail_nth(FK_LAUNCH_ALL_GATHER, 1, 97);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_C), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_C), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching all_gather failed: fake error 97");
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 
   /* world 8: 1024 bytes per rank is within the packet cap but its 8192-byte
-   * output is over max_bytes, so AUTO stays on packet past the cutover and
-   * a forced bulk is too large */
+   * output is over max_bytes: packet runs, bulk is too large */
   CHECK(make_world(&w, 8, 1));
   c = w.comm[5];
-  CHECK_RC(c, tpc_comm_set_cutover(c, 16, 16), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 512, 512, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 512, 512, TPC_ALGO_BULK, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK); /* 4096 bytes out: fits */
-  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
   check_args(&w, 5, in, out, 1024, 1024, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
   CHECK_RC(c, tpc_all_gather(c, in, out, 1024, 1024, TPC_ALGO_BULK, 0, STREAM_A), TPC_ERR_TOO_LARGE);
-  CHECK_MSG(c, "output of 8192 bytes");
-  destroy_world(&w);
-  CHECK_ALL_RELEASED();
-}
-
-/* tpc_comm_set_routes: TPC_ALGO_AUTO follows the routing table's bands (per
- * dtype, else for any dtype), with the Communicator's fallbacks where a band's
- * kernel cannot take the call; count 0 gives the cutover rule back. */
-static void test_auto_routes(void) {
-  fake_reset();
-  world w;
-  CHECK(make_world(&w, 2, 1));
-  tpc_comm *c = w.comm[0];
-  unsigned char *in = scratch_in, *out = scratch_out;
-  const uint64_t lim2[] = {64, 512}, lim1[] = {128}, up[] = {64, 32}, zero[] = {0};
-  const int32_t pl[] = {TPC_ALGO_PACKET, TPC_ALGO_LINE}, line[] = {TPC_ALGO_LINE}, bulk[] = {TPC_ALGO_BULK};
-  const int32_t packet[] = {TPC_ALGO_PACKET}, autos[] = {TPC_ALGO_AUTO};
-  static const struct {
-    int op, dtype, count;
-    const char *needle;
-  } bad[] = {
-      {3, -1, 1, "unknown route op 3"},
-      {TPC_ROUTE_ALL_REDUCE, 3, 1, "routes for dtype 3"},
-      {TPC_ROUTE_ALL_GATHER, TPC_BFLOAT16, 1, "all_gather: -1 only"},
-      {TPC_ROUTE_ALL_REDUCE, -1, TPC_MAX_BANDS + 1, "bands: 0..32"},
-  };
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
-    CHECK_RC(c, tpc_comm_set_routes(c, (tpc_route_op)bad[i].op, bad[i].dtype, lim1, line, bad[i].count),
-             TPC_ERR_INVALID_ARG);
-    CHECK_MSG(c, bad[i].needle);
-  }
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, NULL, line, 1), TPC_ERR_INVALID_ARG);
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, lim1, autos, 1), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "algorithm 0 is not packet, bulk or line");
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_REDUCE_SCATTER, -1, lim1, line, 1), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "reduce_scatter has no line kernel");
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, up, pl, 2), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "limits must be positive and increase");
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, zero, line, 1), TPC_ERR_INVALID_ARG);
-  CHECK_RC(NULL, tpc_comm_set_routes(NULL, TPC_ROUTE_ALL_REDUCE, -1, lim1, line, 1), TPC_ERR_INVALID_ARG);
-
-  /* all_reduce: packet to 64, line to 512, bulk past the last band; bf16 has a row of its own */
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, lim2, pl, 2), TPC_OK);
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_BFLOAT16, lim1, line, 1), TPC_OK);
-  static const struct {
-    size_t nbytes;
-    int dtype, algo;
-  } ar[] = {
-      {64, TPC_FLOAT32, TPC_ALGO_PACKET}, {80, TPC_FLOAT32, TPC_ALGO_LINE}, {512, TPC_FLOAT16, TPC_ALGO_LINE},
-      {528, TPC_FLOAT32, TPC_ALGO_BULK},  {64, TPC_BFLOAT16, TPC_ALGO_LINE}, {144, TPC_BFLOAT16, TPC_ALGO_BULK},
-  };
-  for (size_t i = 0; i < sizeof ar / sizeof ar[0]; ++i) {
-    CHECK_RC(c, tpc_all_reduce(c, in, out, ar[i].nbytes, (tpc_dtype)ar[i].dtype, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-    CHECK_EQ(fake.last_algo, ar[i].algo);
-  }
-  /* a line band past the packet cap runs on the bulk kernel */
-  const uint64_t wide[] = {4096};
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_FLOAT16, wide, line, 1), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX + 16, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-  /* count 0: the dtype's row goes, the one for any dtype applies again; then the cutover */
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, TPC_BFLOAT16, NULL, NULL, 0), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_REDUCE, -1, NULL, NULL, 0), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 528, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET); /* the default cutover: packet_max_bytes */
-
-  /* reduce_scatter: bands by the whole input (2 ranks: twice the chunk) */
-  const uint64_t rs_lim[] = {256};
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_REDUCE_SCATTER, -1, rs_lim, packet, 1), TPC_OK);
-  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 128, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET);
-  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 144, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
-
-  /* all_gather: line where sizes and rows are 16-byte multiples, packet otherwise;
-   * past the packet cap bulk where it can, and bulk bands it cannot take on packets */
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_GATHER, -1, (const uint64_t[]){64, 2048}, pl, 2), TPC_OK);
-  static const struct {
-    size_t nbytes, row;
-    int algo;
-  } ag[] = {
-      {64, 64, TPC_ALGO_PACKET}, {128, 128, TPC_ALGO_LINE},  {128, 8, TPC_ALGO_PACKET},
-      {132, 132, TPC_ALGO_PACKET}, {PACKET_MAX + 16, 16, TPC_ALGO_BULK}, {2032, 16, TPC_ALGO_BULK},
-  };
-  for (size_t i = 0; i < sizeof ag / sizeof ag[0]; ++i) {
-    CHECK_RC(c, tpc_all_gather(c, in, out, ag[i].nbytes, ag[i].row, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
-    CHECK_EQ(fake.last_algo, ag[i].algo);
-  }
-  CHECK_RC(c, tpc_comm_set_routes(c, TPC_ROUTE_ALL_GATHER, -1, lim1, bulk, 1), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 128, 8, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_algo, TPC_ALGO_PACKET); /* 8-byte rows: not for the bulk kernel */
+  CHECK_MSG(c, "output of 8 x 1024 bytes");
+  /* sizes whose product with the world size overflows are refused, not wrapped */
+  const size_t huge = (SIZE_MAX / 4 + 1) & ~(size_t)15; /* times 8 wraps to 0 */
+  CHECK_RC(c, tpc_all_gather(c, in, out, huge, 16, TPC_ALGO_BULK, 0, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_RC(c, tpc_all_gather(c, in, out, huge, 16, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, huge, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_MSG(c, "reduce_scatter of 8 x ");
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, huge, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_TOO_LARGE);
+  CHECK_EQ(fake.last_args.nbytes, 1024); /* nothing launched since the packet all_gather above */
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }
@@ -1379,7 +1240,7 @@ static void test_async_error(void) {
   CHECK(make_world(&w, 2, 1));
   tpc_comm *c = w.comm[0];
   unsigned char *in = scratch_in, *out = scratch_out;
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
 
   /* the device records a timeout waiting for peer 1 */
   volatile tpc_async_error *rec = w.err_host[0];
@@ -1402,18 +1263,18 @@ static void test_async_error(void) {
 
   /* the communicator refuses further work, without launching */
   const int launches = fake.launches;
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_TIMEOUT);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_TIMEOUT);
   CHECK_MSG(c, "peer 1");
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_TIMEOUT);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_TIMEOUT);
   CHECK_EQ(fake.launches, launches);
   /* and keeps refusing even if the record is cleared: the failure is sticky */
   rec->code = TPC_OK;
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_STATE);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_STATE);
   CHECK_MSG(c, "failed earlier");
   CHECK_EQ(fake.launches, launches);
 
   /* the other rank is unaffected */
-  CHECK_RC(w.comm[1], tpc_all_reduce(w.comm[1], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(w.comm[1], tpc_all_reduce(w.comm[1], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(w.comm[1], tpc_comm_async_error(w.comm[1], &e), TPC_OK);
   CHECK_EQ(e.code, TPC_OK);
 
@@ -1426,7 +1287,7 @@ static void test_async_error(void) {
   rec->peer_kind = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 96);
   rec->own_kind = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
   rec->code = TPC_ERR_MISMATCH;
-  CHECK_RC(w.comm[1], tpc_all_gather(w.comm[1], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_MISMATCH);
+  CHECK_RC(w.comm[1], tpc_all_gather(w.comm[1], in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_MISMATCH);
   CHECK_MSG(w.comm[1], "peer 0");
   CHECK_MSG(w.comm[1], "96 bytes");
   CHECK_MSG(w.comm[1], "op #3");
@@ -1573,41 +1434,41 @@ static void test_stream_switch(void) {
   tpc_comm *c = w.comm[0];
   unsigned char *in = scratch_in, *out = scratch_out;
 
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 0); /* same stream: nothing to wait for */
 
   /* a new stream: the previous stream's op must finish first */
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
   CHECK_PTR(fake.last_synced_stream, STREAM_A);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_B), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
   /* the same stream again: no capture query (a driver call per op) */
   const int queries = fake.calls[FK_STREAM_IS_CAPTURING];
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_IS_CAPTURING], queries);
 
   /* while capturing: no synchronisation (illegal during capture), and the
    * captured stream does not become the eager one */
   fake.capturing = 1;
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_C), TPC_OK);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_C), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1);
   fake.capturing = 0;
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 1); /* B was the last eager stream */
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_C), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_C), TPC_OK);
   CHECK_EQ(fake.calls[FK_STREAM_SYNCHRONIZE], 2);
   CHECK_PTR(fake.last_synced_stream, STREAM_B);
 
   /* failures of the stream queries are reported and nothing is launched */
   int launches = fake.launches;
   fake_fail_nth(FK_STREAM_SYNCHRONIZE, 1, 81);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "waiting for the previous stream failed: fake error 81");
   fake_fail_nth(FK_STREAM_IS_CAPTURING, 1, 82);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "capture state failed: fake error 82");
   CHECK_EQ(fake.launches, launches);
   destroy_world(&w);
@@ -1619,12 +1480,12 @@ static void test_stream_switch(void) {
   fake_reset();
   CHECK(make_world(&w, 2, 1));
   c = w.comm[0];
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, NULL), TPC_OK);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, NULL), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   /* the NULL stream is synchronised too: "no previous op" is have_last_stream,
    * not last_stream == NULL */
   CHECK(fake.calls[FK_STREAM_SYNCHRONIZE] == 1 && fake.last_synced_stream == NULL);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, NULL), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, NULL), TPC_OK);
   CHECK_PTR(fake.last_synced_stream, STREAM_A); /* the other direction works */
   destroy_world(&w);
   CHECK_ALL_RELEASED();
@@ -1641,23 +1502,23 @@ static void test_launch_device(void) {
 
   fake.current_device = 6;
   int set_calls = fake.calls[FK_SET_DEVICE];
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launch_device, 1);
   CHECK_EQ(fake.current_device, 6);
   CHECK_EQ(fake.calls[FK_SET_DEVICE] - set_calls, 2);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launch_device, 1);
   CHECK_EQ(fake.current_device, 6);
 
   /* already on the right device: no switching */
   fake.current_device = 1;
   set_calls = fake.calls[FK_SET_DEVICE];
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launch_device, 1);
   CHECK_EQ(fake.calls[FK_SET_DEVICE], set_calls);
 
   /* the other rank's communicator goes to its own device */
-  CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
   CHECK_EQ(fake.launch_device, 0);
   CHECK_EQ(fake.current_device, 1);
 
@@ -1665,16 +1526,16 @@ static void test_launch_device(void) {
   fake.current_device = 4;
   int launches = fake.launches;
   fake_fail_nth(FK_GET_DEVICE, 1, 61);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "fake error 61");
   fake_fail_nth(FK_SET_DEVICE, 1, 62);
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "fake error 62");
   CHECK_EQ(fake.launches, launches);
   CHECK_EQ(fake.current_device, 4);
   /* a failed launch still puts the caller's device back */
   fake_fail_nth(FK_LAUNCH_ALL_REDUCE, 1, 63);
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_ERR_RUNTIME);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
   CHECK_MSG(c, "launching all_reduce failed: fake error 63");
   CHECK_EQ(fake.current_device, 4);
   destroy_world(&w);
@@ -1883,7 +1744,7 @@ static void test_acquire(void) {
   CHECK_EQ(entry_of(id)->in_use, 1);
   CHECK_EQ(entry_of(w.id[1])->in_use, 0); /* only that one */
   /* it runs ops while held */
-  CHECK_RC(got, tpc_all_reduce(got, in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(got, tpc_all_reduce(got, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
 
   /* a second acquire before release: TPC_ERR_STATE naming the id */
   tpc_comm *again = (tpc_comm *)&w;
@@ -1910,7 +1771,7 @@ static void test_acquire(void) {
   CHECK_EQ(fake.calls[FK_WRITE_ASYNC], writes); /* nothing written */
   CHECK_EQ(w.control[0]->alive, (uint32_t)id);
   CHECK_EQ(w.control[0]->failed, 0);
-  CHECK_RC(w.comm[0], tpc_all_gather(w.comm[0], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(w.comm[0], tpc_all_gather(w.comm[0], in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_args.alive_id, (uint32_t)id);
   CHECK_RC(NULL, tpc_id_async_error(id, NULL), TPC_OK);
 
@@ -2028,8 +1889,8 @@ static void test_abort(void) {
   const int r = 2;
   const uint64_t id = w.id[r];
   tpc_control *slot = w.control[r];
-  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
-  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_B), TPC_OK);
+  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
+  CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
   slot->epoch = 9;
 
   fake.current_device = 5; /* the caller is on another device */
@@ -2118,7 +1979,7 @@ static void test_abort(void) {
   /* the other ranks still work, and close normally */
   for (int p = 0; p < 4; ++p)
     if (p != r) CHECK_RC(NULL, tpc_id_async_error(w.id[p], NULL), TPC_OK);
-  CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+  CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   destroy_world(&w); /* comm[r] is NULL: a no-op for it */
   /* what abort left: its own buffer and its three peers' handles (buffer and
    * control chunk each) */
@@ -2343,7 +2204,7 @@ static void test_peer_control(void) {
   fake_reset();
   CHECK(make_world(&w, 8, 1));
   for (int r = 0; r < 8; r += 7) {
-    CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 32, TPC_FLOAT16, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 32, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
     check_args(&w, r, in, out, 32, 32, TPC_FLOAT16, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F16);
   }
   destroy_world(&w);
@@ -2379,9 +2240,9 @@ static void test_shared_chunk(void) {
   CHECK_EQ(fake.bad_opens, 0);
   /* both map the same chunk, each its own slot in it */
   for (int r = 0; r < 3; ++r) {
-    CHECK_RC(a.comm[r], tpc_all_reduce(a.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    CHECK_RC(a.comm[r], tpc_all_reduce(a.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
     check_args(&a, r, in, out, 64, 64, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F32);
-    CHECK_RC(b.comm[r], tpc_all_reduce(b.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_AUTO, STREAM_A), TPC_OK);
+    CHECK_RC(b.comm[r], tpc_all_reduce(b.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
     check_args(&b, r, in, out, 64, 64, TPC_FLOAT32, TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, NAN_F32);
   }
 
@@ -2397,7 +2258,7 @@ static void test_shared_chunk(void) {
   CHECK_EQ(fake.bad_closes, 0);
   /* b still works through its mapping: rank 1 aborting tells ranks 0 and 2
    * in b's slots, not in a's */
-  CHECK_RC(b.comm[0], tpc_all_gather(b.comm[0], in, out, 64, 64, TPC_ALGO_AUTO, 0, STREAM_A), TPC_OK);
+  CHECK_RC(b.comm[0], tpc_all_gather(b.comm[0], in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
   check_args(&b, 0, in, out, 64, 64, 0, TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0);
   CHECK_RC(NULL, tpc_comm_abort(b.comm[1]), TPC_OK);
   b.comm[1] = NULL;
@@ -2566,7 +2427,6 @@ int main(void) {
   RUN(test_all_reduce_add_rms_norm);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_all_gather);
-  RUN(test_auto_routes);
   RUN(test_async_error);
   RUN(test_describe);
   RUN(test_ids);

@@ -79,7 +79,7 @@ def _check(comm, shape, dtype, dim, seed, world, rank, what, algo=None):
     if algo is None:
         y = comm.all_gather(x, dim)
     else:
-        y = torch.ops.tpcomm.custom_all_gather(x, dim, comm.handle, algo)
+        y = torch.ops._tpcomm.all_gather(x, dim, comm.handle, algo)
     _assert_same_bits(y, torch.cat(xs, dim), f"{what} vs torch.cat")
     _assert_same_bits(y, _nccl_path(comm, x, dim), f"{what} vs NCCL path")
     return y

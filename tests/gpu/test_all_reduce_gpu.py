@@ -16,9 +16,8 @@ pytestmark = pytest.mark.gpu
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KiB, MiB = 1024, 1024 * 1024
 CAP = 16 * MiB
-# raw ops with the algorithm forced, and with 0: the C core's AUTO, which follows the Communicator's routes
-ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK,
-         "raw auto": tpcomm._lib.ALGO_AUTO}
+# raw ops with the algorithm forced
+ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK}
 
 
 def _bits(t):
@@ -76,13 +75,13 @@ def body_eager_matches_nccl(rank, world):
             numel = nbytes // dtype.itemsize
             x = _int_valued(numel, dtype, gen)
             ref = _nccl(x)
-            for algo in ("auto", "raw auto", "packet", "line", "bulk"):
+            for algo in ("auto", "packet", "line", "bulk"):
                 if algo in ("packet", "line") and nbytes > comm.packet_max_bytes:
                     continue
                 if algo == "auto":
                     y = comm.all_reduce(x)
                 else:
-                    y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, ALGOS[algo])
+                    y = torch.ops._tpcomm.all_reduce(x, comm.handle, ALGOS[algo])
                 _assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
                 checked += 1
             # in place
@@ -171,7 +170,7 @@ def body_nan_inf(rank, world):
             x[4] = float("-inf")
             x[5] = -0.0
             for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
-                y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo)
+                y = torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
                 ref = _nccl(x)
                 assert torch.isnan(y[1]) and torch.isnan(y[3]), (dtype, numel, algo, y[:6])
                 assert y[2] == float("inf") and y[4] == float("-inf"), (dtype, y[:6])
@@ -221,11 +220,12 @@ def body_errors(rank, world):
     assert torch.equal(comm.all_reduce(t), t * world)  # non-contiguous: made contiguous
     # raw op misuse raises from the C core
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(5, device="cuda"), comm.handle, 0)
+        torch.ops._tpcomm.all_reduce(torch.ones(5, device="cuda"), comm.handle, tpcomm._lib.ALGO_PACKET)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle, 0)
+        torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle,
+                                     tpcomm._lib.ALGO_PACKET)
     with pytest.raises(RuntimeError, match="over the"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, tpcomm._lib.ALGO_PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, tpcomm._lib.ALGO_PACKET)
 
     # peers disagree on the size: both ranks get an error naming the other
     mismatched = torch.ones(64 if rank == 0 else 128, device="cuda")

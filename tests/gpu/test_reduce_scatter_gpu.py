@@ -45,7 +45,7 @@ def body_sizes_dtypes_algos(rank, world):
             for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
                 if algo == tpcomm._lib.ALGO_PACKET and chunk > comm.packet_max_bytes:
                     continue
-                y = torch.ops.tpcomm.custom_reduce_scatter(x, comm.handle, algo)
+                y = torch.ops._tpcomm.reduce_scatter(x, comm.handle, algo)
                 _assert_bits_equal(y, ref, f"algo {algo} {chunk} B per part {dtype}")
     x = _int_valued(8 * 256 * world, torch.bfloat16, gen).view(8, 256 * world)
     _assert_bits_equal(comm.reduce_scatter(x, dim=1), _nccl_rs(x, 1), "dim 1")

@@ -80,15 +80,15 @@ def body_stale_handle_and_replay_after_close(rank, world):
     comm.close()
     x = torch.ones(64, device="cuda")
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_reduce(x, stale, 0)
+        torch.ops._tpcomm.all_reduce(x, stale, 0)
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_gather(x, 0, stale, 0)
+        torch.ops._tpcomm.all_gather(x, 0, stale, 0)
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_reduce_out(x, torch.empty_like(x), stale, 0)
+        torch.ops._tpcomm.all_reduce_out(x, torch.empty_like(x), stale, 0)
     with pytest.raises(RuntimeError, match="unknown"):
-        torch.ops.tpcomm.custom_all_reduce(x, stale + 100000, 0)
-    with pytest.raises(RuntimeError, match="not a communicator"):
-        torch.ops.tpcomm.custom_all_reduce(x, 0, 0)
+        torch.ops._tpcomm.all_reduce(x, stale + 100000, 0)
+    with pytest.raises(RuntimeError, match="communicator id 0 is unknown"):
+        torch.ops._tpcomm.all_reduce(x, 0, 0)
     with pytest.raises(tpcomm.CommunicatorClosed, match="closed"):
         comm.all_reduce(x)
     comm.check()  # closed, but nothing ran after close yet
@@ -208,8 +208,8 @@ def body_epoch_wrap(rank, world):
         if late == rank:
             _sleep_us(300)  # the peer reads its slots before this rank's packets land
         if gather:
-            return ("ag", x, torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, algo))
-        return ("ar", x, torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo))
+            return ("ag", x, torch.ops._tpcomm.all_gather(x, 0, comm.handle, algo))
+        return ("ar", x, torch.ops._tpcomm.all_reduce(x, comm.handle, algo))
 
     def verify(done, what):
         for i, (kind, x, y) in enumerate(done):
