@@ -4,7 +4,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import math
 import os
 
 import torch
@@ -205,9 +204,8 @@ class Communicator:
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        nbytes = x.numel() * x.element_size()
-        row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
-        return routing.route(self._routes, self._caps, "all_gather", x.dtype, nbytes, row)
+        return routing.route(self._routes, self._caps, "all_gather", x.dtype, x.numel() * x.element_size(),
+                             routing.row_bytes(x.shape, dim, x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
         """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
@@ -239,8 +237,6 @@ class Communicator:
         """The callable that runs `op` on `backend`, with the op's arguments:
         all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
         if backend == "nccl":
-            if op == "reduce_scatter":
-                return lambda parts: self._nccl.reduce_scatter(parts.contiguous())
             return getattr(self._nccl, op)
         if op == "all_reduce":
             return self._kernels.all_reduce_runner(dtype, backend)

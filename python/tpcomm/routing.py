@@ -15,6 +15,7 @@ Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 same group). Sizes: `nbytes` is the input bytes per rank; `row` (all_gather)
 the bytes of one slice along the gathered dim and everything after it."""
 import collections
+import math
 
 from . import _constants as C
 from . import _dtypes
@@ -42,6 +43,15 @@ def choose(bands, nbytes):
         if nbytes <= limit:
             return backend
     return "nccl"
+
+
+def row_bytes(shape, dim, element_size):
+    """The bytes of one slice of an all_gather input along `dim` and every
+    dim after it: what the kernel copies as one unit per rank (the whole
+    input for a 0-dim tensor)."""
+    if not len(shape):
+        return element_size
+    return math.prod(shape[dim % len(shape):]) * element_size
 
 
 def _part(op, caps, nbytes):
