@@ -66,9 +66,10 @@ def _nccl_layer(x, residual, weight):
 
 
 def _rank(rank, world, port, out):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import tpcomm
+    from tpcomm.topology import force_multicast_off
+
+    force_multicast_off()
     from tpcomm.add_rms_norm import from_sums
 
     torch.cuda.set_device(rank)

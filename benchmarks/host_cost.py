@@ -1,21 +1,20 @@
 """Host cost of one eager collective call: how many microseconds of CPU time
-the Python call path spends before the GPU could start, at 64 KiB bf16 (the
-dispatcher issue's eager targets: Communicator.all_reduce <= 8 us, the raw
-torch op <= 6 us).
+the Python call path spends before the GPU could start, at 64 KiB bf16, for
+Communicator.all_reduce, the group-name op, the internal op and the layers
+below them.
 
     python benchmarks/host_cost.py [--bytes 65536] [--calls 2000] [--rounds 15]
 
 Each rank issues --calls back-to-back calls and times the host loop with
-perf_counter, without synchronising inside it. The kernels (2-3 us) are
-shorter than the host cost measured, so the GPU never holds the host back and
-the loop time is the host's own; the figure is the median over rounds of the
+perf_counter, without synchronising inside it. The kernels are shorter than
+the host cost measured, so the GPU never holds the host back and the loop
+time is the host's own; the figure is the median over rounds of the
 loop time per call, rank 0's and rank 1's side by side. Every round times
 every path (host_us_per_call). Writes JSON (--out).
 """
 import argparse
 import ctypes
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,8 +37,11 @@ def parse_args(argv=None):
 
 def paths(comm, x):
     """name -> a no-argument call issuing one all_reduce of x."""
-    from tpcomm.backends.kernels import ALGOS
-    algo = ALGOS.get(comm.route_all_reduce(x))
+    from tpcomm import _dtypes
+    from tpcomm.routing import ALGO_CODES
+
+    route = comm.route_all_reduce(x)
+    algo = ALGO_CODES.get(route)
     out = {
         "Communicator.all_reduce": lambda: comm.all_reduce(x),
         "torch.ops.tpcomm.all_reduce (dispatcher op, group name)":
@@ -47,31 +49,32 @@ def paths(comm, x):
         "torch.distributed.all_reduce (NCCL, in place)": lambda: dist.all_reduce(x),
     }
     if algo is not None:
-        out["torch.ops._tpcomm.all_reduce (raw op)"] = \
+        out["torch.ops._tpcomm.all_reduce (internal op, id and kernel)"] = \
             lambda: torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
-        # Where the raw op's time goes: the same call on its OpOverload, the
-        # out= variant (no allocation), and the C core alone through ctypes.
+        # Where the internal op's time goes: the same call on its OpOverload,
+        # the out= variant (no allocation), and the C core alone through ctypes.
         raw = torch.ops._tpcomm.all_reduce.default
         raw_out = torch.ops._tpcomm.all_reduce_out.default
         y = torch.empty_like(x)
         out["  .default overload"] = lambda: raw(x, comm.handle, algo)
-        out["  custom_all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.handle, algo)
+        out["  all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.handle, algo)
         c_all_reduce = comm._lib.tpc_all_reduce
         c_all_reduce.restype = ctypes.c_int
         c_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_void_p]
-        args = (comm._comm, x.data_ptr(), y.data_ptr(), x.numel() * 2, 2, algo,  # 2: TPC_BFLOAT16
+        args = (comm._comm, x.data_ptr(), y.data_ptr(), x.nbytes, _dtypes.CODE[x.dtype], algo,
                 torch.cuda.current_stream().cuda_stream)
         out["  C core alone (tpc_all_reduce through ctypes)"] = lambda: c_all_reduce(*args)
-        # The eager fast path (tpcomm._fastpath, what Communicator.all_reduce
-        # takes for aligned tensors) beside the _out op it replaces, both
-        # behind the same Kernels.all_reduce, and the fast path's C call alone.
+        # The eager fast path (tpcomm._fastpath, what the memoised route's
+        # callable takes for aligned tensors) beside the _out op it replaces,
+        # both behind the same Kernels.all_reduce_runner, and the fast path's
+        # C call alone.
         from tpcomm.backends.kernels import Kernels
         through_op = Kernels(comm.handle, x.get_device())
         through_op._fastpath = None
-        route = comm.route_all_reduce(x)
-        out["  Kernels.all_reduce, fast path"] = lambda: comm.kernels.all_reduce(x, route)
-        out["  Kernels.all_reduce, the _out op instead"] = lambda: through_op.all_reduce(x, route)
+        run, run_op = comm.kernels.all_reduce_runner(x.dtype, route), through_op.all_reduce_runner(x.dtype, route)
+        out["  the route's callable, fast path"] = lambda: run(x)
+        out["  the route's callable, the _out op instead"] = lambda: run_op(x)
         fast = comm.kernels._fastpath
         if fast is not None:
             fast_args = (comm.handle, *args[1:])  # the id instead of the pointer
@@ -108,7 +111,9 @@ def host_us_per_call(calls_by_name, calls, rounds):
 
 
 def worker(rank, world, init_method, args, queue):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from tpcomm.topology import force_multicast_off
+
+    force_multicast_off()
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
@@ -129,9 +134,10 @@ def worker(rank, world, init_method, args, queue):
 
 
 def main(argv=None):
+    from tpcomm.topology import force_multicast_off
+
     args = parse_args(argv)
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)
+    force_multicast_off()  # forced, never merely defaulted; the ranks inherit it
     world = torch.cuda.device_count()
     if world < 2:
         sys.exit("host_cost: needs 2 or more GPUs")

@@ -165,10 +165,10 @@ def collectives(backend, comm):
 
 # ---------------------------------------------------------------- one rank
 def rank_main(rank, world, init_method, args, backends, result_path):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     import tpcomm
+    from tpcomm.topology import force_multicast_off
+
+    force_multicast_off()
 
     cpu = args.cpu
     device = torch.device("cpu") if cpu else torch.device("cuda", rank)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _fake, _lib, add_rms_norm, policy
+from tpcomm import _lib, _testing, add_rms_norm, policy, routing
 from tpcomm.config import Config
 from tpcomm.reference import rank_order_sum, reference_add_rms_norm, ulp_distance
 
@@ -158,11 +158,8 @@ def test_errors_name_what_is_wrong():
 def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=2, forbid=()):
     comm = object.__new__(tpcomm.Communicator)
     comm.config = Config(fused_kernel=fused_kernel)
-    comm.packet_max_bytes = packet_max_bytes
-    comm.max_bytes = 16 * MiB
-    comm.world_size = world_size
     comm._routes = policy.effective_routes(policy.load_table(None), world_size, {}, forbid)
-    comm.handle = 0x1000 if enabled else 0
+    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None
     return comm
 
 
@@ -197,7 +194,7 @@ def test_route_to_the_fused_kernel():
 
 
 def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
-    assert Config().fused_kernel is True  # on by default since it ran on 2xH200
+    assert Config().fused_kernel is True  # on by default
     monkeypatch.setenv("TPCOMM_FUSED_KERNEL", "0")
     cfg = Config.from_env()
     assert cfg.fused_kernel is False and cfg.describe()["fused_kernel"] == "False"
@@ -206,24 +203,19 @@ def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
         Config.from_env()
 
 
-def test_raw_op_schema_and_fake():
+def test_internal_op_schema_and_fake():
     tpcomm.load()
     schema = torch.ops._tpcomm.all_reduce_add_rms_norm_out.default._schema
     assert str(schema) == ("_tpcomm::all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
                            "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["normed", "residual_out"]
-    h = 0x7F00_0000_0000 + 0x77
-    _fake.WORLD_SIZES[h] = 2
-    try:
-        with FakeTensorMode():
-            x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
-            out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
-                x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
-                torch.empty_like(x), torch.empty_like(x), h)
-            assert out is None
-    finally:
-        _fake.WORLD_SIZES.pop(h, None)
+    with _testing.stand_in(2) as comm, FakeTensorMode():
+        x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
+            x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
+            torch.empty_like(x), torch.empty_like(x), comm.handle)
+        assert out is None
 
 
 def test_dispatcher_op_schema_and_fake_shapes():

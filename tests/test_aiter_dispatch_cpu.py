@@ -18,6 +18,7 @@ from test_communicator_cpu import assert_bits_equal, exact_values, expected_sum,
 from tpcomm.backends import aiter as aiter_backend
 
 DECLINE_OVER = 4096  # bytes: the stand-in declines larger inputs
+DECLINE_AT_CALL = 48  # elements: should_custom_ar takes them, the call itself returns None
 
 
 def _install_fake_aiter(events):
@@ -32,12 +33,16 @@ def _install_fake_aiter(events):
 
         def custom_all_reduce(self, input, open_fp8_quant=False):
             events.append(("all_reduce", input.numel()))
+            if input.numel() == DECLINE_AT_CALL:
+                return None
             y = input.clone()
             dist.all_reduce(y, group=self.group)
             return y
 
         def custom_all_gather(self, inp):
             events.append(("all_gather", inp.numel()))
+            if inp.numel() == DECLINE_AT_CALL:
+                return None
             parts = [torch.empty_like(inp) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(parts, inp, group=self.group)
             return torch.cat([p.reshape(-1) for p in parts])
@@ -90,6 +95,29 @@ def _body_present(rank, world_size):
     assert events[-1] == ("close",)
 
 
+def _body_declined_at_the_call(rank, world_size):
+    """A call AITER's should_custom_ar takes but its all-reduce (or
+    all-gather) then declines runs on the table's route, with the right
+    result, and stats() counts it there, not as AITER's."""
+    events = _rocm_shaped()
+    comm = tpcomm.Communicator(device="cpu")
+    assert comm.aiter_reason is None, comm.aiter_reason
+    x = exact_values(rank, (DECLINE_AT_CALL,), torch.float32, seed=5)
+    for _ in range(2):  # the first call and the memoised route alike
+        assert_bits_equal(comm.all_reduce(x), expected_sum(world_size, (DECLINE_AT_CALL,), torch.float32, seed=5),
+                          "declined all_reduce")
+        g = comm.all_gather(x)
+        assert_bits_equal(g, torch.cat([exact_values(r, (DECLINE_AT_CALL,), torch.float32, seed=5)
+                                        for r in range(world_size)]), "declined all_gather")
+    assert events.count(("all_reduce", DECLINE_AT_CALL)) == 2 and events.count(("all_gather", DECLINE_AT_CALL)) == 2
+    nbytes = DECLINE_AT_CALL * 4
+    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 2, "bytes": 2 * nbytes},
+                            ("all_gather", "nccl"): {"calls": 2, "bytes": 2 * nbytes}}, comm.stats()
+    comm.all_reduce(torch.ones(16))  # taken: counted as AITER's
+    assert comm.stats()[("all_reduce", "aiter")] == {"calls": 1, "bytes": 64}
+    comm.close()
+
+
 def _body_switched_off(rank, world_size):
     events = _rocm_shaped()
     comm = tpcomm.Communicator(device="cpu", config=tpcomm.Config(aiter=False))
@@ -124,6 +152,10 @@ def _body_cuda_torch(rank, world_size):
 
 def test_aiter_is_tried_first_on_rocm():
     run_ranks(2, _body_present)
+
+
+def test_a_call_aiter_declines_is_counted_where_it_ran():
+    run_ranks(2, _body_declined_at_the_call)
 
 
 def test_aiter_off_by_config():

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tpcomm
-from tpcomm import policy
 from tpcomm.bench.measure import rendezvous
 
 KiB = 1024
@@ -238,10 +237,10 @@ def _check_disabled(comm, reason_needle):
     assert reason_needle in comm.disabled_reason, comm.disabled_reason
     assert "NCCL only" in repr(comm)
     comm.check()  # nothing to check without the custom path
-    # every rank holds the same verdict
-    reasons = [None] * comm.world_size
-    dist.all_gather_object(reasons, comm.disabled_reason, group=comm.group)
-    assert len(set(reasons)) == 1, reasons
+    # every rank holds the same verdict, each naming itself where it has the reason
+    verdicts = [None] * comm.world_size
+    dist.all_gather_object(verdicts, (comm.enabled, comm.disabled_reason.split(": ", 1)[1]), group=comm.group)
+    assert len(set(verdicts)) == 1, verdicts
 
 
 def _check_close(comm, rank, world_size):
@@ -266,7 +265,7 @@ def _body_main(rank, world_size):
     assert comm.rank == rank and comm.world_size == world_size
     assert comm.device == torch.device("cpu")
     _check_disabled(comm, "cpu")
-    assert comm.disabled_reason.startswith("rank 0: ")
+    assert comm.disabled_reason == f"rank {rank}: device is cpu: the custom kernels need CUDA GPUs"
     _check_all_reduce(comm, rank, world_size)
     _check_all_gather(comm, rank, world_size)
     _check_reduce_scatter(comm, rank, world_size)
@@ -301,7 +300,7 @@ def _body_disabled_by_env(rank, world_size):
     assert os.environ.get("TPCOMM_DISABLE") == "1"
     comm = tpcomm.Communicator(device="cpu")
     _check_disabled(comm, "TPCOMM_DISABLE")
-    assert comm.disabled_reason == "rank 0: disabled by TPCOMM_DISABLE (or Config.disable)"
+    assert comm.disabled_reason == f"rank {rank}: disabled by TPCOMM_DISABLE (or Config.disable)"
     y = comm.all_reduce(torch.full((8,), float(rank + 1)))
     assert_bits_equal(y, torch.full((8,), float(world_size * (world_size + 1) // 2)), "all_reduce when disabled")
     comm.close()
@@ -312,7 +311,7 @@ def _body_serials_per_group(rank, world_size):
     {0,2} and creates their communicators in the opposite order from the
     order in which the groups were made; each group's ranks still agree. A
     rank whose count on a group really is off is told so."""
-    from tpcomm import communicator
+    from tpcomm import _setup
 
     g01 = dist.new_group([0, 1])
     g02 = dist.new_group([0, 2])
@@ -330,7 +329,7 @@ def _body_serials_per_group(rank, world_size):
         # rank 1 skips a number on this group (as if it had created one the
         # other rank did not): the next communicator says so on both ranks
         if rank == 1:
-            next(communicator._serials[communicator.group_key(g01)])
+            next(_setup.serials[_setup.group_key(g01)])
         off = tpcomm.Communicator(g01, device="cpu")
         assert "different orders" in off.disabled_reason, off.disabled_reason
         assert "[2, 3]" in off.disabled_reason, off.disabled_reason
@@ -344,17 +343,20 @@ def _body_serials_per_group(rank, world_size):
 def _body_close_barrier_is_bounded(rank, world_size):
     """close()'s meeting with the peers gives up after its timeout and names
     the ranks that did not come (a peer that died never calls close)."""
+    from tpcomm import _setup
+
     comm = tpcomm.Communicator(device="cpu")
+    prefix = "tpcomm/test/close-barrier"
     if rank == 0:
         start = time.monotonic()
-        missing = comm._meet_peers(1.0)
+        missing = _setup.meet_peers(comm.group, rank, prefix, 1.0)
         took = time.monotonic() - start
         assert missing == list(range(1, world_size)), missing
         assert 1.0 <= took < 3.0, took
     dist.barrier()
     if rank:  # the late ranks arrive now: rank 0's mark is there, nobody is missing
         start = time.monotonic()
-        assert comm._meet_peers(30.0) == []
+        assert _setup.meet_peers(comm.group, rank, prefix, 30.0) == []
         assert time.monotonic() - start < 10.0
     comm.close()
 
@@ -412,194 +414,3 @@ def test_needs_torch_distributed():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed"):
         tpcomm.Communicator(device="cpu")
-
-
-# ---------------------------------------- routing of an enabled communicator
-#
-# The routing decisions are plain Python over sizes; they are checked here on
-# a Communicator whose set-up is skipped and that pretends to be enabled.
-
-# An explicit table, so these tests do not move when the shipped one is re-tuned.
-TABLE = {"routes": {op: {"2": {"*": [[256 * KiB, "packet"], [16 * MiB, "bulk"]]},
-                         "*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
-                    for op in ("all_reduce", "all_gather")}}
-
-
-def _routing_comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=()):
-    comm = object.__new__(tpcomm.Communicator)
-    comm.world_size = world_size
-    comm.max_bytes = max_bytes
-    comm.packet_max_bytes = packet_max_bytes
-    comm._routes = policy.effective_routes(policy.load_table(table), world_size, force, forbid)
-    comm.handle = 0x1000  # "enabled"
-    return comm
-
-
-def _t(nbytes, dtype=torch.float32, shape=None):
-    esize = torch.empty((), dtype=dtype).element_size()
-    return torch.empty(shape or (nbytes // esize,), dtype=dtype, device="meta")
-
-
-def test_shipped_bands_past_max_bytes_apply_only_to_a_larger_communicator():
-    """The shipped table's last bulk band reaches 64 MiB (measured faster than
-    NCCL there); a communicator's max_bytes still sends anything larger than
-    it to NCCL."""
-    default = _routing_comm(table=None)
-    large = _routing_comm(table=None, max_bytes=128 * MiB)
-    assert default.route_all_reduce(_t(64 * MiB)) == "nccl"
-    assert large.route_all_reduce(_t(64 * MiB)) == "bulk"
-    assert large.route_all_reduce(_t(64 * MiB + 16)) == "nccl"  # past the last band
-
-
-LINE_TABLE = {"routes": {op: {"*": {"*": [[4 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}}
-                         for op in ("all_reduce", "all_gather")}}
-
-
-def test_route_line_kernels():
-    """The line kernels take their bands where they can run (16-byte sizes,
-    and rows for all_gather; up to the packet cap; CUDA builds); the packet
-    kernel takes what they cannot, bulk what is over the cap."""
-    c = _routing_comm(table=LINE_TABLE, packet_max_bytes=512 * KiB)
-    assert c.route_all_reduce(_t(4 * KiB)) == "packet"
-    assert c.route_all_reduce(_t(4 * KiB + 16)) == "line"
-    assert c.route_all_reduce(_t(512 * KiB)) == "line"
-    assert c.route_all_reduce(_t(512 * KiB + 16)) == "bulk"  # over the packet cap: lines live in packet slots
-    assert c.route_all_gather(_t(64 * KiB), 0) == "line"
-    assert c.route_all_gather(_t(64 * KiB, shape=(8192, 2)), 1) == "packet"  # 8-byte rows
-    assert c.route_all_gather(_t(64 * KiB, shape=(1024, 16)), 1) == "line"  # 64-byte rows
-    assert c.route_all_gather(_t(64 * KiB + 4), 0) == "packet"
-    assert c.route_all_gather(_t(1 * MiB), 0) == "bulk"
-    c.line_kernels = False  # a ROCm build
-    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
-    assert c.route_all_gather(_t(64 * KiB), 0) == "packet"
-    assert _routing_comm(table=LINE_TABLE, forbid=("line",)).route_all_reduce(_t(64 * KiB)) == "nccl"
-    with pytest.raises(ValueError, match="reduce_scatter has no line kernel"):
-        tpcomm.Config(force=(("reduce_scatter", "line"),)).checked()
-
-
-def test_route_all_reduce():
-    c = _routing_comm()
-    assert c.enabled
-    assert c.route_all_reduce(_t(16)) == "packet"
-    assert c.route_all_reduce(_t(256 * KiB)) == "packet"
-    assert c.route_all_reduce(_t(256 * KiB + 16)) == "bulk"
-    assert c.route_all_reduce(_t(16 * MiB)) == "bulk"
-    assert c.route_all_reduce(_t(16 * MiB + 16)) == "nccl"
-    assert c.route_all_reduce(_t(1024, torch.bfloat16)) == "packet"
-    assert c.route_all_reduce(_t(1024, torch.float16)) == "packet"
-    # dtypes the kernels do not reduce, sizes they do not take
-    assert c.route_all_reduce(_t(1024, torch.int64)) == "nccl"
-    assert c.route_all_reduce(_t(1024, torch.float64)) == "nccl"
-    assert c.route_all_reduce(_t(20)) == "nccl"
-    assert c.route_all_reduce(_t(0)) == "nccl"
-    # the caps of this communicator win over the table
-    c = _routing_comm(max_bytes=1 * MiB, packet_max_bytes=64 * KiB)
-    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
-    assert c.route_all_reduce(_t(128 * KiB)) == "bulk"  # table says packet, over the packet cap
-    assert c.route_all_reduce(_t(1 * MiB)) == "bulk"
-    assert c.route_all_reduce(_t(1 * MiB + 16)) == "nccl"
-    # world size 4 uses the "other" rows
-    c = _routing_comm(world_size=4)
-    assert c.route_all_reduce(_t(64 * KiB)) == "packet"
-    assert c.route_all_reduce(_t(64 * KiB + 16)) == "bulk"
-    # disabled: always NCCL
-    c.handle = 0
-    assert c.route_all_reduce(_t(16)) == "nccl"
-
-
-def test_route_all_gather():
-    c = _routing_comm()
-    assert c.route_all_gather(_t(1024, shape=(64, 4)), 0) == "packet"
-    assert c.route_all_gather(_t(1024, shape=(64, 4)), 1) == "packet"
-    big = (64 * KiB, 2)  # 512 KiB of fp32; rows of 8 bytes along dim 1
-    assert c.route_all_gather(_t(0, shape=big), 0) == "bulk"
-    assert c.route_all_gather(_t(0, shape=big), -1) == "packet"  # 8-byte rows: no bulk
-    assert c.route_all_gather(_t(0, shape=(32 * KiB, 4)), 1) == "bulk"  # 16-byte rows
-    # sizes or rows that are not a multiple of 4 bytes: NCCL
-    assert c.route_all_gather(_t(6, torch.uint8), 0) == "nccl"
-    assert c.route_all_gather(_t(0, torch.float16, shape=(4, 3)), 1) == "nccl"  # 6-byte rows
-    assert c.route_all_gather(_t(0, torch.float16, shape=(4, 3)), 0) == "packet"  # 24 bytes
-    assert c.route_all_gather(_t(0, torch.float16, shape=(0, 8)), 0) == "nccl"
-    # over the packet cap and bulk impossible: NCCL
-    c = _routing_comm(packet_max_bytes=64 * KiB)
-    assert c.route_all_gather(_t(0, shape=big), -1) == "nccl"
-    assert c.route_all_gather(_t(0, shape=big), 0) == "bulk"
-    # bulk output over max_bytes
-    c = _routing_comm(max_bytes=1 * MiB)
-    assert c.route_all_gather(_t(512 * KiB), 0) == "bulk"  # 2 x 512 KiB out: fits exactly
-    assert c.route_all_gather(_t(512 * KiB + 16), 0) == "packet"  # output too large: within the packet cap
-    c = _routing_comm(max_bytes=1 * MiB, packet_max_bytes=256 * KiB)
-    assert c.route_all_gather(_t(512 * KiB + 16), 0) == "nccl"  # neither kernel takes it
-    c.handle = 0
-    assert c.route_all_gather(_t(1024), 0) == "nccl"
-
-
-def test_route_default_tables():
-    """With the shipped table, a size the table gives to a kernel goes to
-    that kernel (on a communicator whose caps hold it), and past the table to
-    NCCL."""
-    shipped = policy.load_table()
-    for world_size in (2, 4, 8):
-        c = _routing_comm(world_size=world_size, table=None, max_bytes=64 * MiB)
-        for dtype in (torch.float32, torch.bfloat16):
-            rows = policy.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
-            for limit, backend in rows:
-                assert c.route_all_reduce(_t(limit, dtype)) == backend
-            assert c.route_all_reduce(_t(rows[-1][0] + 16, dtype)) == "nccl"
-
-
-def test_route_per_dtype_forced_and_forbidden():
-    """A dtype row of the table, a forced backend and a forbidden one."""
-    table = {"routes": {"all_reduce": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]],
-                                              "bfloat16": [[4 * KiB, "packet"], [16 * MiB, "bulk"]]}},
-                        "all_gather": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}}}
-    c = _routing_comm(table=table)
-    assert c.route_all_reduce(_t(8 * KiB, torch.float32)) == "packet"
-    assert c.route_all_reduce(_t(8 * KiB, torch.bfloat16)) == "bulk"
-    assert c.route_all_reduce(_t(8 * KiB, torch.float16)) == "packet"  # no row of its own: "*"
-    c = _routing_comm(table=table, force={"all_reduce": "nccl"})
-    assert c.route_all_reduce(_t(64)) == "nccl"
-    assert c.route_all_gather(_t(64), 0) == "packet"  # only all_reduce was forced
-    c = _routing_comm(table=table, force={"all_gather": "bulk"})
-    assert c.route_all_gather(_t(64), 0) == "bulk"
-    assert c.route_all_gather(_t(12), 0) == "packet"  # bulk cannot take 12 bytes: the kernel that can
-    c = _routing_comm(table=table, forbid=("packet",))
-    assert c.route_all_reduce(_t(1024)) == "nccl"
-    assert c.route_all_reduce(_t(1 * MiB)) == "bulk"
-
-
-def test_route_never_depends_on_the_pointer():
-    """A view at an odd offset on one rank only must take the same route as
-    the aligned tensor its peers hold (the binding copies it into an aligned
-    tensor), or one rank would run the kernel while the other calls NCCL."""
-    c = _routing_comm()
-    base = torch.zeros(4096 + 3)
-    for offset in (1, 2, 3):  # 4, 8 and 12 bytes past a 16-byte boundary
-        x = base[offset:offset + 1024]
-        assert x.is_contiguous() and x.data_ptr() % 16 == 4 * offset
-        assert c.route_all_reduce(x) == c.route_all_reduce(torch.zeros(1024)) == "packet"
-        g = base[offset:offset + 4096].view(64, 64)
-        for dim in (0, 1):
-            assert c.route_all_gather(g, dim) == c.route_all_gather(torch.zeros(64, 64), dim)
-
-
-def test_routing_summary_logged_at_init_names_every_band():
-    c = _routing_comm()
-    text = c._routing_summary()
-    assert "all_reduce: packet up to 262144 B, bulk up to 16777216 B, then nccl" in text
-    assert "all_gather: packet up to 262144 B" in text and "caps: packet 1048576 B per rank" in text
-
-
-def test_route_reduce_scatter():
-    """Bands by input bytes per rank; the packet cap applies to one part."""
-    table = {"routes": {"reduce_scatter": {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}}}
-    c = _routing_comm(table=table, packet_max_bytes=16 * KiB)
-    assert c.route_reduce_scatter(_t(32)) == "packet"            # 2 parts of 16 bytes
-    assert c.route_reduce_scatter(_t(32 * KiB)) == "packet"      # parts of 16 KiB: at the packet cap
-    assert c.route_reduce_scatter(_t(32 * KiB + 32)) == "bulk"   # over the packet cap per part
-    assert c.route_reduce_scatter(_t(64 * KiB + 32)) == "bulk"
-    assert c.route_reduce_scatter(_t(16 * MiB + 32)) == "nccl"   # over max_bytes
-    assert c.route_reduce_scatter(_t(48)) == "nccl"              # parts of 24 bytes
-    assert c.route_reduce_scatter(_t(1024, torch.int32)) == "nccl"
-    c.handle = 0
-    assert c.route_reduce_scatter(_t(32)) == "nccl"

@@ -110,15 +110,17 @@ def test_ranks_that_would_route_differently_all_raise():
 # ------------------------------------------- where the custom path is declined
 #
 # On CPU every rank has a local reason ("device is cpu") that comes first;
-# these bodies take it away to reach the checks of the whole group: another
-# node, GPUs without NVLink between every pair, NVML unavailable.
+# these bodies take it away (tpcomm._setup.local_reason says the rank could
+# run the kernels) to reach the checks of the whole group: another node, GPUs
+# without NVLink between every pair, NVML unavailable, a shared GPU.
 
-class _GpuLike(tpcomm.Communicator):
-    def _local_reason(self):
-        return None
+def _gpu_like(opened="the custom path was opened"):
+    """Every rank's own checks pass; opening the C communicator only says
+    `opened` (it is never reached when the group declines)."""
+    from tpcomm import _setup
 
-    def _open_custom(self):  # never reached when the group declines
-        raise AssertionError("the custom path was opened")
+    _setup.local_reason = lambda config, world_size, device: (None, None)
+    _setup.open_custom = lambda *args: (None, opened)
 
 
 def _facts(host, uuid):
@@ -128,7 +130,8 @@ def _facts(host, uuid):
 def _body_two_nodes(rank, world_size):
     from tpcomm import topology
     topology.local_facts = _facts(f"node{rank % 2}", f"GPU-{rank}")
-    comm = _GpuLike(device="cpu")
+    _gpu_like()
+    comm = tpcomm.Communicator(device="cpu")
     assert comm.disabled_reason == "the group spans 2 nodes; the custom kernels are intra-node", comm.disabled_reason
     assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), float(world_size)))  # NCCL path works
     comm.close()
@@ -139,44 +142,77 @@ def test_a_group_across_nodes_goes_to_nccl():
 
 
 def _body_nvlink(rank, world_size):
-    from tpcomm import topology
+    from tpcomm import _testing, topology
     topology.local_facts = _facts("one-host", f"GPU-{rank}")
     topology.nvlink_between_all = lambda uuids: False
-    comm = _GpuLike(device="cpu")
+    _gpu_like()
+    comm = tpcomm.Communicator(device="cpu")
     assert comm.disabled_reason == f"{world_size} GPUs without NVLink between every pair", comm.disabled_reason
     comm.close()
     topology.nvlink_between_all = lambda uuids: None
-    comm = _GpuLike(device="cpu")
+    comm = tpcomm.Communicator(device="cpu")
     assert "NVML unavailable" in comm.disabled_reason, comm.disabled_reason
     comm.close()
     topology.local_facts = _facts("one-host", "GPU-same")
-    comm = _GpuLike(device="cpu")
+    comm = tpcomm.Communicator(device="cpu")
     assert comm.disabled_reason == "two ranks share one GPU", comm.disabled_reason
     comm.close()
-    # Config.share_gpu (one-GPU kernel tests) lets the shared GPU through to the
-    # custom path, and the NVLink check is not asked about a GPU and itself.
+    # tpcomm._testing.allow_shared_gpu (one-GPU kernel tests), on every rank,
+    # lets the shared GPU through to the custom path, and the NVLink check is
+    # not asked about a GPU and itself; on some ranks only, it does not.
     topology.nvlink_between_all = lambda uuids: pytest.fail(f"NVLink asked about {uuids}")
-    comm = _SharedGpu(device="cpu", config=Config(share_gpu=True))
+    _gpu_like(opened="custom path reached")
+    _testing.allow_shared_gpu(rank != 1)
+    comm = tpcomm.Communicator(device="cpu")
+    assert comm.disabled_reason == "two ranks share one GPU", comm.disabled_reason
+    comm.close()
+    _testing.allow_shared_gpu(True)
+    comm = tpcomm.Communicator(device="cpu")
     assert comm.disabled_reason == "custom path reached", comm.disabled_reason
     comm.close()
-
-
-class _SharedGpu(_GpuLike):
-    def _open_custom(self):
-        return "custom path reached"
+    _testing.allow_shared_gpu(False)
 
 
 def test_gpus_without_nvlink_or_shared_go_to_nccl():
     run_ranks(3, _body_nvlink)
 
 
-def test_share_gpu_is_read_from_the_environment(monkeypatch):
+def test_shared_gpu_is_no_part_of_the_production_config(monkeypatch):
+    """Sharing a GPU is a test hook (tpcomm._testing), not a Config field nor
+    a variable Config reads, and not in what the ranks compare."""
+    from tpcomm import _testing
+
     monkeypatch.setenv("TPCOMM_SHARE_GPU", "1")
-    assert Config.from_env().share_gpu is True
-    assert Config.from_env().describe()["share_gpu"] == "True"
-    monkeypatch.setenv("TPCOMM_SHARE_GPU", "maybe")
-    with pytest.raises(ValueError, match="TPCOMM_SHARE_GPU"):
-        Config.from_env()
+    assert Config.from_env() == Config()
+    assert not hasattr(Config(), "share_gpu") and "share_gpu" not in Config().describe()
+    assert _testing.shared_gpu_allowed() is False
+    try:
+        _testing.allow_shared_gpu(True)
+        assert _testing.shared_gpu_allowed() is True
+    finally:
+        _testing.allow_shared_gpu(False)
+
+
+def _body_each_rank_names_the_rank_with_the_reason(rank, world_size):
+    """A verdict names the rank it comes from: a rank with a reason of its
+    own names itself; the others name the first rank that has one."""
+    from tpcomm import _setup
+
+    local = _setup.local_reason
+    reasons = {0: None, 1: "no GPU here", 2: "nor here"}
+    _setup.local_reason = lambda config, world_size, device: (reasons[rank], None)
+    comm = tpcomm.Communicator(device="cpu")
+    expected = {0: "rank 1: no GPU here", 1: "rank 1: no GPU here", 2: "rank 2: nor here"}[rank]
+    assert comm.disabled_reason == expected and not comm.enabled, comm.disabled_reason
+    comm.close()
+    _setup.local_reason = local
+    comm = tpcomm.Communicator(device="cpu")  # every rank has its own reason on CPU
+    assert comm.disabled_reason == f"rank {rank}: device is cpu: the custom kernels need CUDA GPUs"
+    comm.close()
+
+
+def test_each_rank_names_the_rank_with_the_reason():
+    run_ranks(3, _body_each_rank_names_the_rank_with_the_reason)
 
 
 def _body_stats(rank, world_size):

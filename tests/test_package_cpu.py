@@ -10,21 +10,31 @@ import sys
 import pytest
 
 import tpcomm
-from tpcomm import _log, topology
+from tpcomm import _log, config
 from test_communicator_cpu import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_import_alone_registers_the_ops():
-    """A fresh interpreter that only imports tpcomm can name every op."""
+    """A fresh interpreter that only imports tpcomm can name every op: the
+    public group-name family torch.ops.tpcomm.* (and no other op in that
+    namespace) and the internal torch.ops._tpcomm.*."""
     code = ("import torch, tpcomm\n"
-            "for name in ('all_reduce', 'all_reduce_out', 'all_gather'):\n"
-            "    print(getattr(torch.ops._tpcomm, name).default._schema)\n")
+            "for name in ('all_reduce', 'all_gather', 'reduce_scatter', 'all_reduce_add_rms_norm'):\n"
+            "    print(getattr(torch.ops.tpcomm, name).default._schema)\n"
+            "for name in ('all_reduce', 'all_reduce_out', 'all_gather', 'reduce_scatter', 'reduce_scatter_f32',\n"
+            "             'all_reduce_add_rms_norm_out'):\n"
+            "    print(getattr(torch.ops._tpcomm, name).default._schema)\n"
+            "print('public:', sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('tpcomm::')))\n")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("_tpcomm::") == 3, out.stdout
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("tpcomm::") and "str group_name" in line for line in lines) == 4, out.stdout
+    assert sum(line.startswith("_tpcomm::") and "int comm" in line for line in lines) == 6, out.stdout
+    assert lines[-1] == ("public: ['tpcomm::all_gather', 'tpcomm::all_reduce', 'tpcomm::all_reduce_add_rms_norm', "
+                         "'tpcomm::reduce_scatter']"), lines[-1]
 
 
 def test_console_script_and_metadata():
@@ -51,14 +61,14 @@ def test_log_once_says_each_message_once(caplog):
                                             ("", False), ("0", False), ("off", False), ("No", False)])
 def test_env_flag_values(monkeypatch, value, expected):
     monkeypatch.setenv("TPCOMM_TEST_FLAG", value)
-    assert topology.env_flag("TPCOMM_TEST_FLAG") is expected
+    assert config.env_flag("TPCOMM_TEST_FLAG") is expected
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enable"])
 def test_env_flag_bad_value_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("TPCOMM_TEST_FLAG", value)
     with pytest.raises(ValueError, match=f"TPCOMM_TEST_FLAG='{value}'"):
-        topology.env_flag("TPCOMM_TEST_FLAG")
+        config.env_flag("TPCOMM_TEST_FLAG")
 
 
 @pytest.mark.parametrize("value,needle", [("abc", "is not a number"), ("0", "must be positive"),
@@ -66,14 +76,14 @@ def test_env_flag_bad_value_names_the_variable(monkeypatch, value):
 def test_env_float_bad_value_names_the_variable(monkeypatch, value, needle):
     monkeypatch.setenv("TPCOMM_TEST_SECONDS", value)
     with pytest.raises(ValueError, match=f"TPCOMM_TEST_SECONDS='{value}' {needle}"):
-        topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0)
+        config.env_positive_float("TPCOMM_TEST_SECONDS", 10.0)
 
 
 def test_env_float_default_and_value(monkeypatch):
     monkeypatch.delenv("TPCOMM_TEST_SECONDS", raising=False)
-    assert topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 10.0
+    assert config.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 10.0
     monkeypatch.setenv("TPCOMM_TEST_SECONDS", "2.5")
-    assert topology.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 2.5
+    assert config.env_positive_float("TPCOMM_TEST_SECONDS", 10.0) == 2.5
 
 
 class _Records(logging.Handler):

@@ -1,4 +1,6 @@
-"""tpcomm: fast intra-node collectives for tensor-parallel LLM inference.
+"""tpcomm: fast intra-node collectives (all-reduce, all-gather, reduce-scatter,
+and all-reduce fused with the residual add and RMSNorm) for tensor-parallel
+LLM inference.
 
     comm = tpcomm.Communicator(group)        # collective, once per TP group
     y = comm.all_reduce(x)                    # custom kernel, or NCCL fallback
@@ -6,11 +8,14 @@
     with comm.capture(): ... CUDA graph capture ...
     comm.close()                              # collective, bounded; comm.abort(): not collective
 
-The internal torch ops behind them take the communicator's id and the kernel
-the Communicator chose: torch.ops._tpcomm.all_reduce(x, comm.handle, algo),
-all_reduce_out(x, out, comm.handle, algo), all_gather(x, dim, comm.handle,
-algo). comm.handle is the communicator's id (looked up on every call: a
-closed one raises).
+Inside a model's forward, under CUDA graphs and torch.compile, the torch ops
+taking the group's name route each call exactly as the Communicator does
+(tpcomm.ops):
+
+    y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
 CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.
@@ -22,17 +27,17 @@ from ._log import log_once as _log_once
 from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
-from . import fusion, policy
+from . import fusion, ops, policy
 
 # The ops exist as soon as tpcomm is imported (a model can name
-# torch.ops.tpcomm.* before any Communicator). A missing or broken build is
+# torch.ops.tpcomm.* before any Communicator: tpcomm.ops defines them in
+# Python; load() registers the internal ones). A missing or broken build is
 # not an import error: it is logged here, and every Communicator reports it
 # as its disabled_reason and falls back to torch.distributed.
 try:
     load()
 except ImportError as _e:
-    _log_once(_logging.WARNING, f"tpcomm: {_e}; torch.ops.tpcomm is unavailable and every "
-                                "Communicator falls back to torch.distributed")
+    _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "fusion", "load", "policy"]

@@ -1,13 +1,14 @@
-"""Fake (meta) implementations of the ops, so torch.compile and FakeTensorMode
-can trace them without running a collective."""
+"""Fake (meta) implementations of the internal ops torch.ops._tpcomm.* (the
+C++ binding defines them and their CUDA kernels), so torch.compile and
+FakeTensorMode can trace them without running a collective. The output shape
+of a gather or scatter needs the world size, which the communicator id's entry
+in tpcomm._registry holds."""
 import torch
 
+from . import _registry
 from ._shapes import checked_dim
 
-# handle -> world size. The all-gather output shape needs the communicator's
-# world size, which only the handle knows; Communicator registers itself here.
-WORLD_SIZES = {}
-
+NAMESPACE = "_tpcomm"
 _registered = False
 
 
@@ -17,41 +18,35 @@ def register():
         return
     _registered = True
 
-    @torch.library.register_fake("_tpcomm::all_reduce")
+    @torch.library.register_fake(f"{NAMESPACE}::all_reduce")
     def _all_reduce_fake(input, comm, algo):
         return torch.empty_like(input, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("_tpcomm::all_reduce_out")
+    @torch.library.register_fake(f"{NAMESPACE}::all_reduce_out")
     def _all_reduce_out_fake(input, out, comm, algo):
         return None
 
-    @torch.library.register_fake("_tpcomm::all_reduce_add_rms_norm_out")
+    @torch.library.register_fake(f"{NAMESPACE}::all_reduce_add_rms_norm_out")
     def _all_reduce_add_rms_norm_out_fake(input, residual, weight, eps, normed, residual_out, comm):
         return None
 
-    @torch.library.register_fake("_tpcomm::reduce_scatter")
+    @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
     def _reduce_scatter_fake(input, comm, algo):
         return input.new_empty(_scattered_shape(input, comm))
 
-    @torch.library.register_fake("_tpcomm::reduce_scatter_f32")
+    @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter_f32")
     def _reduce_scatter_f32_fake(input, comm, algo):
         return input.new_empty(_scattered_shape(input, comm), dtype=torch.float32)
 
-    @torch.library.register_fake("_tpcomm::all_gather")
+    @torch.library.register_fake(f"{NAMESPACE}::all_gather")
     def _all_gather_fake(input, dim, comm, algo):
         shape = list(input.shape)
-        shape[checked_dim(input, dim, "all_gather")] *= _world_size(comm)
+        shape[checked_dim(input, dim, "all_gather")] *= _registry.by_id(comm).world_size
         return input.new_empty(shape)
 
 
 def _scattered_shape(input, comm):
-    world = _world_size(comm)
+    world = _registry.by_id(comm).world_size
     if input.dim() == 0 or input.shape[0] % world:
         raise ValueError(f"tpcomm: reduce_scatter needs dim 0 divisible by the world size {world}")
     return (input.shape[0] // world,) + tuple(input.shape[1:])
-
-
-def _world_size(comm):
-    if comm not in WORLD_SIZES:
-        raise ValueError(f"tpcomm: handle {comm} is not an open communicator")
-    return WORLD_SIZES[comm]

@@ -10,19 +10,18 @@ import re
 
 import torch
 
+from . import _constants as C
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 
-IPC_HANDLE_BYTES = 144  # csrc/tpcomm.h: two allocation handles and an offset
-MAX_RANKS = 8
-NORM_MAX_ROW_BYTES = 32768  # csrc/tpcomm.h: the longest row the fused norm kernel takes
-
-# tpc_result codes (csrc/tpcomm.h)
-(OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE,
- ERR_CLOSED) = range(9)
+IPC_HANDLE_BYTES = C.TPC_IPC_HANDLE_BYTES
+MAX_RANKS = C.TPC_MAX_RANKS
+NORM_MAX_ROW_BYTES = C.TPC_NORM_MAX_ROW_BYTES  # the longest row the fused norm kernel takes
+# tpc_result codes
+OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE, ERR_CLOSED = (
+    C.TPC_OK, C.TPC_ERR_INVALID_ARG, C.TPC_ERR_RUNTIME, C.TPC_ERR_PEER, C.TPC_ERR_STATE, C.TPC_ERR_TIMEOUT,
+    C.TPC_ERR_MISMATCH, C.TPC_ERR_TOO_LARGE, C.TPC_ERR_CLOSED)
 # tpc_algo
-ALGO_PACKET, ALGO_BULK, ALGO_LINE = 1, 2, 3
-# tpc_dtype by torch name
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+ALGO_PACKET, ALGO_BULK, ALGO_LINE = C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE
 
 
 class Config(ctypes.Structure):
@@ -86,7 +85,8 @@ def library_path():
 
 
 def load():
-    """Returns the ctypes library, registering torch.ops._tpcomm.* on first use."""
+    """Returns the ctypes library, registering the internal ops torch.ops._tpcomm.*
+    (and their fake implementations) on first use."""
     global _lib, _load_error
     if _lib is not None:
         return _lib
@@ -119,7 +119,7 @@ def _bind_fastpath(lib):
     except ImportError as e:
         from ._log import log_once
         log_once(logging.WARNING, f"tpcomm: the eager fast path was not built ({e}); eager all_reduce "
-                 f"goes through the torch op, a few microseconds more per call")
+                 f"goes through the torch op, which costs more host time per call")
         return
     address = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
                for name in ("tpc_id_all_reduce", "tpc_comm_last_error", "tpc_result_string")]

@@ -4,7 +4,8 @@ residual it gives (rms_norm(z) * weight, z), the norm over the last
 dimension, computed in fp32 and rounded once (z is not rounded before the
 norm; tpcomm.reference is the definition the tests use).
 
-Three routes, chosen from what every rank shares (shape, dtype, config):
+Three routes, chosen from what every rank shares (shape, dtype, config) by
+tpcomm.routing.add_rms_norm:
   "fused"   one launch of tpcomm's fused kernel (csrc/kernels/all_reduce_norm.cuh):
             fp16/bf16, the input within the packet cap, a row of at most
             TPC_NORM_MAX_ROW_BYTES.
@@ -22,7 +23,6 @@ Unfused gives the reference within 1 ulp (NCCL's order on more than 2 ranks).
 Config.fused_kernel=False leaves only "unfused"."""
 import torch
 
-from . import _lib, policy
 
 def check_args(x, residual, weight, eps):
     """Shapes, dtypes and eps; raises before anything collective happens."""
@@ -34,19 +34,6 @@ def check_args(x, residual, weight, eps):
                         f"and a floating-point weight; got {x.dtype}, {residual.dtype}, {weight.dtype}")
     if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
         raise ValueError(f"tpcomm: eps={eps!r} must be a number in [0, 1]")
-
-
-def route(comm, x, weight):
-    nbytes = x.numel() * x.element_size()
-    row = x.shape[-1] * x.element_size() if x.dim() else 0
-    if not (comm.enabled and comm.config.fused_kernel and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and nbytes > 0 and row and row % 16 == 0):
-        return "unfused"
-    if nbytes <= comm.packet_max_bytes and row <= _lib.NORM_MAX_ROW_BYTES:
-        return "fused"
-    if (nbytes // row) % comm.world_size == 0 and comm.route_reduce_scatter(x) in policy.KERNELS:
-        return "split"
-    return "unfused"
 
 
 def run(comm, how, x, residual, weight, eps, in_place):

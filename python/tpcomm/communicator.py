@@ -1,44 +1,24 @@
 """Communicator: tpcomm's resources for one torch.distributed group on one GPU,
 and the per-call choice between tpcomm's kernels and NCCL."""
-import collections
 import contextlib
 import ctypes
-import itertools
+import functools
 import logging
-import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from . import _fake, _lib, add_rms_norm, ops, policy, topology
+from . import _lib, _registry, _setup, add_rms_norm, policy, routing
 from ._log import log_once
 from ._shapes import checked_dim
 from .backends import aiter
-from .backends.kernels import ALGOS as KERNEL_ALGOS, Kernels
+from .backends.kernels import Kernels
 from .backends.nccl import Nccl
 from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
 
-KiB = 1024
-MiB = 1024 * KiB
-REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
-# Communicators created so far on each group (keyed by the group's name):
-# every rank of a group must create them in the same order, whatever other
-# groups (TP inside PP, DP replicas) it also belongs to.
-_serials = collections.defaultdict(itertools.count)
-# Looked up once: the eager all_reduce calls them on every op.
-_is_compiling = torch.compiler.is_compiling
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
-
-
-def group_key(group):
-    """A name for `group` that every member computes alike."""
-    name = getattr(group, "group_name", None)
-    return name if name else tuple(dist.get_process_group_ranks(group))
 
 
 class Communicator:
@@ -74,8 +54,7 @@ class Communicator:
     """
 
     # The line kernels rest on NVLink delivering a warp's 128-byte store whole
-    # (csrc/kernels/line.cuh): CUDA builds only; elsewhere their bands run on
-    # the packet kernels.
+    # (csrc/kernels/line.cuh): CUDA builds only.
     line_kernels = torch.version.hip is None
 
     def __init__(self, group=None, device=None, max_bytes=None, packet_max_bytes=None,
@@ -85,7 +64,7 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.device = _resolve_device(device)
+        self.device = _setup.resolve_device(device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None  # for _check_input
         self.config = (config or Config.from_env()).replace(
             max_bytes=max_bytes, packet_max_bytes=packet_max_bytes, timeout_s=timeout_s,
@@ -96,184 +75,37 @@ class Communicator:
         self.table = policy.load_table(table if isinstance(table, dict) else self.config.table)
         self._routes = policy.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                self.config.forbid)
-        self.handle = 0          # the communicator's id, the int the ops take; 0 once closed
-        self._id = 0             # the same, kept after close (check() reads its record)
-        self._comm = None        # the C communicator, as a ctypes pointer
-        self._lib = None
+        self.handle = self._id = 0  # the id the internal ops take (0: off or closed); _id outlives close
+        self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
-        self.disabled_reason = None
-        self._nccl = Nccl(self.group)  # the fallback; the custom path adds self._kernels
-        self._kernels = None
-        self._aiter = None       # AMD AITER's all-reduce, on ROCm where it imports (backends/aiter.py)
-        self.aiter_reason = None  # why it is not used, or None
-        self._stat_cells = {}    # (op, backend) -> [calls, input bytes per rank]
-        # Per op, the route of each (dtype or layout, size) seen, with its stats
-        # cell: the eager path looks its route up instead of walking the bands.
-        self._memo = {op: {} for op in policy.OPS}
+        self._nccl = Nccl(self.group)  # the fallback
+        self._stat_cells = {}  # (op, backend) -> [calls, input bytes per rank]
+        # Per op, (dtype or shape, size) -> (stats cell, run): the route of each
+        # call seen, as the callable that runs it (routing is not walked again).
+        self._memo = {op: {} for op in routing.OPS}
         self._all_reduce_memo = self._memo["all_reduce"]  # read on every all_reduce
-        self._group_key = group_key(self.group)
-        self.group_name = str(self._group_key)  # what torch.ops.tpcomm.all_reduce(x, group_name) takes
-        self.serial = next(_serials[self._group_key])
-        with self._on_device():
-            self.disabled_reason = self._agree(self._local_reason())
-            if self.disabled_reason is None:
-                self.disabled_reason = self._open_custom()
-            self.aiter_reason = self._open_aiter()
-        ops.register(self)
+        self._group_key = _setup.group_key(self.group)
+        self.group_name = str(self._group_key)  # what the group-name ops torch.ops.tpcomm.* take
+        self.serial = next(_setup.serials[self._group_key])  # this group's communicators before it
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self._lib, self._comm, self.disabled_reason = _setup.open_group(  # collective
+                self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
+                self.max_bytes, self.packet_max_bytes)
+            if self._comm is not None:
+                self.handle = self._id = int(self._lib.tpc_comm_id(self._comm))
+                self._kernels = Kernels(self.handle, self._cuda_index)
+                self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
+            self._aiter, self.aiter_reason = aiter.open_for(
+                self.group, self.device, self.max_bytes, self.config,
+                functools.partial(_setup.agreed_error, self.group, self.rank, self.world_size))
+        _registry.register(self)
         if self.disabled_reason is not None:
             log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
                                       f"{self.disabled_reason}")
         else:
             log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
-                                   f"{self._routing_summary()}")
+                                   f"{routing.summary(self._routes, self._caps)}")
 
-    # ---------------------------------------------------------------- set-up
-    def _on_device(self):
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
-    def _local_reason(self):
-        if self.config.disable:
-            return "disabled by TPCOMM_DISABLE (or Config.disable)"
-        if not 2 <= self.world_size <= _lib.MAX_RANKS:
-            return f"world size {self.world_size} is outside 2..{_lib.MAX_RANKS}"
-        if self.device.type != "cuda":
-            return f"device is {self.device.type}: the custom kernels need CUDA GPUs"
-        try:
-            self._lib = _lib.load()
-        except ImportError as e:
-            return str(e)
-        return None
-
-    def _gather(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _first_rank_error(self, error):
-        """Collective: every rank's error (or None) exchanged; the first one,
-        naming its rank, or None when no rank has one."""
-        return _first_error([{"rank": i, "error": e} for i, e in enumerate(self._gather(error))])
-
-    def _agree(self, reason):
-        """Every rank ends with the same verdict (a rank that cannot use the
-        custom path turns it off for all, or peers would wait for it)."""
-        routing = {**policy.flatten(self._routes), **self.config.describe()}
-        facts = self._gather({"rank": self.rank, "reason": reason, "serial": self.serial, "routing": routing,
-                              **topology.local_facts(self.device)})
-        for i, f in enumerate(facts):
-            if f["rank"] != i:
-                return f"group rank {i} answered as rank {f['rank']}: groups out of step"
-        _raise_if_routing_differs([f["routing"] for f in facts])
-        serials = [f["serial"] for f in facts]
-        if len(set(serials)) != 1:
-            return ("ranks created their communicators on this group in different orders "
-                    f"(creation numbers by rank: {serials})")
-        for f in facts:
-            if f["reason"]:
-                return f"rank {f['rank']}: {f['reason']}"
-        n_nodes = topology.nodes(facts)
-        if n_nodes > 1:
-            return f"the group spans {n_nodes} nodes; the custom kernels are intra-node"
-        uuids = [f["gpu_uuid"] for f in facts]
-        if None not in uuids and len(set(uuids)) < len(uuids) and not self.config.share_gpu:
-            return "two ranks share one GPU"
-        distinct = sorted(set(uuids)) if None not in uuids else []
-        if self.world_size > 2 and len(distinct) > 1:
-            nvlink = topology.nvlink_between_all(distinct)
-            if nvlink is False:
-                return f"{self.world_size} GPUs without NVLink between every pair"
-            if nvlink is None:
-                return f"cannot tell whether {self.world_size} GPUs share NVLink (NVML unavailable)"
-        return None
-
-    def _open_custom(self):
-        lib = self._lib
-        cfg = _lib.Config(self.rank, self.world_size, self.device.index, self.max_bytes,
-                          self.packet_max_bytes, int(self.timeout_s * 1e9))
-        comm = ctypes.c_void_p()
-        local_error = None
-        code = lib.tpc_comm_create(ctypes.byref(cfg), ctypes.byref(comm))
-        handle = ctypes.create_string_buffer(_lib.IPC_HANDLE_BYTES)
-        if code != _lib.OK:
-            local_error = "create: " + lib.tpc_comm_last_error(None).decode()
-        elif lib.tpc_comm_export(comm, handle) != _lib.OK:
-            local_error = "export: " + lib.tpc_comm_last_error(comm).decode()
-        # Handles are gathered on this group, keyed by rank; _agree already
-        # checked that the ranks agree on which communicator of the group this is.
-        entries = self._gather({"rank": self.rank, "error": local_error,
-                                "handle": handle.raw if local_error is None else None})
-        reason = _first_error(entries)
-        if reason is None:
-            reason = self._open_peers(comm, entries)
-        if reason is None:
-            self._comm = comm
-            self.handle = self._id = int(lib.tpc_comm_id(comm))
-            self._kernels = Kernels(self.handle, self._cuda_index)
-            _fake.WORLD_SIZES[self.handle] = self.world_size
-            return None
-        if comm.value:
-            lib.tpc_comm_destroy(comm)
-        return reason
-
-    def _open_aiter(self):
-        """AITER's CustomAllreduce where it can run on every rank (a verdict
-        exchange first, so no rank waits in a set-up the others skip).
-        Returns why it is not used, or None."""
-        # The switches are in the configuration every rank compared in _agree,
-        # and every rank runs the same torch build: no exchange is needed to
-        # agree that AITER is off for those reasons (it would be start-up work
-        # on every CUDA communicator).
-        if self.config.disable:
-            reason = "off (TPCOMM_DISABLE)"
-        elif not self.config.aiter:
-            reason = "off (TPCOMM_AITER=0 or Config.aiter=False)"
-        elif getattr(torch.version, "hip", None) is None:
-            reason = aiter.available()[1]
-        else:
-            reason = self._first_rank_error(aiter.available()[1])
-        if reason is None:
-            made, error = None, None
-            try:
-                made = aiter.AiterAllReduce(self.group, self.device, self.max_bytes)  # collective
-            except Exception as e:  # noqa: BLE001 - a reason, never a crash
-                error = f"AITER's CustomAllreduce failed: {type(e).__name__}: {e}"
-            reason = self._first_rank_error(error)
-            if reason is None:
-                self._aiter = made
-                log_once(logging.INFO, "tpcomm: AMD AITER's custom all-reduce is tried first for all_reduce and "
-                                       "all_gather along dim 0 (what it declines: tpcomm's kernels, then RCCL)")
-                return None
-            if made is not None:
-                made.close()
-        log_once(logging.INFO, f"tpcomm: AITER backend not used: {reason}")
-        return reason
-
-    def _open_peers(self, comm, entries):
-        lib = self._lib
-        error = None
-        for peer, e in enumerate(entries):
-            if peer != self.rank and error is None:
-                if lib.tpc_comm_open_peer(comm, peer, e["handle"]) != _lib.OK:
-                    error = lib.tpc_comm_last_error(comm).decode()
-        if error is None and lib.tpc_comm_ready(comm) != _lib.OK:
-            error = lib.tpc_comm_last_error(comm).decode()
-        if error is None and lib.tpc_comm_probe_write(comm) != _lib.OK:
-            error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
-        # Probe: every rank wrote a token into every peer; after the gather
-        # (a host barrier) each checks that all tokens arrived.
-        reason = self._first_rank_error(error)
-        if reason is not None:
-            return reason
-        mask = ctypes.c_uint32()
-        if lib.tpc_comm_probe_read(comm, ctypes.byref(mask)) != _lib.OK:
-            error = "P2P probe: " + lib.tpc_comm_last_error(comm).decode()
-        else:
-            missing = [p for p in range(self.world_size) if p != self.rank and not mask.value >> p & 1]
-            if missing:
-                error = f"P2P probe: writes from ranks {missing} did not arrive"
-        return self._first_rank_error(error)
-
-    # ------------------------------------------------------------ public API
     @property
     def enabled(self) -> bool:
         return self.handle != 0
@@ -281,10 +113,11 @@ class Communicator:
     @property
     def kernels(self) -> "Kernels | None":
         """tpcomm's kernels for this communicator, called with the algorithm
-        forced ("packet", "line" or "bulk"): what the benchmark and tune measure. None
-        when the custom path is off."""
+        forced ("packet", "line" or "bulk"): what the benchmark and tune
+        measure. None when the custom path is off."""
         return self._kernels
 
+    # ------------------------------------------------------------------ ops
     def all_reduce(self, x: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """Sum of x over the group. Returns a new tensor, or writes into `out`
         (which may be x itself) and returns it. fp32/fp16/bf16 of a byte size
@@ -292,8 +125,8 @@ class Communicator:
         anything else on NCCL (non-contiguous inputs are made contiguous).
         The route depends only on what every rank shares (dtype, size,
         configuration), never on where the tensor lies in memory."""
-        # The common case checked inline (as _check_input does first): every
-        # Python call is about 0.3 us of host time on the 2xH200 host.
+        # The common case checked inline (as _check_input does first): this is
+        # the eager hot path, where every Python call level costs host time.
         if self._closed or type(x) is not torch.Tensor or not x.is_cuda or x.get_device() != self._cuda_index:
             self._check_input(x, "input")
         if out is not None:
@@ -303,35 +136,13 @@ class Communicator:
         if not x.is_contiguous():
             x = x.contiguous()
         nbytes = x.nbytes
-        key = (x.dtype, nbytes)
-        hit = self._all_reduce_memo.get(key)
+        hit = self._all_reduce_memo.get((x.dtype, nbytes))
         if hit is None:
-            backend = "aiter" if self._aiter is not None and self._aiter.can_take(x) else \
-                self._route_all_reduce(x, nbytes)
-            hit = self._remember("all_reduce", key, backend)
-        backend, cell, fast = hit
+            hit = self._remember("all_reduce", (x.dtype, nbytes), x, nbytes, self.route_all_reduce(x))
+        cell, run = hit
         cell[0] += 1
         cell[1] += nbytes
-        if fast is not None and out is None and not _is_compiling():
-            # Kernels.all_reduce's eager fast path, inlined (one call fewer:
-            # benchmarks/host_cost.py); misaligned outputs go on to Kernels.
-            out = torch.empty_like(x)
-            src, dst = x.data_ptr(), out.data_ptr()
-            if not (src | dst) & 15:
-                call, cid, dtype_code, algo_code = fast
-                try:
-                    call(cid, src, dst, nbytes, dtype_code, algo_code, _raw_stream(self._cuda_index))
-                except RuntimeError as e:
-                    raise _lib.translated(e) from None
-                return out
-        if backend == "aiter":
-            y = self._aiter.all_reduce(x)
-            if y is not None:
-                return y if out is None else out.copy_(y)
-            backend = self._route_all_reduce(x, nbytes)  # declined after all (rank-invariant: shape-based)
-        if backend == "nccl":
-            return self._nccl.all_reduce(x, out)
-        return self._kernels.all_reduce(x, backend, out)
+        return run(x, out)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenation of every rank's x along `dim` (negative dims count
@@ -341,21 +152,11 @@ class Communicator:
         dim = checked_dim(x, dim, "all_gather")
         nbytes = x.numel() * x.element_size()
         key = (x.shape, dim, x.element_size())
-        hit = self._memo["all_gather"].get(key)
-        if hit is None:
-            hit = self._remember("all_gather", key, self._aiter_all_gather_route(x, dim, nbytes)
-                                 or self._route_all_gather(x, dim, nbytes))
-        backend, cell, _ = hit
+        cell, run = (self._memo["all_gather"].get(key)
+                     or self._remember("all_gather", key, x, nbytes, self.route_all_gather(x, dim), dim))
         cell[0] += 1
         cell[1] += nbytes
-        if backend == "aiter":
-            flat = self._aiter.all_gather(x.contiguous())
-            if flat is not None:
-                return flat.view((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
-            backend = self._route_all_gather(x, dim, nbytes)
-        if backend == "nccl":
-            return self._nccl.all_gather(x, dim)
-        return self._kernels.all_gather(x, dim, backend)
+        return run(x, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's share of the sum over the group: x is split along `dim`
@@ -369,17 +170,12 @@ class Communicator:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
         nbytes = x.numel() * x.element_size()
-        hit = self._memo["reduce_scatter"].get((x.dtype, nbytes))
-        if hit is None:
-            hit = self._remember("reduce_scatter", (x.dtype, nbytes), self._route_reduce_scatter(x, nbytes))
-        backend, cell, _ = hit
+        key = (x.dtype, nbytes)
+        cell, run = (self._memo["reduce_scatter"].get(key)
+                     or self._remember("reduce_scatter", key, x, nbytes, self.route_reduce_scatter(x)))
         cell[0] += 1
         cell[1] += nbytes
-        parts = x.movedim(dim, 0) if dim else x
-        if backend == "nccl":
-            y = self._nccl.reduce_scatter(parts.contiguous())
-        else:
-            y = self._kernels.reduce_scatter(parts, backend)
+        y = run(x.movedim(dim, 0) if dim else x)
         return y.movedim(0, dim).contiguous() if dim else y
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -392,106 +188,69 @@ class Communicator:
         residual, and (x, residual) are returned, as serving engines' fused
         add-norm kernels do. Routes ("fused": one kernel; "split": for prefill
         sizes; "unfused") and their numerics: tpcomm.add_rms_norm."""
-        self._check_input(x, "input")
-        self._check_input(residual, "residual")
-        self._check_input(weight, "weight")
+        for tensor, what in ((x, "input"), (residual, "residual"), (weight, "weight")):
+            self._check_input(tensor, what)
         add_rms_norm.check_args(x, residual, weight, eps)
-        how = add_rms_norm.route(self, x, weight)
-        cell = self._stat_cells.setdefault(("all_reduce_add_rms_norm", how), [0, 0])
+        how = self.route_all_reduce_add_rms_norm(x, weight)
+        cell = self._cell("all_reduce_add_rms_norm", how)
         cell[0] += 1
         cell[1] += x.numel() * x.element_size()
         return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
+
+    # -------------------------------------------------------------- routing
+    def route_all_reduce(self, x: torch.Tensor) -> str:
+        """The backend all_reduce(x) uses: "packet", "line", "bulk" or "nccl"."""
+        return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())
+
+    def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
+        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
+        return routing.route(self._routes, self._caps, "all_gather", x.dtype, x.numel() * x.element_size(),
+                             routing.row_bytes(x.shape, dim, x.element_size()))
+
+    def route_reduce_scatter(self, x: torch.Tensor) -> str:
+        """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
+        return routing.route(self._routes, self._caps, "reduce_scatter", x.dtype, x.numel() * x.element_size())
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
         kernel), "split" (reduce-scatter in fp32, the norm on this rank's rows,
         all-gather) or "unfused" (all_reduce in fp32, then torch)."""
-        return add_rms_norm.route(self, x, weight)
+        return routing.add_rms_norm(self._routes, self._caps, self.config.fused_kernel, x.dtype, weight.dtype,
+                                    x.numel() * x.element_size(), x.shape[-1] * x.element_size() if x.dim() else 0)
 
-    def _aiter_all_gather_route(self, x, dim, nbytes):
-        """"aiter" where AITER's flat all-gather is the layout asked for (dim
-        0; the input is made contiguous) and its buffer holds the output;
-        else None."""
-        if (self._aiter is None or dim != 0 or nbytes * self.world_size > self.max_bytes
-                or not self._aiter.can_take(x.contiguous())):
-            return None
-        return "aiter"
-
-    def route_reduce_scatter(self, x: torch.Tensor) -> str:
-        """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
-        return self._route_reduce_scatter(x, x.numel() * x.element_size())
-
-    def _route_reduce_scatter(self, x, nbytes):
-        part = nbytes // self.world_size if nbytes % self.world_size == 0 else 0
-        return self._route_reducing("reduce_scatter", x, nbytes, part)
-
-    def _route_reducing(self, op, x, nbytes, part):
-        """all_reduce (part: the whole input) and reduce_scatter (part: one
-        rank's share): bands by input bytes, the packet cap on the part."""
-        if (not self.enabled or x.dtype not in REDUCE_DTYPES or part == 0 or part % 16
-                or nbytes > self.max_bytes):
-            return "nccl"
-        by_dtype = self._routes[op]
-        backend = policy.choose(by_dtype.get(_DTYPE_NAMES[x.dtype], by_dtype["*"]), nbytes)
-        if backend == "line" and not self.line_kernels:
-            backend = "packet"
-        if backend in ("packet", "line") and part > self.packet_max_bytes:
-            backend = "bulk"
-        return backend
-
-    def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "bulk" or "nccl"."""
-        return self._route_all_reduce(x, x.numel() * x.element_size())
-
-    def _route_all_reduce(self, x, nbytes):
-        return self._route_reducing("all_reduce", x, nbytes, nbytes)
-
-    def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
-        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        return self._route_all_gather(x, dim, x.numel() * x.element_size())
-
-    def _route_all_gather(self, x, dim, nbytes):
-        row = math.prod(x.shape[dim % max(x.dim(), 1):]) * x.element_size() if x.dim() else nbytes
-        if not self.enabled or nbytes == 0 or nbytes % 4 or row % 4:
-            return "nccl"
-        backend = policy.choose(self._routes["all_gather"]["*"], nbytes)
-        sixteen = nbytes % 16 == 0 and row % 16 == 0  # what the line and bulk kernels move
-        bulk_ok = sixteen and nbytes * self.world_size <= self.max_bytes
-        if (backend == "bulk" and not bulk_ok) or (backend == "line" and not (sixteen and self.line_kernels)):
-            backend = "packet"
-        if backend in ("packet", "line") and nbytes > self.packet_max_bytes:
-            backend = "bulk" if bulk_ok else "nccl"
-        return backend
-
-    def _routing_summary(self):
-        """The dispatch order, as logged at init."""
-        parts = []
-        for op in policy.OPS:
-            bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in self._routes[op]["*"])
-            parts.append(f"{op}: {bands}, then nccl (caps: packet {self.packet_max_bytes} B per rank, "
-                         f"output {self.max_bytes} B)")
-        return "; ".join(parts)
-
-    def _remember(self, op, key, backend):
-        """Memoises a route (a few thousand shapes at most: a serving engine
-        sees a handful per batch size) with the stats cell it counts into and,
-        for an all_reduce on tpcomm's kernels, the fast path's call and codes
-        (Kernels.fast_all_reduce)."""
+    def _remember(self, op, key, x, nbytes, backend, dim=0):
+        """Memoises the route of a call like x (a few thousand shapes at most:
+        a serving engine sees a handful per batch size) as (stats cell, run).
+        AITER, where it is open and takes the call, is tried first; what it
+        declines runs on `backend` and is counted there."""
         memo = self._memo[op]
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
-        cell = self._stat_cells.setdefault((op, backend), [0, 0])
-        fast = None
-        if op == "all_reduce" and self._kernels is not None and backend in KERNEL_ALGOS:
-            fast = self._kernels.fast_all_reduce(key[0], backend)
-        memo[key] = (backend, cell, fast)
+        cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
+        if self._aiter is not None and self._aiter.takes(op, x, dim, self.max_bytes):
+            aiter_cell = self._cell(op, "aiter")
+            cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
+        memo[key] = (cell, run)
         return memo[key]
 
+    def _runner(self, op, dtype, backend):
+        """The callable that runs `op` on `backend`, with the op's arguments:
+        all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
+        if backend == "nccl":
+            return getattr(self._nccl, op)
+        if op == "all_reduce":
+            return self._kernels.all_reduce_runner(dtype, backend)
+        return functools.partial(getattr(self._kernels, op), algo=backend)
+
+    def _cell(self, op, backend):
+        return self._stat_cells.setdefault((op, backend), [0, 0])
+
     def stats(self) -> dict:
-        """Calls and input bytes per rank so far, per (op, backend):
+        """Calls and input bytes per rank so far, per (op, backend) that ran them:
         {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}."""
         return {key: {"calls": c[0], "bytes": c[1]} for key, c in self._stat_cells.items() if c[0]}
 
+    # ------------------------------------------------------------ life cycle
     def check(self) -> None:
         """Raises the recorded error if an op failed on the device: a peer
         that did not arrive within timeout_s (CollectiveTimeout), peers that
@@ -521,11 +280,8 @@ class Communicator:
         device (an error found inside a capture would abort it)."""
         self._check_open()
         self.check()
-        if self._aiter is None:
-            yield self
-            return
-        with self._aiter.capture():  # AITER registers the graph's buffers when it exits
-            yield self
+        with self._aiter.capture() if self._aiter is not None else contextlib.nullcontext():
+            yield self  # AITER registers the graph's buffers when its context exits
 
     def close(self, timeout_s: "float | None" = None) -> None:
         """Frees the registered buffers. Collective: every rank calls it. Waits
@@ -533,15 +289,11 @@ class Communicator:
         the peers to arrive; if one does not (it died, or never calls close),
         the communicator is aborted instead (see abort()) and
         CollectiveTimeout names the missing ranks."""
-        if not self._mark_closed():
-            return
-        self._close_aiter()
-        if self._comm is None:
+        if not self._mark_closed() or self._comm is None:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
-        # Our own kernels end within timeout_s (every wait is bounded).
-        torch.cuda.synchronize(self.device)
-        missing = self._meet_peers(timeout_s)
+        torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
+        missing = _setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
         if missing:
             self._release(self._lib.tpc_comm_abort, "abort")
             raise CollectiveTimeout(
@@ -556,56 +308,30 @@ class Communicator:
         retired. The registered GPU memory stays allocated until the process
         exits, since a kernel may still be running on it. Use it when a peer
         died; close() is the orderly, collective way."""
-        if self._mark_closed():
-            self._close_aiter()
-            if self._comm is not None:
-                self._release(self._lib.tpc_comm_abort, "abort")
-
-    def _close_aiter(self):
-        aiter_backend, self._aiter = self._aiter, None
-        if aiter_backend is not None:
-            aiter_backend.close()
+        if self._mark_closed() and self._comm is not None:
+            self._release(self._lib.tpc_comm_abort, "abort")
 
     def _mark_closed(self):
-        """False when it already was; else closes it to callers and to the
-        group-name ops, and returns True."""
+        """False when it already was; else closes it to callers, to the
+        group-name ops and to AITER, and returns True."""
         if self._closed:
             return False
         self._closed = True
-        ops.unregister(self)
+        _registry.unregister(self)
+        aiter_backend, self._aiter = self._aiter, None
+        if aiter_backend is not None:
+            aiter_backend.close()
         return True
 
     def _release(self, fn, what):
-        _fake.WORLD_SIZES.pop(self.handle, None)
-        comm, self._comm, self.handle = self._comm, None, 0
+        comm, self._comm, self.handle, self._caps = self._comm, None, 0, None
         _lib.check(self._lib, comm, fn(comm), what)
-
-    def _meet_peers(self, timeout_s):
-        """Host-side barrier through the group's store, bounded: the ranks
-        that did not arrive within timeout_s (empty when all did). No peer may
-        still write into our buffer once every rank has arrived here."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            prefix = f"tpcomm/close/{self._group_key}/{self.serial}"
-            ranks = dist.get_process_group_ranks(self.group)
-            store.set(f"{prefix}/{ranks[self.rank]}", b"1")
-            deadline = time.monotonic() + timeout_s
-            pause = 1e-4
-            while True:
-                missing = [i for i, r in enumerate(ranks) if not store.check([f"{prefix}/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    return missing
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-        except Exception as e:  # noqa: BLE001 - a store whose host died: the peers are gone
-            return [f"unknown ({type(e).__name__}: {e})"]
 
     def __repr__(self):
         state = "closed" if self._closed else ("custom" if self.enabled else f"NCCL only ({self.disabled_reason})")
         return (f"tpcomm.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_bytes={self.max_bytes}, packet_max_bytes={self.packet_max_bytes}, {state})")
 
-    # -------------------------------------------------------------- helpers
     def _check_open(self):
         if self._closed:
             raise CommunicatorClosed(f"tpcomm: the communicator (id {self._id}) is closed")
@@ -619,33 +345,3 @@ class Communicator:
             raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")
-
-
-def _resolve_device(device):
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _raise_if_routing_differs(routings):
-    """Every rank's effective routing (flattened) must be the same: raises
-    ValueError on every rank alike, naming up to 8 differing keys."""
-    keys = sorted(set().union(*routings))
-    differ = [k for k in keys if len({r.get(k) for r in routings}) > 1]
-    if differ:
-        shown = "; ".join(f"{k}: " + ", ".join(f"rank {i}: {r.get(k, 'absent')}" for i, r in enumerate(routings))
-                          for k in differ[:8])
-        raise ValueError(f"tpcomm: the ranks would route differently (and deadlock): {len(differ)} keys differ: "
-                         f"{shown}")
-
-
-def _first_error(entries):
-    for e in entries:
-        if e.get("error"):
-            return f"rank {e['rank']}: {e['error']}"
-    return None

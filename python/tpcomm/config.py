@@ -1,25 +1,30 @@
 """A Communicator's configuration: caps, timeout, routing table, and
-backends forced or forbidden. Read once, at init, from the arguments and
-the TPCOMM_* variables; every bad value raises ValueError naming it.
+backends forced or forbidden. Read once, at init, from the arguments and the
+TPCOMM_* variables; every bad value raises ValueError naming it. Every
+TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
 
-    TPCOMM_DISABLE=1                    the custom path off (every call to NCCL)
-    TPCOMM_TIMEOUT_S=10                 bound on every device-side wait for a peer
-    TPCOMM_MAX_BYTES=16777216           cap on the output bytes of one custom op
-    TPCOMM_PACKET_MAX_BYTES=1048576     cap on the per-rank input of the packet kernels
-    TPCOMM_TABLE=path.json              routing table (default: tpcomm/tables/h200x2.json)
-    TPCOMM_FORCE=all_reduce=nccl,...    one backend for every size of an op
-    TPCOMM_FORBID=bulk,...              backends never used (their sizes go to NCCL)
-    TPCOMM_AITER=0                      AMD AITER's all-reduce off (on by default where it
-                                        imports: ROCm only)
-    TPCOMM_FUSED_KERNEL=0               all_reduce_add_rms_norm never on the fused kernel
-    TPCOMM_SHARE_GPU=1                  for testing kernels on a one-GPU machine: ranks that
-                                        share a GPU keep the custom path (their kernels
-                                        time-slice, so an op takes milliseconds; never for serving)
+    variable                 default          meaning
+    TPCOMM_DISABLE           0                1: the custom path off (every call to torch.distributed)
+    TPCOMM_TIMEOUT_S         10               bound in seconds on every device-side wait for a peer
+    TPCOMM_MAX_BYTES         16777216         cap on the output bytes of one op on tpcomm's kernels
+    TPCOMM_PACKET_MAX_BYTES  1048576          cap on the input bytes per rank of the packet and
+                                              line kernels (reduce_scatter: of one rank's part)
+    TPCOMM_TABLE             the shipped one  routing table file (tpcomm/tables/h200x2.json;
+                                              python -m tpcomm.tune writes one)
+    TPCOMM_FORCE             none             op=backend pairs, e.g. all_reduce=nccl: one backend
+                                              for every size of that op
+    TPCOMM_FORBID            none             kernels never used, e.g. bulk,line (their sizes go to NCCL)
+    TPCOMM_AITER             1                0: AMD AITER's all-reduce off (tried first on ROCm
+                                              where it imports)
+    TPCOMM_FUSED_KERNEL      1                0: all_reduce_add_rms_norm never on the fused kernel
+
+Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
+end with the same configuration: the ranks compare it at init.
 """
 import dataclasses
 import os
 
-from . import policy, topology
+from . import policy
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -36,14 +41,13 @@ class Config:
     disable: bool = False
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
     fused_kernel: bool = True  # all_reduce_add_rms_norm on the fused kernel where it takes the call
-    share_gpu: bool = False    # ranks on one GPU keep the custom path: kernel tests on one GPU only
 
     @classmethod
     def from_env(cls):
         """The defaults, overridden by whichever TPCOMM_* variables are set."""
         env = os.environ
-        fields = {"disable": topology.env_flag("TPCOMM_DISABLE"),
-                  "timeout_s": topology.env_positive_float("TPCOMM_TIMEOUT_S", cls.timeout_s)}
+        fields = {"disable": env_flag("TPCOMM_DISABLE"),
+                  "timeout_s": env_positive_float("TPCOMM_TIMEOUT_S", cls.timeout_s)}
         for name, field in (("TPCOMM_MAX_BYTES", "max_bytes"), ("TPCOMM_PACKET_MAX_BYTES", "packet_max_bytes")):
             raw = env.get(name, "").strip()
             if raw:
@@ -56,11 +60,9 @@ class Config:
         if env.get("TPCOMM_FORCE", "").strip():
             fields["force"] = _parse_force(env["TPCOMM_FORCE"], "TPCOMM_FORCE")
         if env.get("TPCOMM_AITER", "").strip():
-            fields["aiter"] = topology.env_flag("TPCOMM_AITER")
+            fields["aiter"] = env_flag("TPCOMM_AITER")
         if env.get("TPCOMM_FUSED_KERNEL", "").strip():
-            fields["fused_kernel"] = topology.env_flag("TPCOMM_FUSED_KERNEL")
-        if env.get("TPCOMM_SHARE_GPU", "").strip():
-            fields["share_gpu"] = topology.env_flag("TPCOMM_SHARE_GPU")
+            fields["fused_kernel"] = env_flag("TPCOMM_FUSED_KERNEL")
         if env.get("TPCOMM_FORBID", "").strip():
             fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
         try:
@@ -93,7 +95,7 @@ class Config:
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
-                "fused_kernel": str(self.fused_kernel), "share_gpu": str(self.share_gpu)}
+                "fused_kernel": str(self.fused_kernel)}
 
 
 def _parse_force(text, name):
@@ -106,3 +108,32 @@ def _parse_force(text, name):
             raise ValueError(f"{name}={text!r}: expected op=backend pairs, e.g. all_reduce=nccl")
         pairs.append((op.strip(), backend.strip()))
     return tuple(pairs)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_flag(name):
+    """A boolean variable (unset: False); any other value raises, naming it."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def env_positive_float(name, default):
+    """A positive number from a variable (default when unset); a bad value
+    raises, naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value

@@ -1,4 +1,5 @@
-"""Dispatcher-level torch ops for model code and torch.compile.
+"""The torch ops for model code and torch.compile: tpcomm's one public op
+family, taking the group's name.
 
     y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
     z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
@@ -13,36 +14,22 @@ They are opaque to the compiler (ops with fake implementations), so
 fullgraph=True traces through them and mode="reduce-overhead" captures them
 in CUDA graphs (the kernels are graph-safe).
 
+The group's open Communicator is looked up in tpcomm._registry on every call.
+The ops taking a communicator id and a kernel (torch.ops._tpcomm.*, defined by
+the C++ binding) are internal: the Communicator calls them with the kernel
+its routing picked.
+
 Registered with torch.library.Library (define, impl, fake), as vLLM's
-direct_register_custom_op does, not with torch.library.custom_op: that
-wrapper's Python layers (autograd, aliasing checks) cost about 9 us a call on
-CPU here, 2 for a direct registration, and an eager all_reduce through the
-op took 22 us of host time on the 2xH200 host against 8.5 for
-Communicator.all_reduce (benchmarks/host_cost.py).
+direct_register_custom_op does, not with torch.library.custom_op, whose
+Python layers (autograd, aliasing checks) add host time to every eager call
+(benchmarks/host_cost.py measures both).
 """
 import torch
 
+from ._registry import communicator_for
 from ._shapes import checked_dim
 
-_COMMUNICATORS = {}  # group name -> the open Communicator of that group created last
 _LIBRARY = torch.library.Library("tpcomm", "FRAGMENT")  # kept alive: it holds the registrations
-
-
-def register(comm):
-    _COMMUNICATORS[comm.group_name] = comm
-
-
-def unregister(comm):
-    if _COMMUNICATORS.get(comm.group_name) is comm:
-        del _COMMUNICATORS[comm.group_name]
-
-
-def communicator_for(group_name):
-    comm = _COMMUNICATORS.get(group_name)
-    if comm is None:
-        raise RuntimeError(f"tpcomm: no open Communicator for group {group_name!r} in this process "
-                           f"(open: {sorted(_COMMUNICATORS)})")
-    return comm
 
 
 def _op(schema, fake):

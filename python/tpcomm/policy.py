@@ -1,12 +1,14 @@
-"""Which backend runs an op: one routing table, kept as data.
+"""The routing table, kept as data: reading and checking table files, and
+the effective bands once a Config is applied. tpcomm.routing decides each call
+from those bands.
 
 A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune`
 writes one per machine) maps op x world size x dtype to bands of (largest
 input bytes per rank, backend), tried in order; sizes past the last band go
-to NCCL. An op a table has no routes for takes the shipped table's. "*" stands for any world size or dtype without a row of its
-own. Backends: "packet", "line" and "bulk" are tpcomm's kernels
-(csrc/kernels; "line" has no reduce_scatter), "nccl" is torch.distributed on
-the same group.
+to NCCL. An op a table has no routes for takes the shipped table's. "*"
+stands for any world size or dtype without a row of its own. Backends:
+"packet", "line" and "bulk" are tpcomm's kernels (csrc/kernels; "line" has no
+reduce_scatter), "nccl" is torch.distributed on the same group.
 
 The Communicator turns the table and its Config (forced or forbidden
 backends) into the effective bands once, at init (effective_routes); the
@@ -15,13 +17,10 @@ deadlock."""
 import json
 import os
 
+from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
+from .routing import BACKENDS, KERNELS, NO_LINE, OPS  # noqa: F401 - Config and tune read them here
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
-KERNELS = ("packet", "line", "bulk")
-NO_LINE = ("reduce_scatter",)  # ops without a line kernel
-BACKENDS = KERNELS + ("nccl",)
-DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a table may name for all_reduce
 DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "h200x2.json")
 
 
@@ -130,14 +129,6 @@ def effective_routes(table, world_size, force=None, forbid=()):
         routes[op] = {name: apply_config(bands_for(table, op, world_size, name), force.get(op), forbid)
                       for name in names}
     return routes
-
-
-def choose(bands, nbytes):
-    """The backend of the first band whose limit is at least nbytes; NCCL past the last."""
-    for limit, backend in bands:
-        if nbytes <= limit:
-            return backend
-    return "nccl"
 
 
 def packet_cutover(bands):

@@ -4,6 +4,7 @@ import socket
 
 import torch
 
+from .config import env_flag  # noqa: F401 - the test harnesses read TPCOMM_SHARE_GPU with it
 
 # NVLink multicast stays off on the shared machines: a program that uses it can
 # take the host's GPUs out of service. Set in every process that may start
@@ -65,32 +66,3 @@ def nvlink_between_all(uuids):
             pynvml.nvmlShutdown()
         except Exception:
             pass
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-def env_flag(name):
-    """A boolean TPCOMM_* variable; any other value raises, naming it."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
-
-
-def env_positive_float(name, default):
-    """A positive number from a TPCOMM_* variable (default when unset); a
-    bad value raises, naming the variable."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value

@@ -12,8 +12,8 @@ needs any, is collective and fails on every rank alike) with:
   for the window and symmetric-memory backends, which run on views of them);
 * Unavailable, raised with the reason, when it cannot run a call.
 
-Modules: nccl (torch.distributed), kernels (tpcomm's packet and bulk kernels
-through the torch ops), nccl_window (NCCL's symmetric kernels on a
+Modules: nccl (torch.distributed), kernels (tpcomm's packet, line and bulk
+kernels through the internal torch ops and the eager fast path), nccl_window (NCCL's symmetric kernels on a
 registered MemPool), symm_mem (torch SymmetricMemory one-shot / two-shot
 all-reduce), aiter (AMD AITER's custom all-reduce: ROCm only, tried first by
 the dispatcher there).

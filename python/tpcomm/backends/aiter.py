@@ -14,9 +14,12 @@ source (parsed, not imported: `import aiter` builds HIP code and works only on
 a ROCm machine), so an AITER API change fails CI instead of a server.
 """
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
+
+from .._log import log_once
 
 AITER_MODULE = "aiter.dist.device_communicators.custom_all_reduce"
 PINNED_WHEEL = "amd-aiter==0.1.7.post2.dev18"
@@ -63,17 +66,31 @@ class AiterAllReduce:
         # AITER exchanges its IPC handles over a CPU group; only the members create it
         self.cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self.impl = module.CustomAllreduce(group=self.cpu_group, device=device, max_size=max_size)
+        self.world_size = len(ranks)
 
     def can_take(self, x):
         return bool(self.impl.should_custom_ar(x))
 
-    def all_reduce(self, x):
-        """The sum, or None when AITER declines (the caller falls back)."""
-        return self.impl.custom_all_reduce(input=x, open_fp8_quant=False)
+    def takes(self, op, x, dim, max_bytes):
+        """Whether the dispatcher tries AITER first for this call: an
+        all_reduce AITER takes, or an all_gather along dim 0 (AITER's flat
+        layout; the input made contiguous) whose output fits max_bytes."""
+        if op == "all_reduce":
+            return self.can_take(x)
+        return (op == "all_gather" and dim == 0 and x.numel() * x.element_size() * self.world_size <= max_bytes
+                and self.can_take(x.contiguous()))
 
-    def all_gather(self, x):
-        """Every rank's x concatenated flat, or None when AITER declines."""
-        return self.impl.custom_all_gather(inp=x)
+    def all_reduce(self, x, out=None):
+        """The sum (written into `out` when given), or None when AITER
+        declines (the caller falls back)."""
+        y = self.impl.custom_all_reduce(input=x, open_fp8_quant=False)
+        return y if y is None or out is None else out.copy_(y)
+
+    def all_gather(self, x, dim=0):
+        """Every rank's x concatenated along dim 0 (the only dim the
+        dispatcher sends here), or None when AITER declines."""
+        flat = self.impl.custom_all_gather(inp=x.contiguous())
+        return None if flat is None else flat.view((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
 
     @contextlib.contextmanager
     def capture(self):
@@ -84,3 +101,53 @@ class AiterAllReduce:
 
     def close(self):
         self.impl.close()
+
+
+def or_else(attempt, fallback, cell, fallback_cell, nbytes):
+    """run(*args): attempt(*args) (AITER), or, where it declines, fallback(*args),
+    with the call counted in fallback_cell instead of cell ([calls, bytes]
+    of Communicator.stats), so the stats name the backend that ran."""
+    def run(*args):
+        y = attempt(*args)
+        if y is not None:
+            return y
+        cell[0] -= 1
+        cell[1] -= nbytes
+        fallback_cell[0] += 1
+        fallback_cell[1] += nbytes
+        return fallback(*args)
+
+    return run
+
+
+def open_for(group, device, max_bytes, config, agreed_error):
+    """(AiterAllReduce, None) where AITER can run on every rank of the group,
+    else (None, why not). agreed_error(error) is the group's verdict from every
+    rank's error (collective): a verdict exchange comes first, so no rank
+    waits in a set-up the others skip."""
+    # The switches are in the configuration every rank compared at init, and
+    # every rank runs the same torch build: no exchange is needed to agree
+    # that AITER is off for those reasons.
+    if config.disable:
+        reason = "off (TPCOMM_DISABLE)"
+    elif not config.aiter:
+        reason = "off (TPCOMM_AITER=0 or Config.aiter=False)"
+    elif getattr(torch.version, "hip", None) is None:
+        reason = available()[1]
+    else:
+        reason = agreed_error(available()[1])
+    if reason is None:
+        made, error = None, None
+        try:
+            made = AiterAllReduce(group, device, max_bytes)  # collective
+        except Exception as e:  # noqa: BLE001 - a reason, never a crash
+            error = f"AITER's CustomAllreduce failed: {type(e).__name__}: {e}"
+        reason = agreed_error(error)
+        if reason is None:
+            log_once(logging.INFO, "tpcomm: AMD AITER's custom all-reduce is tried first for all_reduce and "
+                                   "all_gather along dim 0 (what it declines: tpcomm's kernels, then RCCL)")
+            return made, None
+        if made is not None:
+            made.close()
+    log_once(logging.INFO, f"tpcomm: AITER backend not used: {reason}")
+    return None, reason

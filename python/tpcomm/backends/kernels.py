@@ -1,95 +1,104 @@
-"""tpcomm's own kernels (csrc/kernels) through the torch ops, for one
-communicator id: "packet" (barrier-free, small and medium sizes), "line"
-(the same scheme in 128-byte lines of data and flag, for the sizes the link
-sets: all_reduce and all_gather, CUDA builds only) and "bulk" (large sizes:
-streamed, or the two-shot all-reduce of more than two ranks),
-and the fused all-reduce + add + RMSNorm (packet). They read only their input
-and the buffers registered at init, so graph capture needs nothing more (Communicator.capture
-only marks the capture). Errors come back as tpcomm's exception classes."""
+"""tpcomm's own kernels (csrc/kernels) for one communicator id, through the
+internal torch ops torch.ops._tpcomm.* and, for an eager all_reduce, the C
+core directly (tpcomm._fastpath): "packet" (barrier-free, small and medium
+sizes), "line" (the same scheme in 128-byte lines of data and flag: all_reduce
+and all_gather, CUDA builds only), "bulk" (large sizes: streamed, or the
+two-shot all-reduce of more than two ranks), and the fused all-reduce + add +
+RMSNorm. The caller picks the kernel (tpcomm.routing says which can take a
+call). They read only their input and the buffers registered at init, so
+graph capture needs nothing more. Errors come back as tpcomm's exception
+classes."""
 import torch
 
-from .. import _lib
+from .. import _dtypes, _lib
+from .._fake import NAMESPACE
+from ..routing import ALGO_CODES as ALGOS
 
-ALGOS = {"packet": _lib.ALGO_PACKET, "line": _lib.ALGO_LINE, "bulk": _lib.ALGO_BULK}
-_OVERLOADS = {}  # op name -> its OpOverload, looked up once: the eager path calls it directly
-
-
-def custom(name):
-    op = _OVERLOADS.get(name)
-    if op is None:
-        op = _OVERLOADS[name] = getattr(torch.ops._tpcomm, name).default
-    return op
+# Looked up once: every eager all_reduce calls them.
+_is_compiling = torch.compiler.is_compiling
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
-_REDUCE_DTYPE_CODES = {getattr(torch, name): code for name, code in _lib.DTYPE_CODES.items()}  # tpc_dtype
+def _op(name):
+    """The OpOverload of torch.ops._tpcomm.<name>, looked up once per Kernels:
+    the eager path calls it directly."""
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
 class Kernels:
     def __init__(self, handle, device_index):
         self.handle = handle  # the communicator id the ops take
         self.device_index = device_index  # of the communicator's CUDA device: its current stream
-        self._all_reduce_out = custom("all_reduce_out")
+        self._all_reduce_out = _op("all_reduce_out")
+        self._norm_out = _op("all_reduce_add_rms_norm_out")
+        self._all_gather = _op("all_gather")
+        self._reduce_scatter = _op("reduce_scatter")
+        self._reduce_scatter_f32 = _op("reduce_scatter_f32")
         self._fastpath = _lib.fastpath()
+        self._runners = {}  # (dtype, algo) -> all_reduce_runner's callable
 
-    def fast_all_reduce(self, dtype, algo):
-        """(call, id, dtype code, algorithm code) of the fast path's all_reduce
-        for this dtype and kernel, or None where the module is not built: what
-        Communicator.all_reduce calls inline, with the tensors' pointers, the
-        size and the current raw stream, as all_reduce below does."""
-        if self._fastpath is None:
-            return None
-        return (self._fastpath.all_reduce, self.handle, _REDUCE_DTYPE_CODES[dtype], ALGOS[algo])
+    def all_reduce_runner(self, dtype, algo):
+        """run(x, out=None): the eager all_reduce on kernel `algo` for this
+        dtype, the one both Kernels.all_reduce and Communicator.all_reduce
+        (which memoises it per route) call. x is contiguous, of a reducible
+        dtype, on the communicator's device; out is None (a new tensor from
+        torch.empty_like) or contiguous of x's shape and dtype (x itself
+        included). With both 16-byte aligned, the C core runs the op directly
+        (tpcomm._fastpath); misaligned tensors, torch.compile tracing, or a
+        build without the fast path take the _out torch op, whose binding
+        copies misaligned views. Both launch the same kernel."""
+        run = self._runners.get((dtype, algo))
+        if run is not None:
+            return run
+        call = self._fastpath.all_reduce if self._fastpath is not None else None
+        through_op = self._all_reduce_out
+        cid, dtype_code, algo_code, device = self.handle, _dtypes.CODE[dtype], ALGOS[algo], self.device_index
 
-    def all_reduce(self, x, algo, out=None):
-        """x is contiguous, of a reducible dtype, on the communicator's device.
-        A new output comes from torch.empty_like. Eagerly, with both tensors
-        16-byte aligned, the C core runs the op directly (tpcomm._fastpath);
-        otherwise, and while torch.compile traces, the _out torch op does,
-        which copies misaligned views. Both launch the same kernel. On the
-        2xH200 host the torch op costs about 2 us more per call, and
-        allocating in Python less than the op that allocates through the
-        stable ABI (benchmarks/host_cost.py)."""
-        try:
+        def run(x, out=None):
             if out is None:
                 out = torch.empty_like(x)
-            fast = self._fastpath
-            if fast is not None and not torch.compiler.is_compiling():
-                src, dst = x.data_ptr(), out.data_ptr()
-                if not (src | dst) & 15:
-                    fast.all_reduce(self.handle, src, dst, x.nbytes,
-                                    _REDUCE_DTYPE_CODES[x.dtype], ALGOS[algo],
-                                    torch._C._cuda_getCurrentRawStream(self.device_index))
-                    return out
-            self._all_reduce_out(x, out, self.handle, ALGOS[algo])
-            return out
-        except RuntimeError as e:
-            raise _lib.translated(e) from None
+            try:
+                if call is not None and not _is_compiling():
+                    src, dst = x.data_ptr(), out.data_ptr()
+                    if not (src | dst) & 15:
+                        call(cid, src, dst, x.nbytes, dtype_code, algo_code, _raw_stream(device))
+                        return out
+                through_op(x, out, cid, algo_code)
+                return out
+            except RuntimeError as e:
+                raise _lib.translated(e) from None
+
+        self._runners[(dtype, algo)] = run
+        return run
+
+    def all_reduce(self, x, algo, out=None):
+        """The sum of x over the group on kernel `algo` (see all_reduce_runner)."""
+        return self.all_reduce_runner(x.dtype, algo)(x, out)
 
     def all_reduce_add_rms_norm(self, x, residual, weight, eps, normed, residual_out):
         """The fused kernel: writes normed and residual_out (they may be x and
         residual); every tensor contiguous, of x's 16-bit dtype."""
         try:
-            custom("all_reduce_add_rms_norm_out")(x, residual, weight, float(eps), normed, residual_out,
-                                                         self.handle)
+            self._norm_out(x, residual, weight, float(eps), normed, residual_out, self.handle)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def all_gather(self, x, dim, algo):
         try:
-            return custom("all_gather")(x, dim, self.handle, ALGOS[algo])
+            return self._all_gather(x, dim, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter(self, parts, algo):
         """Part `rank` of the sum; parts: dim 0 holds world_size equal parts."""
         try:
-            return custom("reduce_scatter")(parts, self.handle, ALGOS[algo])
+            return self._reduce_scatter(parts, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter_f32(self, parts, algo):
         """The same part as fp32 sums, not rounded to the dtype."""
         try:
-            return custom("reduce_scatter_f32")(parts, self.handle, ALGOS[algo])
+            return self._reduce_scatter_f32(parts, self.handle, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None

@@ -31,7 +31,8 @@ class Nccl:
         return y
 
     def reduce_scatter(self, x):
-        """Part `rank` of the sum of x (contiguous, dim 0 divisible by the world size)."""
+        """Part `rank` of the sum of x (dim 0 divisible by the world size)."""
+        x = x.contiguous()
         if torch.compiler.is_compiling():
             return _funcol().reduce_scatter_tensor(x, "sum", 0, self.group)
         if x.device.type != "cuda":  # gloo has no reduce_scatter_tensor: reduce, then take our part

@@ -35,11 +35,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import routing
 from ..backends import Unavailable
 from ..backends.nccl import Nccl
 from ..backends.nccl_window import NcclWindow
 from ..backends.symm_mem import SymmMem
-from .report import human_bytes
 
 TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_bulk")
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
@@ -263,16 +263,10 @@ def make_case(backend, op, x0, res):
             run = getattr(comm, op)
             return Case(lambda: run(x), route=getattr(comm, f"route_{op}")(x))  # route_all_reduce, ...
         algo = backend[len("tpcomm_"):]
-        packet_bytes = nbytes // world if op == "reduce_scatter" else nbytes  # the packet kernel's unit: a part
-        if algo == "line" and not comm.line_kernels:
-            raise Unavailable("no line kernels here (NVLink's whole 128-byte writes: CUDA builds only)")
-        if algo == "line" and op == "reduce_scatter":
-            raise Unavailable("no line kernel for reduce_scatter")
-        if algo in ("packet", "line") and packet_bytes > comm.packet_max_bytes:
-            raise Unavailable(f"over the packet cap of {human_bytes(comm.packet_max_bytes)}")
-        limit = comm.max_bytes // world if op == "all_gather" else comm.max_bytes
-        if algo == "bulk" and nbytes > limit:
-            raise Unavailable(f"over the bulk cap of {human_bytes(limit)} per rank")
+        caps = routing.Caps(world, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+        why = routing.refusal(op, algo, caps, x0.dtype, nbytes, nbytes)  # all_gather along dim 0: one row
+        if why:
+            raise Unavailable(why)
         kernels = comm.kernels
         if op == "all_reduce":
             return Case(lambda: kernels.all_reduce(x, algo))
