@@ -74,15 +74,12 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   const int n = a.world, me = a.rank;
   const uint64_t units = (a.nbytes / 4 + 1) / 2; /* a packet carries two words */
   const int wide = ((a.nbytes | a.row_bytes | (uint64_t)(uintptr_t)a.in | (uint64_t)(uintptr_t)a.out) & 7) == 0;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
-  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = tpc_gather_load(&a, first, wide);
-  });
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return tpc_gather_load(&a, u, wide); }, &p)) return;
+  tpc_op &op = p.op;
+  const uint64_t first = p.span.first, stride = p.span.stride;
+  const uint2 v0 = p.v0;
+  const int folded = p.folded;
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : tpc_gather_load(&a, u, wide);
@@ -109,17 +106,14 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
  * (benchmarks/latency_probe.cu: "all_gather packet" against "dim 0"). */
 __global__ void tpc_all_gather_packet_flat_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const uint64_t units = a.nbytes / 8;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
   const uint2 *in = (const uint2 *)a.in;
   uint2 *out = (uint2 *)a.out;
-  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = in[first];
-  });
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return in[u]; }, &p)) return;
+  tpc_op &op = p.op;
+  const uint64_t first = p.span.first, stride = p.span.stride;
+  const uint2 v0 = p.v0;
+  const int folded = p.folded;
   const int n = a.world, me = a.rank;
 
   for (uint64_t u = first; u < units; u += stride) {

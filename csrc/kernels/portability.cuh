@@ -182,6 +182,18 @@ TPC_DEVICE void tpc_grid_release(void) {
 #endif
 }
 
+/* Ends the calling thread, as returning from the kernel would, from inside
+ * an inlined helper (tpc_packet_prologue's refusal): the compiler then lays
+ * out the rest of the kernel as if the refusal were written in it, with no
+ * join of the refused path into the kernel's own end. Only for a path every
+ * thread of the block takes. HIP: a no-op; the caller returns instead. */
+TPC_DEVICE void tpc_thread_exit(void) {
+#ifndef TPC_HIP
+  asm volatile("exit;" ::: "memory");
+  __builtin_unreachable();
+#endif
+}
+
 /* The lanes of one warp see each other's shared-memory writes (on HIP the
  * full barrier of tpc_block_handoff that follows does it). */
 TPC_DEVICE void tpc_warp_sync(void) {
