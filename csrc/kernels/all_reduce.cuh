@@ -82,8 +82,10 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 /* The sum of step t in rank order (own values from `own`, the peers' from
  * this rank's slots, already waited for), or NaN once the op broke, into out.
  * Ranks are the outer loop so that a peer's TPC_STREAM_UNITS loads are in
- * flight together (summing unit by unit, with the rank loop inside, left one
- * load in flight: measured 25 against 20 us at 4 MiB). */
+ * flight together (summing unit by unit, with the rank loop inside, leaves
+ * one load in flight, and the large ops wait on each). The slots are read
+ * after tpc_stream_wait's acquire of the peer's flag, which the peer's
+ * control warp released after these units landed (stream.cuh). */
 TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;

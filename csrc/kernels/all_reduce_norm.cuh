@@ -55,8 +55,8 @@ TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken) {
 }
 
 /* Refused: both outputs are NaN (tpc_op_refuse fills out), nothing else
- * touched. Kept apart from tpc_op_refuse so the other kernels' cold path
- * stays as it was measured. */
+ * touched. Apart from tpc_op_refuse, so that the other kernels' cold path
+ * carries no second output. */
 TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
   tpc_op_refuse(a, refused, epoch);
   tpc_poison_fill(a, a->out2, a->nbytes);

@@ -99,7 +99,6 @@ TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op);
  * failed and stopped only make an op stop early: one that arrives after this
  * load is seen by the next bounded wait (tpc_wait_gives_up reads the slot
  * again). */
-
 template <typename Prefetch>
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
   __shared__ uint32_t block_epoch, block_refused;
@@ -614,6 +613,9 @@ TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk /* TPC
   if (threadIdx.x != 0) return;
   uint32_t failed = (uint32_t)block_failed;
   if (gridDim.x > 1) { /* one block needs no count: it is the last */
+    /* GPU scope: the last block acts for the whole grid (counts the op done,
+     * or clears the flags at the wrap), so every block's accesses to the
+     * buffer must be complete before its count is seen. */
     __threadfence();
     const uint32_t before = atomicAdd(&op->sig->blocks_done, block_failed ? 0x10001u : 1u);
     if ((before & 0xffffu) != gridDim.x - 1) return;
