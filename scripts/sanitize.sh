@@ -10,6 +10,7 @@
 # Usage (repository root, one GPU; needs compute-sanitizer and a built torch):
 #   bash scripts/sanitize.sh [LOG_DIR]
 #   TOOLS="racecheck" WORLDS="2" bash scripts/sanitize.sh /tmp/san
+#   WORLDS=3 BUILD=0 bash scripts/sanitize.sh /tmp/san   (a second call, reusing the build)
 # Writes LOG_DIR/<tool>-w<world>.log (the tool's report) and
 # <tool>-w<world>-rank<r>.out (each rank's output), then judges every report
 # with scripts/sanitize_expect.py: 0 errors, except racecheck's reports on
@@ -30,10 +31,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 start=$(date +%s)
 
 # Line information lets a report name its source line; the machine code is
-# the same with or without it.
-NVCC_APPEND_FLAGS="-lineinfo" TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-  python3 setup.py -q build_ext --inplace --force >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log"; exit 1; }
-echo "build (with -lineinfo): $(( $(date +%s) - start )) s"
+# the same with or without it. BUILD=0 reuses the in-place build of an
+# earlier call.
+if [ "${BUILD:-1}" != 0 ]; then
+  NVCC_APPEND_FLAGS="-lineinfo" TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 setup.py -q build_ext --inplace --force >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log"; exit 1; }
+  echo "build (with -lineinfo): $(( $(date +%s) - start )) s"
+fi
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 

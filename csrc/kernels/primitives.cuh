@@ -475,9 +475,10 @@ typedef void (*tpc_refuse_fn)(const tpc_kernel_args *a, uint32_t refused, uint32
  * unit u; it runs for the first unit only, when that is below `units`), a
  * refused op refused (`refuse`: tpc_op_refuse, or the fused norm's, which
  * also fills its second output; the thread then ends), and the headers
- * checked where tpc_header_folded says (with `check_header`: the probe's
- * variants leave it out to time it). Returns 1; 0 only where the thread
- * could not be ended here (HIP), on which the kernel returns at once. */
+ * checked where tpc_header_folded says (unless `check_header` is 0: the
+ * probe's variants leave the check out, to time it). Returns 1; 0 only where
+ * the thread could not be ended here (HIP), on which the kernel returns at
+ * once. */
 template <typename Load>
 TPC_DEVICE int tpc_packet_prologue(const tpc_kernel_args *a, uint64_t units, Load load, tpc_packet_start *p,
                                    tpc_refuse_fn refuse = tpc_op_refuse, int check_header = 1) {
