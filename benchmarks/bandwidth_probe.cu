@@ -1,9 +1,10 @@
 /*
  * How fast can SM threads move data over NVLink, and how should the bulk
- * kernels do it (issue 9)? Both GPUs move `bytes` to each other at once, as a
+ * kernels do it? Both GPUs move `bytes` to each other at once, as a
  * collective's phase does, with one of:
  *   push, U in flight: load U 16-byte units of the local source, then store them into
- *            the peer's buffer (what tpcomm's bulk phases do, U = 1 today);
+ *            the peer's buffer (what tpcomm's bulk kernels do: U = 1 in the two-shot
+ *            phases, TPC_STREAM_UNITS in the streamed kernels);
  *   pull, U in flight: load U units from the peer's buffer, store them locally (what
  *            torch's two-shot does);
  * over a range of grid sizes, beside the copy engine (cudaMemcpyPeerAsync).

@@ -1,7 +1,7 @@
 /*
- * Where the microseconds of a small collective go (issue 12): tpcomm's real
- * kernels (launch.cu, included) beside stripped variants, each timed the way
- * the benchmark times them: a CUDA graph of OPS launches per GPU, both GPUs
+ * Where the time of a small collective goes: tpcomm's real kernels
+ * (launch.cu, included) beside stripped variants, each timed the way the
+ * benchmark times them: a CUDA graph of OPS launches per GPU, both GPUs
  * replayed together, median over replays of the slower GPU, per op.
  *
  * One process drives every GPU (peer access, no IPC), so no torch is needed:
@@ -10,9 +10,10 @@
  * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's;
  * `/tmp/probe geom` the packet and line kernels at 64 B - 64 KiB over other
  * block sizes; `/tmp/probe host` the host cost of one eager launch (how
- * tpcomm launches, and plainer launches beside it).
- * Stages are placed by difference (HOPPER/METHOD advice: time variants that
- * leave one stage out), not by in-kernel clocks.
+ * tpcomm launches, and plainer launches beside it). `list` (or `list quick`)
+ * prints the rows the default (or quick) run times, without a GPU.
+ * Stages are placed by difference (variants that leave one stage out), not by
+ * in-kernel clocks, which would perturb what they measure.
  */
 #include <cuda_runtime.h>
 
@@ -124,26 +125,26 @@ __global__ void probe_epoch_atomic(const __grid_constant__ tpc_kernel_args a) {
   }
 }
 
-/* How the packet variants below start, as the real packet kernels do: the op,
- * with this thread's first 8-byte unit of the input (v0) loaded beside the
- * control load. */
-static __device__ __forceinline__ tpc_op probe_begin(const tpc_kernel_args &a, const tpc_span &span, uint64_t units,
-                                                     uint2 &v0) {
-  v0 = make_uint2(0, 0);
-  return tpc_op_begin(&a, [&] {
-    if (span.first < units) v0 = ((const uint2 *)a.in)[span.first];
-  });
-}
+/* The packet variants below start as the real packet kernels do
+ * (tpc_packet_prologue: the op, with this thread's first 8-byte unit of the
+ * input loaded beside the control load), without the header check, which
+ * they leave out or place themselves. */
+#define PROBE_PACKET_START(units)                                                                        \
+  tpc_packet_start start;                                                                                \
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return ((const uint2 *)a.in)[u]; }, &start,     \
+                           tpc_op_refuse, 0))                                                            \
+    return;                                                                                              \
+  tpc_op &op = start.op;                                                                                 \
+  const tpc_span span = start.span;                                                                      \
+  const uint2 v0 = start.v0
 
 /* The packet all_reduce without its header check (tpc_op_begin still sends
  * the header): what the mismatch check costs (the real kernel is the row
  * above it). */
 __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
-  uint2 v0;
-  tpc_op op = probe_begin(a, span, units, v0);
+  PROBE_PACKET_START(units);
   for (uint64_t u = span.first; u < units; u += span.stride) {
     const uint2 v = u == span.first ? v0 : in[u];
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
@@ -157,9 +158,7 @@ __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a
  * thread loads its unit, pushes it, waits for the peer's and stores that. */
 __global__ void probe_packets_no_sum(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
-  uint2 v0;
-  tpc_op op = probe_begin(a, span, units, v0);
+  PROBE_PACKET_START(units);
   const int peer = 1 - a.rank;
   if (span.first < units) {
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + span.first * TPC_PACKET_BYTES, v0, op.epoch);
@@ -174,10 +173,8 @@ __global__ void probe_packets_no_sum(const __grid_constant__ tpc_kernel_args a) 
 template <bool Sum>
 __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
-  uint2 v0;
-  tpc_op op = probe_begin(a, span, units, v0);
+  PROBE_PACKET_START(units);
   const int peer = 1 - a.rank;
   for (uint64_t u = span.first; u < units; u += span.stride)
     tpc_packet_put(tpc_packet_slot(&a, peer, op.epoch, a.rank) + u * TPC_PACKET_BYTES, u == span.first ? v0 : in[u],
@@ -201,11 +198,9 @@ __global__ void probe_packets_two_loops(const __grid_constant__ tpc_kernel_args 
 template <int Header>
 __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / 8;
-  const tpc_span span = tpc_data_span();
   const uint2 *in = (const uint2 *)a.in;
   uint2 *out = (uint2 *)a.out;
-  uint2 v0;
-  tpc_op op = probe_begin(a, span, units, v0);
+  PROBE_PACKET_START(units);
   const int me = a.rank, peer = 1 - a.rank;
   for (uint64_t u = span.first; u < units; u += span.stride) {
     const uint2 v = u == span.first ? v0 : in[u];
@@ -318,12 +313,20 @@ static void report_host(const char *name, const std::function<void()> &launch) {
   fflush(stdout);
 }
 
+/* `list` mode: rows are named, nothing is launched or checked. */
+static bool listing = false;
+
 static void report(const char *name, uint64_t nbytes, const Launcher &launch) {
+  if (listing) {
+    printf("%-34s %8llu B\n", name, (unsigned long long)nbytes);
+    return;
+  }
   printf("%-34s %8llu B  %7.3f us\n", name, (unsigned long long)nbytes, time_us(launch));
   fflush(stdout);
 }
 
 static void check_all_reduce(uint64_t nbytes) {
+  if (listing) return;
   /* inputs are bf16 1.0 (rank 0) and 2.0 (rank 1): every output word 3.0 | 3.0 << 16 */
   std::vector<uint32_t> host(nbytes / 4);
   for (int r = 0; r < world; ++r) {
@@ -338,6 +341,7 @@ static void check_all_reduce(uint64_t nbytes) {
 }
 
 static void check_all_gather(uint64_t nbytes) {
+  if (listing) return;
   /* rank 0's bf16 1.0s, then rank 1's 2.0s, on both ranks */
   std::vector<uint32_t> host(nbytes * world / 4);
   for (int r = 0; r < world; ++r) {
@@ -356,17 +360,15 @@ static void check(int op, uint64_t nbytes) {
   else check_all_gather(nbytes);
 }
 
-int main(int argc, char **argv) {
-  const int quick = argc > 1 && std::string(argv[1]) == "quick";
+/* Both GPUs' buffers, control slots and inputs, as two ranks' communicators
+ * would hold them, with inputs for max_bytes a rank. */
+static void open_ranks(size_t max_bytes) {
   int count = 0;
   CHECK(cudaGetDeviceCount(&count));
   if (count < 2) {
     fprintf(stderr, "needs 2 GPUs\n");
-    return 1;
+    exit(1);
   }
-  const int bulk_sweep = argc > 1 && std::string(argv[1]) == "bulk";
-  const int geom_sweep = argc > 1 && std::string(argv[1]) == "geom";
-  const size_t max_bytes = bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20;
   layout = tpc_layout_for(world, max_bytes, max_bytes);
   for (int r = 0; r < world; ++r) {
     CHECK(cudaSetDevice(r));
@@ -416,7 +418,17 @@ int main(int argc, char **argv) {
   printf("%s x%d, %d graph nodes per replay, median of %d replays, slower GPU, us per op\n", prop.name, world,
          OPS, REPLAYS);
 
-  if (argc > 1 && std::string(argv[1]) == "host") {
+}
+
+int main(int argc, char **argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  listing = mode == "list";
+  const int quick = mode == "quick" || (listing && argc > 2 && std::string(argv[2]) == "quick");
+  const int bulk_sweep = mode == "bulk";
+  const int geom_sweep = mode == "geom";
+  if (!listing) open_ranks(bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20);
+
+  if (mode == "host") {
     const tpc_geometry one = {1, 64};
     cudaStream_t st = ranks[0].stream;
     printf("tpc_kernel_args: %zu bytes\n", sizeof(tpc_kernel_args));

@@ -1,9 +1,12 @@
-"""The standalone CUDA probes under benchmarks/ compile: latency_probe.cu
-(the stage timings in the README's "Where the time goes") against the current
-kernels, so it cannot drift from the code it measures, and bandwidth_probe.cu
-(the NVLink transfer rates behind the bulk kernels' design). They run only on
-the device machine (2 GPUs)."""
+"""The standalone CUDA probes under benchmarks/: latency_probe.cu (the stage
+timings behind docs/design.md's "where the time goes") is compiled against
+the current kernels, so it cannot drift from the code it measures, and its
+`list` mode (no GPU needed) must name every row the device run times;
+bandwidth_probe.cu (the NVLink transfer rates behind the bulk kernels'
+design) must compile warning-free. Timing itself needs the device machine
+(2 GPUs)."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -11,14 +14,89 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+
+SIZES = (64, 2048, 16384, 65536, 262144, 1048576)
+# Every kernel the default run times at each size: the real ones, through
+# launch.cu's entry points, and the variants that each leave one stage out.
+ROWS_PER_SIZE = (
+    "all_reduce packet (tpcomm)",
+    "  without the header check",
+    "  ... in two loops (push all, then wait)",
+    "  ... with a packed bf16 sum",
+    "  without PDL",
+    "  after an ordinary kernel",
+    "all_reduce bulk (tpcomm)",
+    "all_gather packet (tpcomm)",
+    "  the general kernel (any dim)",
+    "  dim 0, header in thread 0's wait",
+    "all_gather bulk (tpcomm)",
+)
+FLOOR_ROWS = ("empty kernel", "empty kernel, PDL", "+ device epoch, header sent", "+ one packet each way",
+              "+ its input loaded, output stored", "epoch by atomic add")
 
 
-@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
-@pytest.mark.parametrize("probe", ["latency_probe.cu", "bandwidth_probe.cu"])
-def test_probe_compiles(tmp_path, probe):
-    exe = tmp_path / "probe"
+def _compile(probe, exe):
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-I",
-                           os.path.join(ROOT, "csrc"), os.path.join(ROOT, "benchmarks", probe),
-                           "-o", str(exe)], capture_output=True, text=True, timeout=600)
+                           os.path.join(ROOT, "csrc"), os.path.join(ROOT, "benchmarks", probe), "-o", str(exe)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert exe.stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def latency_probe(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("probe") / "latency_probe"
+    _compile("latency_probe.cu", exe)
+    return exe
+
+
+def _rows(exe, *args):
+    """(name, bytes) of every row `exe list [args]` prints."""
+    proc = subprocess.run([str(exe), "list", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = []
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"(.*?)\s+(\d+) B", line)
+        assert m, f"not a row: {line!r}"
+        rows.append((m.group(1), int(m.group(2))))
+    return rows
+
+
+@needs_nvcc
+def test_latency_probe_lists_every_stage(latency_probe):
+    rows = _rows(latency_probe)
+    names = [name for name, _ in rows]
+    for name in FLOOR_ROWS:
+        assert (name, 0) in rows, f"{name!r} missing from {names}"
+    for size in SIZES:
+        at_size = [name for name, n in rows if n == size]
+        for name in ROWS_PER_SIZE:
+            assert name.strip() in [r.strip() for r in at_size], f"{name!r} at {size} B missing: {at_size}"
+    # the straight-line variant exists only where one block of threads holds every unit
+    assert [n for name, n in rows if name.strip() == "... and without the sum"] == [64, 2048]
+
+
+@needs_nvcc
+def test_latency_probe_quick_leaves_out_256k(latency_probe):
+    full, quick = _rows(latency_probe), _rows(latency_probe, "quick")
+    assert quick == [row for row in full if row[1] != 262144]
+    assert len(quick) < len(full)
+
+
+def test_probe_packet_variants_start_as_the_kernels_do():
+    """The probe's packet variants begin through the kernels' own prologue
+    (tpc_packet_prologue), so a stage they time is the kernels' stage; only
+    the floor variants, which time the op's start itself, call tpc_op_begin."""
+    src = open(os.path.join(ROOT, "benchmarks", "latency_probe.cu")).read()
+    bodies = dict(re.findall(r"__global__ void (\w+)(\(.*?\n}\n)", src, flags=re.S))
+    start = src.split("#define PROBE_PACKET_START", 1)[1].split("\n\n", 1)[0]
+    assert "tpc_packet_prologue(" in start
+    for k in ("probe_packet_no_header", "probe_packets_no_sum", "probe_packets_two_loops", "probe_gather"):
+        assert "PROBE_PACKET_START(" in bodies[k], k
+    assert {k for k, body in bodies.items() if "tpc_op_begin" in body} == {"probe_epoch", "probe_ping",
+                                                                           "probe_ping_load"}
+
+
+@needs_nvcc
+def test_bandwidth_probe_compiles_warning_free(tmp_path):
+    _compile("bandwidth_probe.cu", tmp_path / "bandwidth_probe")

@@ -37,7 +37,7 @@ static __device__ __forceinline__ uint64_t tpc_gather_index(uint64_t index, uint
 /* Packet unit u (words 2u, 2u+1) of this rank's input; past the end of an
  * odd number of words, 0. `wide`: sizes, rows and both pointers are 8-byte
  * multiples, so a unit is one 8-byte load and lands as one 8-byte store
- * (4-byte ones cost 0.1 us of a 64 B op on 2xH200, latency_probe). */
+ * instead of two 4-byte ones (latency_probe.cu times the difference). */
 TPC_DEVICE uint2 tpc_gather_load(const tpc_kernel_args *a, uint64_t u, int wide) {
   const uint32_t *in = (const uint32_t *)a->in;
   if (wide) return ((const uint2 *)in)[u];
@@ -74,15 +74,12 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   const int n = a.world, me = a.rank;
   const uint64_t units = (a.nbytes / 4 + 1) / 2; /* a packet carries two words */
   const int wide = ((a.nbytes | a.row_bytes | (uint64_t)(uintptr_t)a.in | (uint64_t)(uintptr_t)a.out) & 7) == 0;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
-  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = tpc_gather_load(&a, first, wide);
-  });
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return tpc_gather_load(&a, u, wide); }, &p)) return;
+  tpc_op &op = p.op;
+  const uint64_t first = p.span.first, stride = p.span.stride;
+  const uint2 v0 = p.v0;
+  const int folded = p.folded;
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : tpc_gather_load(&a, u, wide);
@@ -101,25 +98,23 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
 }
 
 /* The packet all-gather in its common case: the output is the inputs one
- * after the other (dim 0) and every unit is one 8-byte word pair (size and
- * both pointers 8-byte multiples), so a unit goes to out[q * units + u] with
- * no index arithmetic and no per-unit layout branches. launch.cu picks it
- * for those calls. The general kernel above is twice its machine code, and
- * took 0.15-0.2 us more per op at 64 B - 64 KiB on 2xH200
- * (benchmarks/latency_probe.cu: "all_gather packet" against "dim 0"). */
+ * after the other (dim 0) and every unit is one 8-byte word pair (the size
+ * a multiple of 8; the C core passes 16-byte aligned pointers), so a unit
+ * goes to out[q * units + u] with no index arithmetic and no per-unit layout
+ * branches. launch.cu picks it for those calls. The general kernel above is
+ * twice its machine code, and slower at every packet size
+ * (benchmarks/latency_probe.cu: "all_gather packet" against "the general
+ * kernel"). */
 __global__ void tpc_all_gather_packet_flat_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const uint64_t units = a.nbytes / 8;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
   const uint2 *in = (const uint2 *)a.in;
   uint2 *out = (uint2 *)a.out;
-  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = in[first];
-  });
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return in[u]; }, &p)) return;
+  tpc_op &op = p.op;
+  const uint64_t first = p.span.first, stride = p.span.stride;
+  const uint2 v0 = p.v0;
+  const int folded = p.folded;
   const int n = a.world, me = a.rank;
 
   for (uint64_t u = first; u < units; u += stride) {

@@ -30,16 +30,13 @@
 
 __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
   const uint2 *in = (const uint2 *)a.in;
-  uint2 v0 = make_uint2(0, 0); /* the first unit, loaded while the epoch is read */
-  tpc_op op = tpc_op_begin(&a, [&] {
-    if (first < units) v0 = in[first];
-  });
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return in[u]; }, &p)) return;
+  tpc_op &op = p.op;
+  const uint64_t first = p.span.first, stride = p.span.stride;
+  const uint2 v0 = p.v0;
+  const int folded = p.folded;
 
   for (uint64_t u = first; u < units; u += stride) {
     const uint2 v = u == first ? v0 : in[u];
@@ -85,8 +82,10 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 /* The sum of step t in rank order (own values from `own`, the peers' from
  * this rank's slots, already waited for), or NaN once the op broke, into out.
  * Ranks are the outer loop so that a peer's TPC_STREAM_UNITS loads are in
- * flight together (summing unit by unit, with the rank loop inside, left one
- * load in flight: measured 25 against 20 us at 4 MiB). */
+ * flight together (summing unit by unit, with the rank loop inside, leaves
+ * one load in flight, and the large ops wait on each). The slots are read
+ * after tpc_stream_wait's acquire of the peer's flag, which the peer's
+ * control warp released after these units landed (stream.cuh). */
 TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;

@@ -55,8 +55,8 @@ TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken) {
 }
 
 /* Refused: both outputs are NaN (tpc_op_refuse fills out), nothing else
- * touched. Kept apart from tpc_op_refuse so the other kernels' cold path
- * stays as it was measured. */
+ * touched. Apart from tpc_op_refuse, so that the other kernels' cold path
+ * carries no second output. */
 TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
   tpc_op_refuse(a, refused, epoch);
   tpc_poison_fill(a, a->out2, a->nbytes);
@@ -68,10 +68,10 @@ TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32
  * tests/test_kernel_resources.py checks every kernel against its block). */
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
-  if (op.refused) return tpc_norm_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, 0, tpc_no_prefetch(), &p, tpc_norm_refuse)) return;
+  tpc_op &op = p.op;
+  const int folded = p.folded;
 
   const unsigned data_threads = blockDim.x - TPC_CONTROL_THREADS;
   const unsigned t = threadIdx.x; /* a data thread when t < data_threads */

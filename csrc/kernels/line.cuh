@@ -121,9 +121,11 @@ TPC_DEVICE void tpc_line_push(const tpc_op *op, const tpc_lines *l, uint64_t s, 
  * warp's step has its flag: the warp polls together and leaves together.
  * The data is loaded again after the flags are in: one load instruction is
  * served sector by sector, so the load that saw a line's flag may hold data
- * sectors read before the line landed (2xH200: stale data in back-to-back
- * chains without the second load). The line lands whole, so a load issued
- * after its flag was seen sees all of it.
+ * sectors read before the line landed (observed on H200 as stale data in
+ * back-to-back chains of ops without the second load). The line lands whole,
+ * so a load issued after its flag was seen sees all of it. Both loads are
+ * relaxed: the flag publishes only its own line, which the hardware delivers
+ * whole, so there is nothing for an acquire to order.
  * With check_header the first lane also polls the peer's header
  * (tpc_header_poll), so a peer that runs another op is named before any of
  * its data is used. On giving up (the bound of tpc_wait_gives_up, in any

@@ -3,14 +3,20 @@
  * their memory order, fences, the nanosecond clock, half/bfloat16 conversion.
  * The rest of csrc/kernels is written only in terms of these.
  *
- * Memory-order choices:
+ * Memory-order choices (each use says why it is enough):
  *  - packets are stored and loaded as two 8-byte elements ({data, flag} each)
  *    with relaxed system-scope ordering: an aligned 8-byte element access is
  *    single-copy atomic, so a reader that sees the flag sees the data beside
- *    it, with no fence on either side;
- *  - barrier flags use release stores and acquire loads at system scope, so
- *    the bulk data written before a flag is visible to whoever reads the flag
- *    (peers are other GPUs: device scope would not cover them).
+ *    it, with no fence on either side; a flag publishes nothing else;
+ *  - flags that publish other memory (barrier flags, bulk releases, stream
+ *    counts, stop words) use release stores and acquire loads at system
+ *    scope, so what was written before a flag is visible to whoever reads
+ *    it (peers are other GPUs: device scope would not cover them);
+ *  - the stream counts one warp hands another in shared memory use release
+ *    and acquire at block scope: both sides are in one block;
+ *  - the control slot is loaded relaxed at GPU scope: it is written by this
+ *    GPU's kernels, by the host (before the work that reads it is enqueued)
+ *    and by peers' stop words, which only ever end an op early.
  */
 #ifndef TPCOMM_PORTABILITY_CUH
 #define TPCOMM_PORTABILITY_CUH
@@ -182,8 +188,23 @@ TPC_DEVICE void tpc_grid_release(void) {
 #endif
 }
 
-/* The lanes of one warp see each other's shared-memory writes (on HIP the
- * full barrier of tpc_block_handoff that follows does it). */
+/* Ends the calling thread, as returning from the kernel would, from inside
+ * an inlined helper (tpc_packet_prologue's refusal): the compiler then lays
+ * out the rest of the kernel as if the refusal were written in it, with no
+ * join of the refused path into the kernel's own end. Only for a path every
+ * thread of the block takes. HIP: a no-op; the caller returns instead. */
+TPC_DEVICE void tpc_thread_exit(void) {
+#ifndef TPC_HIP
+  asm volatile("exit;" ::: "memory");
+  __builtin_unreachable();
+#endif
+}
+
+/* Orders the memory accesses of a warp's lanes before what each lane does
+ * next (CUDA's __syncwarp, a barrier among the warp's lanes). A no-op on
+ * HIP: a wavefront's lanes issue each instruction together, and the
+ * barrier or release that follows every use waits for all of their
+ * accesses. */
 TPC_DEVICE void tpc_warp_sync(void) {
 #ifndef TPC_HIP
   __syncwarp();
@@ -305,9 +326,8 @@ TPC_DEVICE float tpc_16_to_float(uint32_t v, int bf16) {
 
 /* Two fp32 sums rounded to nearest even, as tpc_float_to_half / _bf16 round
  * them, in one instruction: bfloat16's rounding above takes about six integer
- * instructions a value, and that arithmetic made the bulk all_reduce of bf16
- * slower than the same bytes of fp16 (2xH200: 16 MiB a rank 65.7 against
- * 60.8 us). The hardware's NaN is the canonical one. */
+ * instructions a value, enough to make the bulk all_reduce of bf16 slower
+ * than the same bytes of fp16. The hardware's NaN is the canonical one. */
 TPC_DEVICE uint32_t tpc_pack2(float lo, float hi, int bf16) {
 #ifdef TPC_PAIR_CVT_INSTRUCTIONS
   uint32_t w;

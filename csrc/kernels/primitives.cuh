@@ -1,7 +1,8 @@
 /*
  * Synchronisation building blocks shared by every collective: the op's epoch,
  * packets, the one bounded wait, per-block barriers, the deferred release of
- * bulk slots, and error recording.
+ * bulk slots, error recording, and the start every packet kernel shares
+ * (tpc_packet_prologue).
  */
 #ifndef TPCOMM_PRIMITIVES_CUH
 #define TPCOMM_PRIMITIVES_CUH
@@ -30,6 +31,11 @@ TPC_DEVICE tpc_span tpc_data_span(void) {
   return s;
 }
 
+/* Polling loops look at the clock and the control slot once every this many
+ * spins (a power of two): often enough that a stop is seen within a few
+ * microseconds, rarely enough that the loop stays a load and a compare. */
+#define TPC_WAIT_CHECK_SPINS 64u
+
 /* The peer a control lane of block 0 talks to, or -1. */
 TPC_DEVICE int tpc_control_peer(const tpc_kernel_args *a) {
   const int lane = (int)threadIdx.x - (int)(blockDim.x - TPC_CONTROL_THREADS);
@@ -57,7 +63,10 @@ typedef struct {
   int failed;             /* this thread gave up, or learned that a peer did */
 } tpc_op;
 
+/* Defined below: tpc_op_begin is a template, so what it calls is declared first. */
 TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
+TPC_DEVICE void tpc_epoch_advance(const tpc_op *op);
+TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op);
 
 /* The first lane of every block's control warp reads the control slot (one
  * 16-byte load, from memory that is never freed) and shares it with its block:
@@ -80,11 +89,16 @@ TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, 
  * kernel that starts early can only see the number its predecessor left.
  * Every other thread waits for the previous kernel first (the input and the
  * buffers may still be written by it) and then runs `prefetch`, the
- * kernel's first input load, so that it overlaps the control load. */
-TPC_COLD uint32_t tpc_refuse_for_peer(const tpc_kernel_args *a, uint32_t epoch, uint32_t stop);
-TPC_DEVICE void tpc_epoch_advance(const tpc_op *op);
-TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op);
-
+ * kernel's first input load, so that it overlaps the control load.
+ *
+ * Memory order: the control slot is read relaxed at GPU scope
+ * (tpc_load_control). The epoch needs no more: it is written only by this
+ * communicator's kernels on this GPU, and the previous one made its store
+ * visible before it let this kernel start (tpc_epoch_advance). alive is
+ * cleared by the host at close, long before a graph is replayed after it.
+ * failed and stopped only make an op stop early: one that arrives after this
+ * load is seen by the next bounded wait (tpc_wait_gives_up reads the slot
+ * again). */
 template <typename Prefetch>
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
   __shared__ uint32_t block_epoch, block_refused;
@@ -130,8 +144,8 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
     if (!op.refused) tpc_header_send(a, &op);
     tpc_grid_wait();
     /* Released only now, after the previous kernel: one kernel ahead is
-     * enough to hide the epoch, and a deeper cascade of waiting blocks slows
-     * the large ops (measured: 1 MiB bulk all_reduce 14.6 -> 16.6 us). */
+     * enough to hide the epoch, and a deeper cascade of blocks that wait
+     * holds multiprocessors the large ops need (docs/design.md). */
     if (lead && op.epoch != TPC_EPOCH_LAST) tpc_grid_release();
   }
   op.deadline_ns = 0; /* set by the first slow wait: no clock read on the fast path */
@@ -149,7 +163,12 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a) {
  * make it visible at GPU scope, and only then (tpc_op_begin) release the
  * dependent kernel, whose first act is to read it. The ticket counter is
  * reset here too, before the release, since the next kernel draws its own.
- * Defined after its caller, which is a template. */
+ * Memory order: a block's lead draws its ticket only once its load of the
+ * slot has returned (whether it draws one depends on the value loaded), so
+ * the last ticket means every block has read the old epoch. __threadfence
+ * (GPU scope) orders the store before griddepcontrol.launch_dependents, the
+ * only way the next reader (a kernel on this GPU) can start before this one
+ * ends; peers never read this word. */
 TPC_DEVICE void tpc_epoch_advance(const tpc_op *op) {
   if (gridDim.x > 1) {
     if (atomicAdd(&op->sig->blocks_arrived, 1u) != gridDim.x - 1) return;
@@ -180,7 +199,13 @@ TPC_DEVICE uint4 tpc_poison16(const tpc_kernel_args *a) {
  * its start. The record's code is written last, after a system fence, so the
  * host never sees a code with stale fields. The claimer then tells every
  * peer, whose waits for this rank end at once and whose next op is refused
- * too. `touch_buffers` is 0 for a closed communicator: its buffers are gone. */
+ * too. `touch_buffers` is 0 for a closed communicator: its buffers are gone.
+ * Memory order: the host polls code without synchronising with the device, so
+ * the first system fence makes every other field visible before the code;
+ * the second orders the code before everything this thread does next (the
+ * peers' stop words, the NaN output), so a peer or host that sees those
+ * finds the record complete. The stop words are system-scope releases for
+ * the same reason. */
 TPC_COLD void tpc_record_cold(const tpc_kernel_args *a, uint32_t epoch, uint32_t code, int peer,
                               int reported, uint32_t peer_bytes, uint32_t peer_kind, int touch_buffers) {
   if (atomicCAS(&a->control->failed, 0u, code) != 0u) return;
@@ -248,11 +273,11 @@ TPC_COLD void tpc_op_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t
 
 /* The one bound on waiting for a peer: called from every polling loop. Checks
  * the clock and the control slot (this communicator's failed word, the
- * peers' stop word) only every 64 spins to keep the loop tight. Returns nonzero when the wait must
- * stop. */
+ * peers' stop word) only every TPC_WAIT_CHECK_SPINS spins to keep the loop
+ * tight. Returns nonzero when the wait must stop. */
 TPC_DEVICE int tpc_wait_gives_up(tpc_op *op, int peer, uint32_t *spins) {
   if (op->failed) return 1;
-  if ((++*spins & 63u) != 0) return 0;
+  if ((++*spins & (TPC_WAIT_CHECK_SPINS - 1u)) != 0) return 0;
   const uint4 c = tpc_load_control(op->control);
   if (c.z != 0) {
     op->failed = 1; /* another thread recorded it, or abort() */
@@ -283,14 +308,6 @@ TPC_DEVICE int tpc_packet_ready(uint64_t lo, uint64_t hi, uint32_t epoch) {
   return (uint32_t)(lo >> 32) == epoch && (uint32_t)(hi >> 32) == epoch;
 }
 
-/* Spins on a packet in this rank's own buffer until both halves carry the
- * flag. On giving up the data is zero and op->failed is set.
- *
- * With check_header (folded headers: the first packet of thread 0, one per
- * peer) the peer's header is polled in the same loop, beside the data:
- * it costs no extra round trip, and a peer that runs another op, size,
- * algorithm, dtype or layout is named at once (its header arrives even when
- * the data never will) instead of timing out. */
 /* One look at `peer`'s header for this op: 1 once it is in and agrees with
  * ours, 0 while it is not in yet; a header that disagrees is recorded as a
  * mismatch naming the peer (op->failed is then set). */
@@ -303,6 +320,17 @@ TPC_DEVICE int tpc_header_poll(tpc_op *op, int peer) {
   return 0;
 }
 
+/* Spins on a packet in this rank's own buffer until both halves carry the
+ * flag. On giving up the data is zero and op->failed is set. Relaxed loads
+ * are enough: each half is one single-copy-atomic 8-byte element holding its
+ * data beside its flag (portability.cuh), so no other memory is published by
+ * the flag and nothing needs acquiring.
+ *
+ * With check_header (folded headers: the first packet of thread 0, one per
+ * peer) the peer's header is polled in the same loop, beside the data:
+ * it costs no extra round trip, and a peer that runs another op, size,
+ * algorithm, dtype or layout is named at once (its header arrives even when
+ * the data never will) instead of timing out. */
 TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer, int check_header = 0) {
   uint64_t lo, hi;
   int header_ok = !check_header;
@@ -319,6 +347,9 @@ TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer, int che
   return make_uint2((uint32_t)lo, (uint32_t)hi);
 }
 
+/* Until *flag == value, bounded. An acquire at system scope: the flag is a
+ * peer's release (tpc_block_barrier, tpc_wrap_meet), and what this thread's
+ * block reads next is the memory that release published. */
 TPC_DEVICE void tpc_flag_wait(tpc_op *op, const uint32_t *flag, uint32_t value, int peer) {
   uint32_t spins = 0;
   while (tpc_load_acquire(flag) != value)
@@ -336,8 +367,8 @@ TPC_DEVICE char *tpc_packet_slot(const tpc_kernel_args *a, int owner, uint32_t e
 /* Packet unit u into every peer's slot for this sender, value_for(peer) the
  * 8 bytes that peer gets; peers in turn from the next rank on, so that ranks
  * start on different peers. Two ranks name the peer outright: the loop's
- * modulo sits between the input load and the push, and cost 0.13 us of a
- * 64 B all_reduce or all_gather on 2xH200 (benchmarks/latency_probe.cu). */
+ * modulo would sit between the input load and the push, on the critical
+ * path of the smallest ops (latency_probe.cu times it). */
 template <typename ValueFor>
 TPC_DEVICE void tpc_packet_push(const tpc_kernel_args *a, uint32_t epoch, uint64_t u, ValueFor value_for) {
   if (a->world == 2) {
@@ -363,21 +394,22 @@ TPC_DEVICE uint2 tpc_packet_from(tpc_op *op, uint64_t u, int q, int folded) {
  * rank's other waits) instead of timing out.
  *
  * Block 0's control warp, one lane per peer, sends them in tpc_op_begin,
- * before the wait for the previous kernel: sent after it, with the data,
- * they cost 0.04-0.12 us of a 64 B - 2 KiB op on 2xH200 (latency_probe.cu).
- * That is safe with four slots per sender, by epoch: this op's control warp
- * runs only once op e-2 has completed here (op e-1 releases it after its own
- * wait), so the peer has sent its data of op e-2, so it had finished op e-3
- * and its check of the header of op e-4, the last one this slot held. Where they are checked depends on the op
- * (measured, latency_probe):
+ * before the wait for the previous kernel, so that a header is never on the
+ * path after the data. That is safe with TPC_HEADER_SLOTS (four) slots per
+ * sender, by epoch: this op's control warp runs only once op e-2 has
+ * completed here (op e-1 releases it after its own wait), so the peer has
+ * sent its data of op e-2, so it had finished op e-3 and its check of the
+ * header of op e-4, the last one this slot held.
+ * Where they are checked depends on the op (each the faster of the two
+ * places in latency_probe.cu):
  *  - one-block packet ops and the two-shot bulk ops: the same control lanes
- *    wait for the peers' beside the data threads (tpc_header_check); folded
- *    into thread 0's first data wait instead, a 64 B all_gather took
- *    0.05-0.1 us longer;
+ *    wait for the peers' beside the data threads (tpc_header_check);
  *  - packet ops of several blocks (tpc_header_folded): thread 0 of block 0
  *    checks them inside its first data wait (tpc_packet_wait: header and
  *    data polled in the same loop), which frees block 0's control warp;
- *  - line and streamed ops: the first lane of warp 0 in its first waits. */
+ *  - line and streamed ops: the first lane of warp 0 in its first waits.
+ * Header packets are relaxed stores and loads, like data packets: the
+ * header carries its own flag and publishes nothing else. */
 TPC_DEVICE int tpc_header_folded(int packet) { return packet && gridDim.x > 1; }
 
 TPC_DEVICE void tpc_header_send(const tpc_kernel_args *a, const tpc_op *op) {
@@ -396,14 +428,85 @@ TPC_DEVICE void tpc_header_check(const tpc_kernel_args *a, tpc_op *op, int folde
     tpc_record_error(op, TPC_ERR_MISMATCH, peer, h.x, h.y);
 }
 
+/* The start every packet kernel shares (tpc_packet_prologue): the thread's
+ * packet units, the op, and its first unit of the input, loaded beside the
+ * control load (tpc_op_begin's `prefetch`). */
+typedef struct {
+  tpc_op op;
+  tpc_span span;  /* this thread's units: span.first, span.first + span.stride, ... */
+  uint2 v0;       /* input unit span.first, or 0 when that is past the input */
+  int folded;     /* headers checked in thread 0's first data wait (tpc_header_folded) */
+} tpc_packet_start;
+
+/* What a kernel with no unit of its own to load first passes as `load`
+ * (reduce_scatter pushes other ranks' chunks first; the fused norm walks
+ * rows). */
+struct tpc_no_prefetch {};
+
+/* The op begins while the thread's first unit of the input is loaded. */
+template <typename Load>
+TPC_DEVICE void tpc_packet_begin_op(const tpc_kernel_args *a, uint64_t units, Load load, tpc_packet_start *p) {
+  p->span = tpc_data_span();
+  const uint64_t first = p->span.first;
+  uint2 v0 = make_uint2(0, 0);
+  p->op = tpc_op_begin(a, [&] {
+    if (first < units) v0 = load(first);
+  });
+  p->v0 = v0;
+}
+
+/* Nothing to load: the span is taken once the op has begun and its headers
+ * are checked (tpc_packet_span_after), so that it holds no registers across
+ * them. */
+TPC_DEVICE void tpc_packet_begin_op(const tpc_kernel_args *a, uint64_t, tpc_no_prefetch, tpc_packet_start *p) {
+  p->op = tpc_op_begin(a);
+  p->v0 = make_uint2(0, 0);
+}
+
+template <typename Load>
+TPC_DEVICE void tpc_packet_span_after(Load, tpc_packet_start *) {}
+TPC_DEVICE void tpc_packet_span_after(tpc_no_prefetch, tpc_packet_start *p) { p->span = tpc_data_span(); }
+
+typedef void (*tpc_refuse_fn)(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch);
+
+/* Every packet kernel starts here, and the latency probe's packet variants
+ * too: the thread's units, the op begun with the thread's first unit of the
+ * input loaded beside the control load (`load(u)` returns the input's packet
+ * unit u; it runs for the first unit only, when that is below `units`), a
+ * refused op refused (`refuse`: tpc_op_refuse, or the fused norm's, which
+ * also fills its second output; the thread then ends), and the headers
+ * checked where tpc_header_folded says (unless `check_header` is 0: the
+ * probe's variants leave the check out, to time it). Returns 1; 0 only where
+ * the thread could not be ended here (HIP), on which the kernel returns at
+ * once. */
+template <typename Load>
+TPC_DEVICE int tpc_packet_prologue(const tpc_kernel_args *a, uint64_t units, Load load, tpc_packet_start *p,
+                                   tpc_refuse_fn refuse = tpc_op_refuse, int check_header = 1) {
+  tpc_packet_begin_op(a, units, load, p);
+  if (p->op.refused) {
+    refuse(a, p->op.refused, p->op.epoch);
+    tpc_thread_exit();
+    return 0;
+  }
+  p->folded = tpc_header_folded(1);
+  if (check_header) tpc_header_check(a, &p->op, p->folded);
+  tpc_packet_span_after(load, p);
+  return 1;
+}
+
 /* Block b of every rank meets block b of every other rank. Blocks of one op
  * cover the same index ranges on every rank, so this orders exactly the data
- * they exchange. Flags are equal to the epoch: never reused within 2^32 ops. */
+ * they exchange. Flags are equal to the epoch: never reused within 2^32 ops
+ * (tpc_wrap clears them before the counter wraps). */
 TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op, int second) {
-  /* bar.sync makes the block's earlier stores visible to the signalling
-   * threads; their system fence then orders all of them before the flag (the
-   * cumulative release pattern of cooperative groups' grid sync, at system
-   * scope). One fence per peer instead of one per thread. */
+  /* Memory order: bar.sync makes the block's earlier stores (the data pushed
+   * into the peers' slots) visible to the signalling threads; their system
+   * fence is cumulative over them and orders all of them before the flag's
+   * release store (the pattern of cooperative groups' grid sync, at system
+   * scope, since the readers are other GPUs). One fence per peer instead of
+   * one per thread. The peer's flag is acquired (tpc_flag_wait), and the
+   * closing bar.sync hands what the signalling threads acquired to the rest
+   * of the block, which then reads the peers' data. */
   __syncthreads();
   const int t = threadIdx.x;
   if (t < a->world && t != a->rank) {
@@ -450,6 +553,9 @@ TPC_DEVICE uint32_t tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op, int u
     const uint32_t last_whole = *(volatile uint32_t *)&op->sig->last_whole;
     const uint32_t need = use == TPC_BULK_HALF && last_whole != seq ? seq - 1u : seq;
     uint32_t spins = 0;
+    /* An acquire at system scope: the peer's reads of the slots this op is
+     * about to overwrite must be complete before its release is seen (a
+     * write-after-read order; the closing bar.sync passes it to the block). */
     while ((int32_t)(tpc_load_acquire(&op->sig->released[t]) - need) < 0)
       if (tpc_wait_gives_up(op, t, &spins)) break;
   }
@@ -457,15 +563,10 @@ TPC_DEVICE uint32_t tpc_bulk_acquire(const tpc_kernel_args *a, tpc_op *op, int u
   return seq;
 }
 
-/* The op under the last epoch before the counter wraps (TPC_EPOCH_LAST),
- * run by thread 0 of its last block to finish: flags are equal to epochs, so
- * a flag left in a slot that was not written for 2^32 ops would match the
- * reused epoch. The ranks meet (every peer is done with the last epoch, so
- * nothing more is written into our buffer), each clears every flag-carrying
- * word of its own buffer, and they meet again before anyone runs the next op.
- * Once in 2^32 ops, so one thread does it (milliseconds); the waits are
- * bounded like every other. */
-/* One meeting of the wrap: tell every peer `w`, wait until each told us. */
+/* One meeting of the wrap (tpc_wrap): tell every peer `w`, wait until each
+ * told us. The fence and release order this thread's earlier stores (the
+ * cleared flags, at the second meeting) before the peer sees `w`; the
+ * acquire in tpc_flag_wait orders the peer's before ours that follow. */
 TPC_DEVICE void tpc_wrap_meet(const tpc_kernel_args *a, tpc_op *op, uint32_t w, int second) {
   for (int t = 0; t < a->world; ++t) {
     if (t == a->rank) continue;
@@ -477,6 +578,14 @@ TPC_DEVICE void tpc_wrap_meet(const tpc_kernel_args *a, tpc_op *op, uint32_t w, 
     if (t != a->rank) tpc_flag_wait(op, second ? &op->sig->wrap_out[t] : &op->sig->wrap_in[t], w, t);
 }
 
+/* The op under the last epoch before the counter wraps (TPC_EPOCH_LAST),
+ * run by thread 0 of its last block to finish: flags are equal to epochs, so
+ * a flag left in a slot that was not written for 2^32 ops would match the
+ * reused epoch. The ranks meet (every peer is done with the last epoch, so
+ * nothing more is written into our buffer), each clears every flag-carrying
+ * word of its own buffer, and they meet again before anyone runs the next op.
+ * Once in 2^32 ops, so one thread does it (milliseconds); the waits are
+ * bounded like every other. */
 TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
   tpc_op *op = &op_copy;
   const uint32_t w = op->sig->wraps + 1u;
@@ -505,6 +614,9 @@ TPC_DEVICE void tpc_op_end(const tpc_kernel_args *a, tpc_op *op, int bulk /* TPC
   if (threadIdx.x != 0) return;
   uint32_t failed = (uint32_t)block_failed;
   if (gridDim.x > 1) { /* one block needs no count: it is the last */
+    /* GPU scope: the last block acts for the whole grid (counts the op done,
+     * or clears the flags at the wrap), so every block's accesses to the
+     * buffer must be complete before its count is seen. */
     __threadfence();
     const uint32_t before = atomicAdd(&op->sig->blocks_done, block_failed ? 0x10001u : 1u);
     if ((before & 0xffffu) != gridDim.x - 1) return;

@@ -22,8 +22,9 @@ TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint
 }
 
 /* The same, rounded once to the dtype. Two ranks add in packed arithmetic
- * (tpc_sum_pair8, the same bits): on 2xH200 the general loop's sum took
- * 0.3 us of a 64 B all_reduce's 1.9 (benchmarks/latency_probe.cu). */
+ * (tpc_sum_pair8, the same bits): the general loop's conversions and
+ * rounding sit on the critical path of the smallest all_reduce
+ * (latency_probe.cu: "with a packed bf16 sum"). */
 TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded) {
   if (a->world == 2) return tpc_sum_pair8(own, tpc_packet_from(op, u, 1 - a->rank, folded), a->dtype);
   float acc[4];

@@ -35,13 +35,13 @@ TPC_DEVICE void tpc_store_sums_f32(const tpc_kernel_args *a, uint64_t u, const f
 
 template <int OutF32>
 __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const int folded = tpc_header_folded(1);
-  tpc_header_check(&a, &op, folded);
+  tpc_packet_start p;
+  if (!tpc_packet_prologue(&a, 0, tpc_no_prefetch(), &p)) return;
+  tpc_op &op = p.op;
+  const int folded = p.folded;
   const int me = a.rank;
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES; /* per chunk */
-  const tpc_span span = tpc_data_span();
+  const tpc_span span = p.span;
   const uint2 *in = (const uint2 *)a.in;
 
   for (uint64_t u = span.first; u < units; u += span.stride)

@@ -14,13 +14,36 @@
  * reached and stores it in each peer's flag for this block: one 64-bit word
  * per [block][sender], (epoch << 32 | steps done), a release at system scope,
  * which is cumulative over the data warps' stores it acquired. That release
- * is the only fence, and it stalls only the control warp. When each data
- * warp fenced its own steps (the first version of this file), the times on
- * 2xH200 grew by about 2 us for every step a warp took, as if every fence
- * waited for all of the multiprocessor's stores in flight: all warps stalled
- * together after each step and the link idled for a round trip. A peer's
- * warp waits for the count before it reads a step. The flag carries the
- * epoch, so an old op's count never passes for this op's.
+ * is the only system fence, and it stalls only the control warp: a system
+ * fence waits for all of its multiprocessor's stores in flight, so one per
+ * data warp and step would stall every warp after each step and leave the
+ * link idle for a round trip (docs/design.md). A peer's warp acquires the
+ * count before it reads a step. The flag carries the epoch, so an old op's
+ * count never passes for this op's.
+ *
+ * Memory order, end to end: data warp's stores into the peer's slot
+ * -> __syncwarp -> its lane 0's release (block scope) of pushed[warp]
+ * -> the control warp's acquire of it -> the control warp's release (system
+ * scope) of the peer's flag -> the peer warp's acquire of the flag -> its
+ * loads of the slot. Each link is a release read by an acquire, or program
+ * order, so the chain is a causality order and the peer reads what was
+ * pushed. The block-scope pair is enough for its link because both warps are
+ * in one block; the system-scope pair is needed because the reader is
+ * another GPU.
+ *
+ * compute-sanitizer racecheck reports hazards on pushed[] (scripts/sanitize.sh
+ * expects exactly these and nothing else). None is a race:
+ *  - the zeroing (tpc_stream_reset) against the control warp's reads and the
+ *    data warps' releases: every one of those comes after the block barrier
+ *    in tpc_bulk_acquire (__syncthreads_or), which every thread of the block
+ *    reaches after the zeroing, and a barrier orders the memory accesses
+ *    before it against those after it for all its threads;
+ *  - a data warp's release (tpc_stream_mark) against the control warp's
+ *    acquires (tpc_stream_signal_all): these are the handoff itself; both are
+ *    strong operations at block scope on the same aligned word, which the
+ *    PTX memory model never counts as a data race, and racecheck, which
+ *    models barriers but not release/acquire pairs, reports them all the
+ *    same.
  *
  * Slots and flags come in two halves, by the parity of the bulk sequence
  * number: a peer may start the next streamed op while this rank still reads
@@ -94,9 +117,10 @@ TPC_DEVICE char *tpc_stream_slot(const tpc_kernel_args *a, const tpc_steps *s, i
   return (char *)half + (uint64_t)(sender - (sender > owner)) * a->nbytes;
 }
 
-/* Steps each data warp of the block has pushed: data warps write their own
- * word, the control warp reads them all. Zeroed before the op's first block
- * barrier (tpc_bulk_acquire). */
+/* Steps each data warp of the block has pushed: lane 0 of data warp w alone
+ * writes word w (tpc_stream_mark), the control warp reads them all. Zeroed
+ * before the block barrier in tpc_bulk_acquire, which orders the zeroing
+ * before every other access (the racecheck note above). */
 TPC_DEVICE uint32_t *tpc_stream_pushed(void) {
   __shared__ uint32_t pushed[TPC_STREAM_WARPS_PER_BLOCK];
   return pushed;
@@ -133,7 +157,9 @@ TPC_DEVICE uint64_t tpc_stream_tag(uint32_t epoch, uint32_t done) { return (uint
 
 /* A data warp has pushed `done` of its block's steps. Once any of its lanes
  * failed (and so skipped its pushes) the warp stops counting, so the control
- * warp never signals data that was not pushed. */
+ * warp never signals data that was not pushed. The release (block scope)
+ * publishes the whole warp's pushes: __syncwarp first orders the other
+ * lanes' stores before lane 0's release, which is cumulative over them. */
 TPC_DEVICE void tpc_stream_mark(const tpc_op *op, const tpc_steps *s, uint32_t done) {
   tpc_warp_sync(); /* orders the lanes' stores before lane 0's release */
   if (!tpc_warp_any(op->failed) && s->lane == 0) tpc_store_release_block(&tpc_stream_pushed()[s->warp], done);
@@ -142,7 +168,9 @@ TPC_DEVICE void tpc_stream_mark(const tpc_op *op, const tpc_steps *s, uint32_t d
 /* The control warp: until the block's last step is signalled, tell every
  * peer (one lane per peer) how many steps all data warps have pushed. It
  * gives up only once the op failed (a data warp's bounded wait records
- * why), checked every 64 spins like every wait. */
+ * why), checked every TPC_WAIT_CHECK_SPINS spins like every wait. Each lane
+ * acquires every count itself, so its own system-scope release is
+ * cumulative over all the data warps' pushes it signals. */
 TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
   const tpc_kernel_args *a = op->args;
   const int peer = (int)s->lane;
@@ -158,7 +186,7 @@ TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
       if (peer < a->world && peer != a->rank)
         tpc_store_release64(tpc_stream_flag(a, peer, s, a->rank), tpc_stream_tag(op->epoch, done));
       signalled = done;
-    } else if ((++spins & 63u) == 0) {
+    } else if ((++spins & (TPC_WAIT_CHECK_SPINS - 1u)) == 0) {
       const uint4 c = tpc_load_control(op->control);
       if (c.z != 0 || c.w != 0) return;
     }
@@ -182,7 +210,9 @@ TPC_DEVICE int tpc_stream_start(tpc_op *op, tpc_steps *s) {
 
 /* Until every peer's block has pushed `done` steps into this rank's slots;
  * with check_header, also until the peer's header for this op is in and
- * agrees. Bounded like every wait; on giving up op->failed is set. */
+ * agrees. Bounded like every wait; on giving up op->failed is set. The flag
+ * is acquired at system scope: it is the peer control warp's release, and
+ * the loads of the slots that follow must see what it published. */
 TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, int check_header) {
   const tpc_kernel_args *a = op->args;
   for (int i = 1; i < a->world && !op->failed; ++i) {

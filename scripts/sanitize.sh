@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
+# tpcomm kernel and band (scripts/sanitize_ranks.py lists the cases: all_reduce
+# packet/line/bulk, all_gather packet flat and general/line/bulk,
+# reduce_scatter packet/bulk in both output dtypes, the fused norm spread and
+# in place), on one GPU: the ranks share it, rank 0 runs under the tool and
+# the others plain. World 2 runs the streamed bulk kernel, world 3 the
+# two-shot one and the general (n > 2) paths of the rest.
+#
+# Usage (repository root, one GPU; needs compute-sanitizer and a built torch):
+#   bash scripts/sanitize.sh [LOG_DIR]
+#   TOOLS="racecheck" WORLDS="2" bash scripts/sanitize.sh /tmp/san
+#   WORLDS=3 BUILD=0 bash scripts/sanitize.sh /tmp/san   (a second call, reusing the build)
+# Writes LOG_DIR/<tool>-w<world>.log (the tool's report) and
+# <tool>-w<world>-rank<r>.out (each rank's output), then judges every report
+# with scripts/sanitize_expect.py: 0 errors, except racecheck's reports on
+# the streamed kernels' push counts, which csrc/kernels/stream.cuh shows are
+# not races. Exits 1 on anything else, on a wrong result, or on a run that
+# does not finish within RUN_TIMEOUT_S.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+logs=${1:-/tmp/tpcomm-sanitize}
+mkdir -p "$logs"
+tools=${TOOLS:-memcheck racecheck synccheck initcheck}
+worlds=${WORLDS:-2 3}
+run_timeout=${RUN_TIMEOUT_S:-150}
+sanitizer=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+[ -x "$sanitizer" ] || { echo "compute-sanitizer not found (set COMPUTE_SANITIZER)" >&2; exit 1; }
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+start=$(date +%s)
+
+# Line information lets a report name its source line; the machine code is
+# the same with or without it. BUILD=0 reuses the in-place build of an
+# earlier call.
+if [ "${BUILD:-1}" != 0 ]; then
+  NVCC_APPEND_FLAGS="-lineinfo" TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 setup.py -q build_ext --inplace --force >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log"; exit 1; }
+  echo "build (with -lineinfo): $(( $(date +%s) - start )) s"
+fi
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+status=0
+for world in $worlds; do
+  for tool in $tools; do
+    t0=$(date +%s)
+    name="$tool-w$world"
+    flags=(--tool "$tool" --log-file "$logs/$name.log" --print-limit 0 --report-api-errors no)
+    # initcheck follows every write to know what is initialised, torch's too:
+    # it checks every kernel; the others only tpcomm's (named tpc_*).
+    [ "$tool" = initcheck ] || flags+=(--kernel-name kns=tpc_)
+    [ "$tool" = memcheck ] && flags+=(--leak-check no)
+    [ "$tool" = racecheck ] && flags+=(--racecheck-report analysis)
+    port=$(free_port)
+    peers=()
+    for ((r = 1; r < world; ++r)); do
+      timeout -k 10 "$run_timeout" python3 scripts/sanitize_ranks.py --rank "$r" --world "$world" --port "$port" \
+        >"$logs/$name-rank$r.out" 2>&1 &
+      peers+=($!)
+    done
+    timeout -k 10 "$run_timeout" "$sanitizer" "${flags[@]}" \
+      python3 scripts/sanitize_ranks.py --rank 0 --world "$world" --port "$port" >"$logs/$name-rank0.out" 2>&1
+    rc=$?
+    for pid in "${peers[@]}"; do
+      wait "$pid" || rc=$((rc ? rc : 1))
+    done
+    verdict=$(python3 scripts/sanitize_expect.py "$tool" "$logs/$name.log") || rc=$((rc ? rc : 1))
+    printf '%-16s %4d s  %s\n' "$name" $(( $(date +%s) - t0 )) "$(head -1 <<<"$verdict")"
+    if [ "$rc" != 0 ]; then
+      status=1
+      tail -n +2 <<<"$verdict"
+      for f in "$logs/$name"-rank*.out; do
+        grep -E "FAILED|Error|error|Traceback" "$f" | tail -5 | sed "s|^|  $(basename "$f"): |"
+      done
+      [ "$rc" = 124 ] && echo "  $name: still running after $run_timeout s (killed)"
+    fi
+  done
+done
+echo "sanitize: $(( $(date +%s) - start )) s, logs in $logs: $([ $status = 0 ] && echo clean || echo FAILED)"
+exit $status

@@ -1,0 +1,178 @@
+"""One rank of scripts/sanitize.sh: runs every tpcomm kernel (every op, band
+and layout variant) through the internal ops with an explicit algorithm, on
+ranks that share one GPU, and checks each result.
+
+    python scripts/sanitize_ranks.py --rank R --world W --port P
+
+All ranks use GPU 0 (ranks sharing one GPU: tpcomm._testing.allow_shared_gpu)
+and gloo for the host side. sanitize.sh runs rank 0 under compute-sanitizer
+and the others plain. Inputs are small integers, so every sum is exact in
+every dtype and results are compared bit for bit, except the fused norm's
+normed output, held to 1 ulp of tpcomm.reference (its mean of squares is
+summed in another order). Every case runs twice, so that the bulk kernels
+also run on the other half of their slots and wait for the peers' release
+of the first. Exits non-zero, naming the case, on any wrong result or error.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+PACKET, BULK, LINE = 1, 2, 3  # tpc_algo (csrc/tpcomm.h)
+EPS = 1e-6
+
+
+def ints(shape, rank, salt, dtype):
+    """Small integers in [-8, 8], different on every rank and case."""
+    n = 1
+    for s in shape:
+        n *= s
+    i = torch.arange(n, device="cuda", dtype=torch.int64)
+    v = (i * 7 + rank * 3 + salt * 5) % 17 - 8
+    return v.to(dtype).reshape(shape)
+
+
+class Cases:
+    def __init__(self, comm, rank, world):
+        self.comm, self.rank, self.world = comm, rank, world
+        self.ops = torch.ops._tpcomm
+        self.salt = 0
+
+    def inputs(self, shape, dtype):
+        """This rank's input and every rank's (to build the expected result)."""
+        self.salt += 1
+        return ints(shape, self.rank, self.salt, dtype), [ints(shape, r, self.salt, dtype)
+                                                          for r in range(self.world)]
+
+    def all_reduce(self, shape, dtype, algo):
+        x, xs = self.inputs(shape, dtype)
+        want = sum(t.float() for t in xs).to(dtype)
+        got = self.ops.all_reduce(x, self.comm.handle, algo)
+        same(got, want)
+        out = torch.empty_like(x)
+        self.ops.all_reduce_out(x, out, self.comm.handle, algo)
+        same(out, want)
+
+    def all_gather(self, shape, dim, dtype, algo):
+        x, xs = self.inputs(shape, dtype)
+        same(self.ops.all_gather(x, dim, self.comm.handle, algo), torch.cat(xs, dim))
+
+    def reduce_scatter(self, shape, dtype, algo, f32):
+        x, xs = self.inputs(shape, dtype)
+        total = sum(t.float() for t in xs)
+        part = shape[0] // self.world
+        want = total[self.rank * part:(self.rank + 1) * part]
+        op = self.ops.reduce_scatter_f32 if f32 else self.ops.reduce_scatter
+        same(op(x, self.comm.handle, algo), want if f32 else want.to(dtype))
+
+    def add_rms_norm(self, rows, hidden, dtype, in_place):
+        from tpcomm.reference import reference_add_rms_norm, ulp_distance
+
+        x, xs = self.inputs((rows, hidden), dtype)
+        residual = ints((rows, hidden), 0, self.salt + 100, dtype)  # the same on every rank
+        weight = ints((hidden,), 0, self.salt + 200, dtype)
+        want_normed, want_sum = reference_add_rms_norm(xs, residual, weight, EPS)
+        if in_place:  # normed into x, the sum into residual: the kernel without "spread"
+            normed, summed = x, residual
+        else:
+            normed, summed = torch.empty_like(x), torch.empty_like(x)
+        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.handle)
+        same(summed, want_sum)
+        far = int(ulp_distance(normed, want_normed).max())
+        if far > 1:
+            raise AssertionError(f"normed is {far} ulp from the reference")
+
+    def all(self):
+        """(name, thunk) of every case: each kernel of launch.cu, its bands'
+        sizes, and the layout variants that take other code paths."""
+        bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+        n = self.world
+        # Two ranks run the streamed kernel, where 4 MiB gives a block several
+        # steps (the push-ahead path); more run the two-shot kernel, whose
+        # paths 64 KiB already takes.
+        streamed = [("all_reduce bulk 4 MiB", lambda: self.all_reduce((2 * 1024 * 1024,), bf16, BULK))] if n == 2 else []
+        return streamed + [
+            # packet: one block (the control lanes check the headers), several
+            # blocks (thread 0 checks them in its first wait)
+            ("all_reduce packet 64 B", lambda: self.all_reduce((32,), bf16, PACKET)),
+            ("all_reduce packet 16 KiB f32", lambda: self.all_reduce((4096,), f32, PACKET)),
+            ("all_reduce line 16 KiB", lambda: self.all_reduce((8192,), bf16, LINE)),
+            ("all_reduce bulk 64 KiB f16", lambda: self.all_reduce((32768,), f16, BULK)),
+            # packet all_gather: the flat kernel (dim 0, 8-byte multiple), the
+            # general one with whole 8-byte units and with 4-byte ones
+            ("all_gather packet flat 4 KiB", lambda: self.all_gather((2048,), 0, bf16, PACKET)),
+            ("all_gather packet dim 1", lambda: self.all_gather((16, 24), 1, bf16, PACKET)),
+            ("all_gather packet dim 1, odd words", lambda: self.all_gather((8, 6), 1, bf16, PACKET)),
+            ("all_gather line 16 KiB", lambda: self.all_gather((8192,), 0, bf16, LINE)),
+            ("all_gather line dim 1", lambda: self.all_gather((64, 64), 1, bf16, LINE)),
+            ("all_gather bulk 256 KiB", lambda: self.all_gather((131072,), 0, bf16, BULK)),
+            ("all_gather bulk dim 1", lambda: self.all_gather((64, 1024), 1, bf16, BULK)),
+            ("reduce_scatter packet", lambda: self.reduce_scatter((n * 1024,), bf16, PACKET, False)),
+            ("reduce_scatter packet f32 out", lambda: self.reduce_scatter((n * 1024,), bf16, PACKET, True)),
+            ("reduce_scatter bulk", lambda: self.reduce_scatter((n * 32768,), bf16, BULK, False)),
+            ("reduce_scatter bulk f32 out", lambda: self.reduce_scatter((n * 16384,), f32, BULK, True)),
+            # the fused norm: out of place with few rows ("spread": every block
+            # pushes) and in place; the split route is reduce_scatter f32 out
+            # (above), torch's norm and an all_gather
+            ("all_reduce_add_rms_norm spread", lambda: self.add_rms_norm(2, 4096, bf16, False)),
+            ("all_reduce_add_rms_norm in place", lambda: self.add_rms_norm(8, 2048, f16, True)),
+        ]
+
+
+def same(got, want):
+    """Bit for bit."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        raise AssertionError(f"got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}")
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    differ = got.contiguous().view(bits) != want.contiguous().view(bits)
+    if bool(differ.any()):
+        first = differ.nonzero()[0].tolist()
+        raise AssertionError(f"{int(differ.sum())} elements differ, the first at {first}: "
+                             f"{got[tuple(first)].item()} != {want[tuple(first)].item()}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="tpcomm's bound on device waits: the rank under the tool runs far slower than its peers")
+    args = p.parse_args()
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"
+
+    import tpcomm
+    import tpcomm._testing
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world)
+    tpcomm._testing.allow_shared_gpu(True)
+    comm = tpcomm.Communicator(dist.group.WORLD, device=torch.device("cuda", 0), max_bytes=16 << 20,
+                               timeout_s=args.timeout_s)
+    if not comm.enabled:
+        raise SystemExit(f"rank {args.rank}: tpcomm's custom path is off: {comm.disabled_reason}")
+    cases = Cases(comm, args.rank, args.world)
+    start = time.monotonic()
+    for round_ in range(2):
+        for name, run in cases.all():
+            try:
+                run()
+                torch.cuda.synchronize()
+            except BaseException as e:
+                print(f"rank {args.rank}: FAILED {name} (round {round_}): {e}", file=sys.stderr, flush=True)
+                raise
+            if args.rank == 0 and round_ == 0:
+                print(f"ok {name}", flush=True)
+    comm.check()
+    print(f"rank {args.rank}: {2 * len(cases.all())} ops checked in {time.monotonic() - start:.1f} s", flush=True)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

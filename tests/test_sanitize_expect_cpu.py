@@ -1,0 +1,79 @@
+"""scripts/sanitize_expect.py, which judges the compute-sanitizer logs of
+scripts/sanitize.sh, on logs in the tool's two racecheck formats: reports on
+the streamed kernels' push counts pass, any other report, a missing summary
+or an error of the other tools fails."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("sanitize_expect", os.path.join(ROOT, "scripts", "sanitize_expect.py"))
+sanitize_expect = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sanitize_expect)
+
+
+def line_of(name, text):
+    with open(os.path.join(ROOT, "csrc", "kernels", name)) as f:
+        return next(i + 1 for i, line in enumerate(f) if text in line)
+
+
+RESET = f"/src/csrc/kernels/stream.cuh:{line_of('stream.cuh', 'tpc_stream_pushed()[threadIdx.x] = 0')}"
+ACQUIRE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'ld.acquire.cta.u32')}"
+RELEASE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'st.release.cta.u32')}"
+ELSEWHERE = f"/src/csrc/kernels/all_reduce_norm.cuh:{line_of('all_reduce_norm.cuh', 'sum += partial[w]')}"
+
+
+def hazard(write, read):
+    return (f"========= Error: Potential RAW hazard detected at __shared__ 0x4 in block (3,0,0) :\n"
+            f"=========     Write Thread (0,0,0) at tpc_stream_reset()+0x1a0 in {write}\n"
+            f"=========     Read Thread (256,0,0) at tpc_load_acquire_block(const unsigned int *)+0x30 in {read}\n"
+            f"=========     Current Value : 3, Incoming Value : 0\n=========\n")
+
+
+def analysis(write, read):
+    return (f"========= Error: Race reported between Write access at tpc_stream_mark()+0x80 in {write}\n"
+            f"=========     and Read access at tpc_load_acquire_block()+0x30 in {read} [512 hazards]\n=========\n")
+
+
+def racecheck_log(*reports):
+    n = len(reports)
+    return ("========= COMPUTE-SANITIZER\n" + "".join(reports)
+            + f"========= RACECHECK SUMMARY: {n} hazards displayed ({n} errors, 0 warnings)\n")
+
+
+@pytest.mark.parametrize("form", [hazard, analysis])
+def test_push_count_reports_pass(form):
+    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RESET, ACQUIRE), form(RELEASE, ACQUIRE)))
+    assert ok, said
+    assert "2 on the push counts" in said[0] and "0 unexpected" in said[0]
+
+
+@pytest.mark.parametrize("form", [hazard, analysis])
+def test_a_report_elsewhere_fails(form):
+    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RESET, ACQUIRE), form(RESET, ELSEWHERE)))
+    assert not ok
+    assert "1 unexpected" in said[0] and ELSEWHERE in said[1]
+
+
+def test_reports_that_cannot_be_read_fail():
+    log = "========= something new\n========= RACECHECK SUMMARY: 5 hazards displayed (5 errors, 0 warnings)\n"
+    assert not sanitize_expect.check("racecheck", log)[0]
+
+
+def test_no_summary_fails():
+    assert not sanitize_expect.check("racecheck", hazard(RESET, ACQUIRE))[0]
+    assert not sanitize_expect.check("memcheck", "========= COMPUTE-SANITIZER\n")[0]
+
+
+def test_clean_racecheck_passes():
+    assert sanitize_expect.check("racecheck", racecheck_log())[0]
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck", "initcheck"])
+def test_other_tools_need_zero_errors(tool):
+    assert sanitize_expect.check(tool, "========= ERROR SUMMARY: 0 errors\n")[0]
+    bad = ("========= Invalid __global__ write of size 16 bytes\n=========     at tpc_store16+0x10 in data_ops.cuh:67\n"
+           "========= ERROR SUMMARY: 1 error\n")
+    ok, said = sanitize_expect.check(tool, bad)
+    assert not ok and "Invalid __global__ write" in "\n".join(said)
