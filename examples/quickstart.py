@@ -20,6 +20,8 @@ def main():
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     on_gpus = torch.cuda.device_count() >= world
+    # tpcomm never uses NVLink multicast; NCCL and torch stay off it too (set before NCCL starts).
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     if on_gpus:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if on_gpus else "gloo")
