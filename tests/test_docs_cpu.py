@@ -24,7 +24,7 @@ MARKDOWN = [README] + sorted(os.path.join(DOCS, f) for f in os.listdir(DOCS) if 
 # Names the README documents that other branches provide; absent here, they
 # skip with this reason instead of failing. Present, they are checked.
 PROVIDED_ELSEWHERE = {
-    "tpcomm.compile_backend": "reach", "tpcomm.install": "reach", "tpcomm.fusion.TpcommPass": "reach",
+    "tpcomm.compile_backend": "reach", "tpcomm.install": "reach", "tpcomm.inductor_pass.TpcommPass": "reach",
     "tpcomm.doctor": "install", "tpcomm.integrations.vllm": "vllm",
 }
 
