@@ -1,0 +1,296 @@
+"""Writes the benchmark tables of README.md and docs/benchmarks.md from the
+committed results in benchmarks/results/*.json, so the documents cannot
+drift from the measurements.
+
+    python scripts/benchmark_tables.py           # rewrite the generated blocks
+    python scripts/benchmark_tables.py --check   # exit 1, naming the stale blocks, if any differs
+
+A generated block sits between two marker comments in the Markdown file:
+
+    <!-- generated: NAME -->
+    ...                      (replaced by BLOCKS[NAME]())
+    <!-- /generated: NAME -->
+
+Everything outside the markers is written by hand. The numbers come only
+from the JSON; formatting reuses tpcomm.bench.report (sizes, the best NCCL
+configuration, the dispatcher check), which needs neither torch nor a GPU.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DOCUMENTS = ("README.md", os.path.join("docs", "benchmarks.md"))
+
+
+def _load_report():
+    """tpcomm/bench/report.py by path: the package's __init__ would import
+    torch and the extension, which tables do not need."""
+    path = os.path.join(ROOT, "python", "tpcomm", "bench", "report.py")
+    spec = importlib.util.spec_from_file_location("_tpcomm_bench_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load_report()
+human_bytes = report.human_bytes
+SMALL_MAX = 64 * 1024  # "decode sizes": the headline's summary covers 64 B up to this many bytes per rank
+TWO_SHOT = "symm_two_shot"
+WORLDS = (2, 4)        # the runs the headline compares (benchmarks/results/h200x<N>.json)
+
+
+def _read(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def _run(world):
+    return _read(f"h200x{world}.json")
+
+
+def _cells(data, op, dtype, mode):
+    """{bytes per rank: {backend: row}} of one (op, dtype, mode)."""
+    out = {}
+    for r in data["rows"]:
+        if (r["op"], r["dtype"], r["mode"]) == (op, dtype, mode):
+            out.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
+    return out
+
+
+def _us(row):
+    return None if row is None or row.get("median_us") is None else row["median_us"]
+
+
+def _fmt(x):
+    return "–" if x is None else f"{x:.2f}"
+
+
+def _span(values, fmt="{:.2f}"):
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def _gpu_label(env):
+    return f"{env['world_size']}×{env['gpu'].replace('NVIDIA ', '')}"
+
+
+# ------------------------------------------------------------------ README
+def headline():
+    """The README's table: bf16 all-reduce under CUDA graphs, TP2 and TP4,
+    tpcomm against NCCL's default, NCCL at its best and torch's two-shot;
+    then one sentence per run summarising decode sizes."""
+    runs = {w: _cells(_run(w), "all_reduce", "bfloat16", "graph") for w in WORLDS}
+    head = ["bytes per rank"]
+    for w in WORLDS:
+        head += [f"TP{w} tpcomm", "NCCL default", "NCCL best", "torch two-shot"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for n in sorted(set().union(*runs.values())):
+        row = [human_bytes(n)]
+        for w in WORLDS:
+            c = runs[w].get(n, {})
+            times = [_us(c.get("tpcomm")), _us(c.get("nccl")), report.best_nccl_us(c), _us(c.get(TWO_SHOT))]
+            fastest = min(t for t in times if t is not None)
+            row += [f"**{_fmt(t)}**" if t == fastest else _fmt(t) for t in times]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "The fastest of each run's row in bold.", ""]
+    for w in WORLDS:
+        env = _run(w)["env"]
+        small = [c for n, c in runs[w].items() if n <= SMALL_MAX and "tpcomm" in c]
+        tp = [_us(c["tpcomm"]) for c in small]
+        vs_default = [_us(c["tpcomm"]) / _us(c["nccl"]) for c in small]
+        vs_best = [_us(c["tpcomm"]) / report.best_nccl_us(c) for c in small]
+        lines.append(f"- TP{w} ({_gpu_label(env)}, {env['date']}), up to {human_bytes(SMALL_MAX)} per rank: "
+                     f"{_span(tp)} µs, {_span(vs_default)}× the time of NCCL's default and "
+                     f"{_span(vs_best)}× that of NCCL at its best.")
+    return "\n".join(lines)
+
+
+def decode_headline():
+    """One sentence on examples/tp_decode.py's step times."""
+    data = _read("tp_decode_h200x2.json")
+    env, model, summary = data["env"], data["model"], data["summary"]
+    batches = sorted(summary, key=int)
+    plain = [summary[b]["tpcomm_faster_than_pct"]["nccl"] for b in batches]
+    fused = [summary[b]["tpcomm_fused_faster_than_pct"]["nccl"] for b in batches]
+    return (f"In a decode step of a Llama-3-8B-shaped model ({model['layers']} layers, hidden {model['hidden']}, "
+            f"TP={model['ranks']} on {_gpu_label(env)}, CUDA graphs, batch {', '.join(batches)}; "
+            f"`examples/tp_decode.py`), tpcomm's all-reduce makes the step {_span(plain, '{:.1f}')} % shorter "
+            f"than NCCL's default does, and the fused all-reduce + add + RMSNorm {_span(fused, '{:.1f}')} % shorter.")
+
+
+# ------------------------------------------------------ docs/benchmarks.md
+def environment(world):
+    """The run's machine and method, its correctness count and the dispatcher check."""
+    data = _run(world)
+    env, bench = data["env"], data["env"].get("bench", {})
+    rows = [("GPUs", f"{env['world_size']}× {env['gpu']}, driver {env['driver']}"),
+            ("software", f"torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, Python {env['python']}"),
+            ("date", env["date"]),
+            ("multicast", env["multicast"]),
+            ("peer copy", f"{env['peer_copy_gbps']} GB/s ({env['peer_copy']})"),
+            ("time", f"{bench['time']}; graph mode: {bench['ops_per_graph']} ops per graph "
+                     f"({bench['ops_per_graph_large']} from {human_bytes(bench['large_bytes'])}), "
+                     f"{bench['replays']} replays, {bench['graph_order']}; eager: {bench['eager_reps']} calls"),
+            ("check", bench["check"])]
+    if "merged_run" in env:
+        merged = env["merged_run"]
+        rows.append(("second process set", f"{', '.join(merged['backends'])} with {merged['env']}"))
+    lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    bad = [r for r in data["rows"] if r.get("correct") is False]
+    lines += ["", f"Rows checked bit for bit against the reference: {len(data['rows']) - len(bad)} of "
+                  f"{len(data['rows'])} match."]
+    lines += ["", "Dispatcher (`tpcomm`) against the fastest backend measured at each op, dtype and size:", ""]
+    lines += [f"- {line}" for line in report.format_dispatcher_check(data["rows"]).splitlines()]
+    return "\n".join(lines)
+
+
+def backends(world):
+    """What each column is, as the run describes it."""
+    described = _run(world)["env"]["backends"]
+    return "\n".join(f"- `{b}`: {described[b]}" for b in report.BACKENDS if b in described)
+
+
+def tables(world):
+    """Every (op, dtype, mode) of the run: µs per op, the best NCCL
+    configuration in bold, and tpcomm's time over it."""
+    data = _run(world)
+    out = []
+    for mode in report.MODES:
+        for op in report.OPS:
+            for dtype in report.DTYPES:
+                cells = _cells(data, op, dtype, mode)
+                if cells:
+                    out.append(_table(op, dtype, mode, cells))
+    return "\n\n".join(out)
+
+
+def _table(op, dtype, mode, cells):
+    present = {b for c in cells.values() for b in c}
+    cols = [b for b in report.BACKENDS if b in present]
+    lines = [f"**{op}** {dtype}, {'CUDA graph' if mode == 'graph' else 'eager'}, µs per op", "",
+             "| bytes per rank | " + " | ".join(cols) + " | tpcomm / best NCCL |",
+             "|" + "---:|" * (len(cols) + 2)]
+    for n in sorted(cells):
+        c = cells[n]
+        best = report.best_nccl_us(c)
+        row = [human_bytes(n)]
+        for b in cols:
+            us = _us(c.get(b))
+            text = _fmt(us)
+            if us is not None and c[b].get("correct") is False:
+                text += " (wrong)"
+            if b in report.NCCL_BACKENDS and us is not None and us == best:
+                text = f"**{text}**"
+            row.append(text)
+        tp = _us(c.get("tpcomm"))
+        row.append(_fmt(tp / best) if tp and best else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def host_cost():
+    """benchmarks/host_cost.py's rows, both ranks."""
+    data = _read("host_cost_h200x2.json")
+    env, ranks = data["environment"], data["ranks"]
+    lines = [f"{_gpu_label(env)}, {env['date']}, torch {env['torch']}: {human_bytes(data['bytes'])} {data['dtype']} "
+             f"(route: {ranks[0]['route']}), median of {data['rounds']} loops of {data['calls']:,} calls, "
+             "µs of host time per call", "",
+             "| call | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |",
+             "|---|" + "---:|" * len(ranks)]
+    for name in ranks[0]["rows"]:
+        label = name.strip()
+        label = f"&nbsp;&nbsp;{label}" if name != label else label
+        lines.append(f"| {label} | " + " | ".join(_fmt(r["rows"][name]["median_us"]) for r in ranks) + " |")
+    return "\n".join(lines)
+
+
+def tp_decode():
+    """examples/tp_decode.py's steps: ms per step by backend and batch."""
+    data = _read("tp_decode_h200x2.json")
+    env, model, summary = data["env"], data["model"], data["summary"]
+    cols = ["none (mixing default)", "nccl", "nccl_nomix", "tpcomm", "tpcomm_fused"]
+    lines = [f"{_gpu_label(env)}, {env['date']}: {model['layers']} layers, hidden {model['hidden']}, "
+             f"vocabulary {model['vocab']}, context {model['context']}, {model['dtype']}, TP={model['ranks']}; "
+             f"{data['method']}", "",
+             "| batch | " + " | ".join(c.replace(" (mixing default)", " (floor)") for c in cols)
+             + " | tpcomm faster than nccl / nccl_nomix | tpcomm_fused faster than nccl / nccl_nomix |",
+             "|" + "---:|" * (len(cols) + 3)]
+    for batch in sorted(summary, key=int):
+        s = summary[batch]
+        ms = s["ms_per_step"]
+        faster = s["tpcomm_faster_than_pct"]
+        fused = s["tpcomm_fused_faster_than_pct"]
+        lines.append(f"| {batch} | " + " | ".join(f"{ms[c]:.2f}" for c in cols)
+                     + f" | {faster['nccl']:.1f} % / {faster['nccl_nomix']:.1f} %"
+                     + f" | {fused['nccl']:.1f} % / {fused['nccl_nomix']:.1f} % |")
+    return "\n".join(lines)
+
+
+def add_rms_norm_routes():
+    """benchmarks/add_rms_norm_routes.py: each route of the fused op against
+    NCCL's all-reduce followed by torch's add and norm."""
+    data = _read("add_rms_norm_routes_h200x2.json")
+    env = data["env"]
+    lines = [f"{_gpu_label(env)}, {env['date']}: {env['method']}", "",
+             "| tokens | hidden | route | tpcomm, its route | tpcomm unfused | NCCL bf16 + add + norm |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for r in data["rows"]:
+        us = r["us"]
+        nccl = next(v for k, v in us.items() if k.startswith("nccl"))
+        lines.append(f"| {r['tokens']} | {r['hidden']} | {r['route']} | {us['tpcomm ' + r['route']]:.2f} | "
+                     f"{us['tpcomm unfused']:.2f} | {nccl:.2f} |")
+    return "\n".join(lines)
+
+
+BLOCKS = {"headline": headline, "decode-headline": decode_headline, "host-cost": host_cost, "tp-decode": tp_decode,
+          "add-rms-norm-routes": add_rms_norm_routes}
+for _w in WORLDS:
+    BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
+    BLOCKS[f"backends-h200x{_w}"] = lambda w=_w: backends(w)
+    BLOCKS[f"tables-h200x{_w}"] = lambda w=_w: tables(w)
+
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated: (?P=name) -->)",
+                    re.DOTALL)
+
+
+def regenerate(text):
+    """`text` with every generated block rewritten; raises KeyError for a block no renderer knows."""
+    return _BLOCK.sub(lambda m: m.group(1) + BLOCKS[m.group("name")]() + "\n" + m.group(4), text)
+
+
+def block_names(text):
+    return [m.group("name") for m in _BLOCK.finditer(text)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated block is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for rel in DOCUMENTS:
+        path = os.path.join(ROOT, rel)
+        with open(path) as f:
+            text = f.read()
+        fresh = regenerate(text)
+        if fresh == text:
+            continue
+        stale.append(rel)
+        if not args.check:
+            with open(path, "w") as f:
+                f.write(fresh)
+    if args.check and stale:
+        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/benchmark_tables.py",
+              file=sys.stderr)
+        return 1
+    for rel in stale:
+        print(f"rewrote the generated blocks of {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
