@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
 from tpcomm.config import Config
 from tpcomm.reference import reference_add_rms_norm, ulp_distance
@@ -148,4 +148,4 @@ def body_graph_and_skew(rank, world):
 
 @pytest.mark.parametrize("body", [body_shapes, body_nan_inf, body_graph_and_skew], ids=lambda f: f.__name__[5:])
 def test_all_reduce_add_rms_norm(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)

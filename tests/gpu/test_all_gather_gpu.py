@@ -4,7 +4,7 @@ from their seeds), for every dtype, special values, dims and size bands."""
 import pytest
 import torch
 
-import harness
+import multiproc
 import tpcomm
 
 pytestmark = pytest.mark.gpu
@@ -170,4 +170,4 @@ def body_size_mismatch(rank, world):
 @pytest.mark.parametrize("body", [body_shapes_dtypes_dims, body_size_bands, body_graph_replays, body_size_mismatch],
                          ids=lambda f: f.__name__[5:])
 def test_all_gather(body):
-    harness.run(body)
+    multiproc.run_gpu(body)

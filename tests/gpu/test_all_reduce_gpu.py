@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
 from tpcomm.reference import rank_order_sum
 
@@ -328,4 +328,4 @@ def body_eager_fast_path(rank, world):
                                   body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
-    harness.run(body)
+    multiproc.run_gpu(body)

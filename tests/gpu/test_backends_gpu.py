@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
 from tpcomm.backends.nccl import Nccl
 from tpcomm.backends.nccl_window import NcclWindow
 from tpcomm.backends.symm_mem import SymmMem
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued
+from gpu_checks import assert_bits_equal as _assert_bits_equal, int_valued as _int_valued
 
 pytestmark = pytest.mark.gpu
 
@@ -87,6 +87,6 @@ def body_backends(rank, world):
 
 
 def test_backend_objects():
-    if harness.one_gpu_mode():
+    if multiproc.gpus_shared(2):
         pytest.skip("NCCL's window and SymmetricMemory need NCCL, one GPU per rank (ranks share one GPU here)")
-    harness.run(body_backends, world=2, timeout_s=240)
+    multiproc.run_gpu(body_backends, world=2, timeout=240)

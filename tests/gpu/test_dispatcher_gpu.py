@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued, _nccl
+from gpu_checks import assert_bits_equal as _assert_bits_equal, int_valued as _int_valued, nccl_all_reduce as _nccl
 
 pytestmark = pytest.mark.gpu
 
@@ -50,4 +50,4 @@ def body_compiled_model(rank, world):
 
 
 def test_compiled_model():
-    harness.run(body_compiled_model, timeout_s=300)
+    multiproc.run_gpu(body_compiled_model, timeout=300)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued
+from gpu_checks import assert_bits_equal as _assert_bits_equal, int_valued as _int_valued
 
 pytestmark = pytest.mark.gpu
 
@@ -95,4 +95,4 @@ def body_graph_and_skew(rank, world):
 
 @pytest.mark.parametrize("body", [body_sizes_dtypes_algos, body_graph_and_skew], ids=lambda f: f.__name__[5:])
 def test_reduce_scatter(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued, _nccl
+from gpu_checks import assert_bits_equal as _assert_bits_equal, int_valued as _int_valued, nccl_all_reduce as _nccl
 
 pytestmark = pytest.mark.gpu
 
@@ -513,14 +513,14 @@ def body_groups_in_different_orders(rank, world):
                                   body_timeout_queue_and_late_peer, body_misaligned_one_rank],
                          ids=lambda f: f.__name__[5:])
 def test_trust(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)
 
 
 def test_sigkill_survivor_raises_and_aborts():
-    harness.run(body_sigkill, world=2, backend="gloo", expect_killed={1}, timeout_s=120)
+    multiproc.run_gpu(body_sigkill, world=2, backend="gloo", expect_killed={1}, timeout=120)
 
 
 def test_groups_created_in_different_orders():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    harness.run(body_groups_in_different_orders, world=4, devices=[0, 1, 0, 1], backend="gloo", timeout_s=120)
+    multiproc.run_gpu(body_groups_in_different_orders, world=4, devices=[0, 1, 0, 1], backend="gloo", timeout=120)
