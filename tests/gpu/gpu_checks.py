@@ -7,7 +7,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from bitexact import assert_bits_equal, bits  # noqa: F401 - re-exported for the suites
+from bitexact import assert_bits_equal
 
 KiB, MiB = 1024, 1024 * 1024
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,6 +51,16 @@ def chunk_numel(world, dtype, part_bytes):
 def round16(nbytes):
     """nbytes rounded down to a multiple of 16, at least 16."""
     return max(16, nbytes // 16 * 16)
+
+
+def overwrite(x):
+    """Overwrites x in place, on the current stream (an op that still read
+    its input after it returned on the stream would see this): NaN in the
+    reduced float dtypes, every bit flipped in any other."""
+    if x.dtype in DTYPES:
+        x.fill_(float("nan"))
+    else:
+        x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).bitwise_not_()
 
 
 # -------------------------------------------------------------- references
