@@ -191,7 +191,9 @@ def run_ranks(world_size, body, *args, timeout=RUN_TIMEOUT_S, env=None, devices=
               expect_killed=()):
     """Runs body(rank, world_size, *args) in world_size spawned ranks (see the
     module's docstring); returns when every rank returned, else fails the
-    test. `env`: variables set in every rank before torch is imported.
+    test. `env`: variables set in every rank before it joins the group (a
+    variable read when a module is imported has the caller's value: the
+    rank imports the body's module first).
     `devices`: a CUDA index per rank (None: CPU ranks). `backend`: gloo for
     CPU ranks, NCCL for GPU ranks unless given. `expect_killed`: ranks meant
     to die by a signal (their death is then no failure, their survival is)."""

@@ -137,7 +137,8 @@ def body_size_bands(rank, world):
         seen[nbytes] = _check(comm, shape, torch.float32, 0, nbytes, world, rank, f"{nbytes} B per rank", rng,
                               calls=calls)
         for algo in ("packet", "line", "bulk"):
-            if nbytes % 16 or (algo == "bulk" and nbytes > per_rank_cap) or (algo != "bulk" and nbytes > comm.packet_max_bytes):
+            cap = per_rank_cap if algo == "bulk" else comm.packet_max_bytes
+            if nbytes % 16 or nbytes > cap:
                 continue
             _check(comm, shape, torch.float32, 0, nbytes + 7, world, rank, f"{nbytes} B forced {algo}", rng, algo)
     # within the packet cap: a kernel, whatever the table; past both caps: NCCL

@@ -8,8 +8,8 @@ import torch
 
 import multiproc
 import tpcomm
-from gpu_checks import (assert_bits_equal, delay_random_rank, int_valued, kernel_calls, nccl_all_gather, nccl_all_reduce,
-                        overwrite, shared_rng)
+from gpu_checks import (assert_bits_equal, delay_random_rank, int_valued, kernel_calls, nccl_all_gather,
+                        nccl_all_reduce, overwrite, shared_rng)
 
 pytestmark = pytest.mark.gpu
 
