@@ -23,6 +23,8 @@ from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 from . import fusion, policy
+from .compile_pass import compile_backend
+from .torch_collectives import install
 
 # The ops exist as soon as tpcomm is imported (a model can name
 # torch.ops.tpcomm.* before any Communicator). A missing or broken build is
@@ -35,5 +37,5 @@ except ImportError as _e:
                                 "Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "fusion", "load", "policy"]
+           "compile_backend", "fusion", "install", "load", "policy"]
 __version__ = "0.1.0"
