@@ -185,14 +185,14 @@ def rewrite_collectives(graph: torch.fx.Graph) -> dict:
     return counts
 
 
-def apply(graph: torch.fx.Graph, counts: dict) -> None:
-    """rewrite_collectives, then (where the graph's module is a
+def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
+    """rewrite_collectives, then (with fuse, where the graph's module is a
     GraphModule) the add + RMSNorm fusion; adds what they rewrote into
     counts (keys COUNTED)."""
     for what, n in rewrite_collectives(graph).items():
         counts[what] += n
     module = graph.owning_module
-    if isinstance(module, torch.fx.GraphModule):
+    if fuse and isinstance(module, torch.fx.GraphModule):
         counts["all_reduce_add_rms_norm"] += fusion.fuse_all_reduce_add_rms_norm(module)
         module.recompile()
 
@@ -201,17 +201,20 @@ class compile_backend:
     """A torch.compile backend: apply() over the graph Dynamo captured,
     then the backend named `inner` (inductor by default, with
     `inductor_options` as config patches, e.g. **{"triton.cudagraphs": True}).
-    `counts` holds what the pass rewrote over every graph compiled so far."""
+    fuse=False leaves the add + RMSNorm unfused (the collectives alone on
+    tpcomm: the model's own arithmetic, bit for bit). `counts` holds what
+    the pass rewrote over every graph compiled so far."""
 
-    def __init__(self, inner="inductor", **inductor_options):
+    def __init__(self, inner="inductor", *, fuse=True, **inductor_options):
         if inductor_options and inner != "inductor":
             raise ValueError(f"tpcomm: inductor options are for inner='inductor', not {inner!r}")
         self.inner = inner
+        self.fuse = fuse
         self.inductor_options = inductor_options
         self.counts = dict.fromkeys(COUNTED, 0)
 
     def __call__(self, gm, example_inputs):
-        apply(gm.graph, self.counts)
+        apply(gm.graph, self.counts, self.fuse)
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
