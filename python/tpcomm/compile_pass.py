@@ -199,7 +199,7 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
 
 class compile_backend:
     """A torch.compile backend: apply() over the graph Dynamo captured,
-    then the backend named `inner` (inductor by default, with
+    then the backend `inner`, a name or a backend callable (inductor by default, with
     `inductor_options` as config patches, e.g. **{"triton.cudagraphs": True}).
     fuse=False leaves the add + RMSNorm unfused (the collectives alone on
     tpcomm: the model's own arithmetic, bit for bit). `counts` holds what
