@@ -6,7 +6,8 @@ a group with an open Communicator (the graph after the pass holds no
 functional collective, the stats count each call); the copy Dynamo writes
 for dist.all_reduce goes, so the add + RMSNorm fuses; other groups, other
 reduce ops, async uses, graph inputs and views are left alone; the inductor
-pass object does the same after AOT autograd."""
+pass object does the same on the graph AOT autograd makes (what
+inductor's post-grad passes get; inductor itself runs in the GPU test)."""
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -195,6 +196,7 @@ def test_dist_all_reduce_then_add_rms_norm_fuses():
 
 
 def _body_inductor_pass(rank, world_size):
+    from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from tpcomm.inductor_pass import TpcommPass
@@ -209,16 +211,27 @@ def _body_inductor_pass(rank, world_size):
         dist.all_reduce(y)
         return funcol.all_gather_tensor(y + 1, 0, dist.group.WORLD) * 3
 
+    graphs = []
+
+    def forward_compiler(gm, example_inputs):
+        """What inductor's post-grad passes get: AOT's functional aten graph."""
+        tpcomm_pass(gm.graph)
+        gm.recompile()
+        graphs.append(gm)
+        return gm
+
     x = exact_values(rank, (4, 8), torch.float32, seed=8)
     expected = fn(x)
     torch._dynamo.reset()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=tpcomm_pass, fx_graph_cache=False):
-        got = torch.compile(fn, fullgraph=True)(x)
+    with torch.no_grad():
+        got = torch.compile(fn, backend=aot_autograd(fw_compiler=forward_compiler), fullgraph=True)(x)
     assert torch.equal(got, expected)
     assert tpcomm_pass.counts["all_reduce"] == 1 and tpcomm_pass.counts["all_gather"] == 1, tpcomm_pass.counts
+    targets = _targets(graphs[0])
+    assert "tpcomm::all_reduce" in targets and not [t for t in targets if t.startswith("_c10d_functional")]
     assert comm.stats()[("all_reduce", "nccl")]["calls"] == 1
     comm.close()
 
 
 def test_inductor_pass_rewrites_after_aot():
-    run_ranks(2, _body_inductor_pass, timeout=300)
+    run_ranks(2, _body_inductor_pass, timeout=180)

@@ -28,6 +28,7 @@ the original method. Functional collectives and everything else in
 torch.distributed do not go through these Python methods. The wrapper is on
 the class while at least one group is installed.
 """
+import functools
 import threading
 
 import torch
@@ -39,8 +40,8 @@ from . import _group_comms
 _METHODS = ("allreduce", "_allgather_base", "_reduce_scatter_base")
 _originals = {}   # method name -> the ProcessGroup method it replaces, while installed
 _installed = {}   # group name -> its Installation
-# Set while tpcomm runs a call it took: the Communicator's own fallback to
-# torch.distributed on the same group must reach torch, not come back here.
+# Set while tpcomm runs a call it took or its fallback runs (torch_path): the
+# collectives issued then must reach torch, not come back here.
 _inside = threading.local()
 
 
@@ -86,11 +87,27 @@ def _plain(comm, *tensors):
 
 
 def _run(fn, *args):
+    if getattr(_inside, "active", False):
+        return fn(*args)
     _inside.active = True
     try:
         return fn(*args)
     finally:
         _inside.active = False
+
+
+def torch_path(fn):
+    """Decorates tpcomm's fallback to torch.distributed (backends/nccl.py):
+    the collectives it issues reach torch's own methods even on an
+    installed group, so a call tpcomm declined is not offered to it again.
+    Traced by torch.compile it is fn itself (traced collectives are
+    functional: they never reach ProcessGroup's methods)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return _run(lambda: fn(*args, **kwargs))
+    return run
 
 
 def _allreduce(self, *args, **kwargs):
