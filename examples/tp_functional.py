@@ -160,7 +160,8 @@ def example_input(world, dims=SMALL, dtype=torch.float32, device="cpu", seed=1):
     return torch.randn(world * dims["tokens_per_rank"], dims["hidden"], generator=g).to(dtype=dtype, device=device)
 
 
-def _calls_since(comm, before):
+def calls_since(comm, before):
+    """tpcomm's calls by "op/backend" since the stats() snapshot `before`."""
     now = comm.stats()
     return {f"{op}/{backend}": s["calls"] - before.get((op, backend), {}).get("calls", 0)
             for (op, backend), s in sorted(now.items()) if s["calls"] != before.get((op, backend), {}).get("calls", 0)}
@@ -187,7 +188,7 @@ def run_modes(model, x, comm, group, inner="aot_eager", modes=MODES):
                 before = comm.stats()
                 out = compiled(x)
                 rewrites = None if mode == "compiled" else backend.counts
-        results[mode] = {"out": out, "calls": _calls_since(comm, before), "rewrites": rewrites}
+        results[mode] = {"out": out, "calls": calls_since(comm, before), "rewrites": rewrites}
     return results
 
 

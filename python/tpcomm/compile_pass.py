@@ -34,6 +34,15 @@ takes it):
 
 After AOT autograd the graph is functional (no copies) and the norm is
 decomposed: there the collectives are rewritten and nothing is fused.
+
+The in-place forms (_c10d_functional.all_reduce_ and the like) are left as
+they are: Dynamo and AOT write the functional forms, and inductor makes them
+in-place only after its custom passes (reinplace_inplaceable_ops). Which
+groups go to tpcomm is decided when a graph is compiled: the graph then
+calls the group-name ops, which raise once that group has no open
+Communicator. Under torch.compile(dynamic=True) Dynamo passes a module's
+float eps as a tensor: the fusion then does not match (the collectives are
+still rewritten).
 """
 import torch
 
