@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import tpcomm
-from test_communicator_cpu import exact_values, run_ranks
+from test_communicator_cpu import exact_values, expected_sum, run_ranks
 
 _F = torch.ops._c10d_functional
 
@@ -230,6 +230,27 @@ def _body_inductor_pass(rank, world_size):
     targets = _targets(graphs[0])
     assert "tpcomm::all_reduce" in targets and not [t for t in targets if t.startswith("_c10d_functional")]
     assert comm.stats()[("all_reduce", "nccl")]["calls"] == 1
+
+    # AOT's graphs may place allocations and views between a collective and
+    # its wait: still a synchronous use. Arithmetic there is an async one.
+    aten, name = torch.ops.aten, comm.group_name
+
+    def allocation_between(x):
+        y = _F.all_reduce.default(x, "sum", name)
+        aten.empty.memory_format([4, 8])
+        z = aten.view.default(x, [32])
+        return _F.wait_tensor.default(y), z
+
+    def work_between(x):
+        y = _F.all_reduce.default(x, "sum", name)
+        z = aten.sin.default(x)
+        return _F.wait_tensor.default(y), z
+
+    for fn, taken in ((allocation_between, 1), (work_between, 0)):
+        gm = torch.fx.symbolic_trace(fn)
+        assert tpcomm.compile_pass.rewrite_collectives(gm.graph)["all_reduce"] == taken, fn.__name__
+        gm.recompile()
+        assert torch.equal(gm(x)[0], expected_sum(world_size, (4, 8), torch.float32, seed=8)), fn.__name__
     comm.close()
 
 

@@ -17,10 +17,11 @@ tpcomm Communicator in this process when the graph is compiled:
     _c10d_functional.reduce_scatter_tensor(x, "sum", n, group) + wait    -> tpcomm.reduce_scatter(x, 0, group)
 
 Each pair is rewritten only where tpcomm's op gives the same tensor: the
-reduce op is "sum", n is the Communicator's world size, and the wait comes
-right after the collective with nothing else using the collective's result
-(a collective whose wait comes later overlaps other work: an async use,
-left as it is). Other groups, other reduce ops and other collectives are
+reduce op is "sum", n is the Communicator's world size, and the wait is
+the only user of the collective's result with nothing but views and empty
+allocations between them (a collective whose wait comes after other work
+overlaps that work: an async use, left as it is). tpcomm's op goes where
+the collective was, so it reads its input when the collective did. Other groups, other reduce ops and other collectives are
 left as they are. Then the in-place copy Dynamo writes for dist.all_reduce
 (x.copy_(result)) is dropped where that is provably the same (see
 _drop_copy), and the residual add + RMSNorm after an all_reduce is fused
@@ -44,6 +45,8 @@ Communicator. Under torch.compile(dynamic=True) Dynamo passes a module's
 float eps as a tensor: the fusion then does not match (the collectives are
 still rewritten).
 """
+import operator
+
 import torch
 
 from . import _group_comms, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
@@ -103,13 +106,34 @@ def _replacement(node):
     return what, target, args
 
 
+# What may lie between a collective and its wait without making it an async
+# use: no arithmetic that the collective could overlap, only views of other
+# tensors and new empty ones (AOT places such nodes there).
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                torch.ops.aten.empty_strided.default)
+
+
+def _no_work(node):
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _ALLOCATIONS)
+
+
 def _synchronous_wait(node):
-    """The wait_tensor of `node` if it comes right after it and is the only
-    user of its result, else None."""
-    wait = node.next
-    if len(node.users) != 1 or wait.op != "call_function" or wait.target not in _WAIT \
-            or wait.args != (node,) or wait.kwargs:
+    """The wait_tensor of `node` if it is the only user of its result and
+    nothing but views and allocations lies between them, else None."""
+    if len(node.users) != 1:
         return None
+    (wait,) = node.users
+    if wait.op != "call_function" or wait.target not in _WAIT or wait.args != (node,) or wait.kwargs:
+        return None
+    between = node.next
+    while between is not wait:
+        if not _no_work(between):
+            return None
+        between = between.next
     return wait
 
 
