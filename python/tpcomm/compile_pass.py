@@ -103,6 +103,11 @@ def _replacement(node):
     comm = _group_comms.find(name) if isinstance(name, str) else None
     if comm is None or (size is not None and size != comm.world_size):
         return None
+    value = _value(x)
+    if what != "all_reduce" and value is not None and (
+            value.dim() == 0 or (what == "reduce_scatter" and isinstance(value.shape[0], int)
+                                 and value.shape[0] % comm.world_size)):
+        return None  # tpcomm's op takes neither; torch's says why
     return what, target, args
 
 
