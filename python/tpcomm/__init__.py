@@ -28,6 +28,8 @@ from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
 from . import fusion, ops, policy
+from .compile_pass import compile_backend
+from .torch_collectives import install
 
 # The ops exist as soon as tpcomm is imported (a model can name
 # torch.ops.tpcomm.* before any Communicator: tpcomm.ops defines them in
@@ -40,5 +42,5 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "fusion", "load", "policy"]
+           "compile_backend", "fusion", "install", "load", "policy"]
 __version__ = "0.1.0"

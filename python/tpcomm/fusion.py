@@ -1,10 +1,11 @@
 """A torch.compile pass that puts a model's residual add and RMSNorm into the
 all-reduce, so models need no edit to use the fused op:
 
-    compiled = torch.compile(model, backend=tpcomm.fusion.backend())            # inductor after the pass
-    compiled = torch.compile(model, backend=tpcomm.fusion.backend("aot_eager"))
+    compiled = torch.compile(model, backend=tpcomm.compile_backend())            # inductor after the pass
+    compiled = torch.compile(model, backend=tpcomm.compile_backend("aot_eager"))
 
-In the graph Dynamo captures, every
+In the graph Dynamo captures, every (torch's own all_reduce included, which
+tpcomm.compile_pass first puts on tpcomm)
 
     z = residual + torch.ops.tpcomm.all_reduce(y, group_name)      (either order of the add)
     h = torch.nn.functional.rms_norm(z, (hidden,), weight, eps)      (torch.nn.RMSNorm calls it)
@@ -177,8 +178,8 @@ def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
 
 
 def backend(inner="inductor"):
-    """A torch.compile backend: the pass, then the backend named `inner`."""
-    def compile_fn(gm, example_inputs):
-        fuse_all_reduce_add_rms_norm(gm)
-        return torch._dynamo.lookup_backend(inner)(gm, example_inputs)
-    return compile_fn
+    """A torch.compile backend: tpcomm.compile_backend(inner), which puts
+    torch's functional collectives on tpcomm and then runs this fusion."""
+    from .compile_pass import compile_backend  # compile_pass imports this module
+
+    return compile_backend(inner)

@@ -5,6 +5,8 @@ needs NCCL's communicator initialised first (an eager call), as always."""
 import torch
 import torch.distributed as dist
 
+from ..torch_collectives import torch_path
+
 
 def _funcol():
     import torch.distributed._functional_collectives as funcol
@@ -20,6 +22,7 @@ class Nccl:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    @torch_path
     def all_reduce(self, x, out=None):
         """Sum over the group into a new tensor, or into `out` (x itself
         included: then in place, with no copy)."""
@@ -30,6 +33,7 @@ class Nccl:
         dist.all_reduce(y, group=self.group)
         return y
 
+    @torch_path
     def reduce_scatter(self, x):
         """Part `rank` of the sum of x (dim 0 divisible by the world size)."""
         x = x.contiguous()
@@ -43,6 +47,7 @@ class Nccl:
         dist.reduce_scatter_tensor(out, x, group=self.group)
         return out
 
+    @torch_path
     def all_gather(self, x, dim=0):
         """Concatenation of every rank's x along dim, contiguous."""
         x = x.contiguous()

@@ -1,0 +1,269 @@
+"""A small tensor-parallel model written the way torch-native TP code is
+written, run with and without tpcomm, with no change to the model:
+
+    torchrun --nproc-per-node 2 examples/tp_functional.py     # one rank per GPU, NCCL
+    python examples/tp_functional.py --cpu                     # 2 gloo processes on the CPU (spawned here)
+
+The model issues its collectives as such code does: per block, a
+row-parallel output summed with dist.all_reduce(y, group=...) in place (as
+Hugging Face transformers' RowwiseParallel does at inference) and one with
+the functional funcol.all_reduce (torchtitan, DTensor's Partial); then a
+sequence-parallel tail (dist.reduce_scatter_tensor over the tokens, the
+residual added to this rank's part, dist.all_gather_into_tensor back) and a
+vocabulary-parallel LM head whose slices funcol.all_gather_tensor stacks
+(dim 0) and torch.cat puts side by side. Each RMSNorm after an all-reduce is written either as
+torch.nn.RMSNorm or as Llama's model code writes it.
+
+Ways it runs (every rank builds the same weights from one seed and keeps
+its part):
+  torch           eager, torch.distributed only: the reference
+  install         eager inside tpcomm.install(group): the dist.* calls go
+                  through tpcomm's Communicator (funcol's are C++ and stay torch's)
+  compiled        torch.compile(model, backend=INNER)
+  compiled_tpcomm torch.compile(model, backend=tpcomm.compile_backend(INNER, fuse=False)):
+                  every collective on tpcomm, the model's arithmetic unchanged
+  compiled_fused  tpcomm.compile_backend(INNER): also the add + RMSNorm after
+                  each all-reduce in one tpcomm op (computed in fp32, rounded once)
+Printed per way: bit-equal to its reference (install to torch, the compiled
+ones to compiled), the largest difference, and tpcomm's calls by (op,
+backend) from Communicator.stats(): on GPUs its kernels (packet, line,
+bulk, fused), on the CPU its torch.distributed fallback ("nccl").
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import tpcomm
+
+SMALL = dict(layers=2, hidden=128, mlp=256, vocab=192, tokens_per_rank=4, eps=1e-5)
+MODES = ("torch", "install", "compiled", "compiled_tpcomm", "compiled_fused")
+
+
+class LlamaStyleRMSNorm(torch.nn.Module):
+    """RMSNorm as Llama's model code writes it (Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.eps = eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h32 = h.to(torch.float32)
+        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h32.to(dtype)
+
+
+def _rms_norm(weight, eps):
+    norm = torch.nn.RMSNorm(weight.shape[0], eps=eps, dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
+
+
+class _Parallel(torch.nn.Module):
+    """Column-parallel in (this rank's columns), row-parallel out (its rows):
+    the partial sum of the MLP, to be reduced over the group."""
+
+    def __init__(self, w_in, w_out):
+        super().__init__()
+        self.w_in = torch.nn.Parameter(w_in)
+        self.w_out = torch.nn.Parameter(w_out)
+
+    def forward(self, h):
+        return F.linear(F.silu(F.linear(h, self.w_in)), self.w_out)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, parts, group, eps):
+        super().__init__()
+        self.group = group
+        self.norm1 = _rms_norm(parts["norm1"], eps)
+        self.mlp1 = _Parallel(parts["in1"], parts["out1"])
+        self.norm2 = LlamaStyleRMSNorm(parts["norm2"], eps)
+        self.mlp2 = _Parallel(parts["in2"], parts["out2"])
+
+    def forward(self, h):
+        y = self.mlp1(self.norm1(h))
+        dist.all_reduce(y, group=self.group)  # in place, as transformers' RowwiseParallel
+        h = h + y
+        y = self.mlp2(self.norm2(h))
+        return h + funcol.all_reduce(y, "sum", self.group)
+
+
+class TPModel(torch.nn.Module):
+    def __init__(self, parts, group, rank, world, eps):
+        super().__init__()
+        self.group, self.rank, self.world = group, rank, world
+        self.blocks = torch.nn.ModuleList(Block(p, group, eps) for p in parts["blocks"])
+        self.tail_norm = _rms_norm(parts["tail_norm"], eps)
+        self.tail = _Parallel(parts["tail_in"], parts["tail_out"])
+        self.final_norm = _rms_norm(parts["final_norm"], eps)
+        self.head = torch.nn.Parameter(parts["head"])
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        y = self.tail(self.tail_norm(h))
+        part = torch.empty((h.shape[0] // self.world,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)
+        dist.reduce_scatter_tensor(part, y, group=self.group)  # sequence parallel: this rank's tokens
+        part = part + h.chunk(self.world)[self.rank]
+        full = torch.empty_like(h)
+        dist.all_gather_into_tensor(full, part, group=self.group)
+        local = F.linear(self.final_norm(full), self.head)     # this rank's slice of the vocabulary
+        stacked = funcol.all_gather_tensor(local, 0, self.group)  # every rank's slice, one after the other
+        return torch.cat(stacked.chunk(self.world), dim=1)
+
+
+def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0):
+    """The model's part on `rank`: every rank draws the full weights from
+    `seed` (in fp32, then cast) and keeps its columns and rows."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, mlp, vocab = dims["hidden"], dims["mlp"], dims["vocab"]
+    if mlp % world or vocab % world:
+        raise ValueError(f"mlp {mlp} and vocab {vocab} must divide among {world} ranks")
+
+    def full(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+
+    def norm_weight():
+        return 1.0 + 0.1 * torch.randn(hidden, generator=g)
+
+    def mine(w, dim):
+        return w.chunk(world, dim)[rank]
+
+    def mlp_parts():
+        return mine(full(mlp, hidden), 0), mine(full(hidden, mlp), 1)
+
+    blocks = []
+    for _ in range(dims["layers"]):
+        in1, out1 = mlp_parts()
+        in2, out2 = mlp_parts()
+        blocks.append(dict(norm1=norm_weight(), in1=in1, out1=out1, norm2=norm_weight(), in2=in2, out2=out2))
+    tail_in, tail_out = mlp_parts()
+    parts = dict(blocks=blocks, tail_norm=norm_weight(), tail_in=tail_in, tail_out=tail_out,
+                 final_norm=norm_weight(), head=mine(full(vocab, hidden), 0))
+    cast = lambda d: {k: (v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+    parts = cast(parts)
+    parts["blocks"] = [cast(b) for b in blocks]
+    return TPModel(parts, group, rank, world, dims["eps"]).eval()
+
+
+def example_input(world, dims=SMALL, dtype=torch.float32, device="cpu", seed=1):
+    """Hidden states of world * tokens_per_rank tokens, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(world * dims["tokens_per_rank"], dims["hidden"], generator=g).to(dtype=dtype, device=device)
+
+
+def calls_since(comm, before):
+    """tpcomm's calls by "op/backend" since the stats() snapshot `before`."""
+    now = comm.stats()
+    return {f"{op}/{backend}": s["calls"] - before.get((op, backend), {}).get("calls", 0)
+            for (op, backend), s in sorted(now.items()) if s["calls"] != before.get((op, backend), {}).get("calls", 0)}
+
+
+def run_modes(model, x, comm, group, inner="aot_eager", modes=MODES):
+    """{mode: {"out": logits, "calls": tpcomm calls by op/backend,
+    "rewrites": the compile pass's counts (compiled_* only)}}."""
+    results = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        before = comm.stats()
+        rewrites = None
+        with torch.no_grad():
+            if mode == "torch":
+                out = model(x)
+            elif mode == "install":
+                with tpcomm.install(group):
+                    out = model(x)
+            else:
+                backend = inner if mode == "compiled" else tpcomm.compile_backend(inner, fuse=mode == "compiled_fused")
+                compiled = torch.compile(model, backend=backend, fullgraph=True)
+                compiled(x)  # compiles; the second call runs the compiled graph as it is
+                before = comm.stats()
+                out = compiled(x)
+                rewrites = None if mode == "compiled" else backend.counts
+        results[mode] = {"out": out, "calls": calls_since(comm, before), "rewrites": rewrites}
+    return results
+
+
+def summary(results):
+    """Per mode: bit-equal to its reference and the largest difference."""
+    rows = {}
+    for mode, r in results.items():
+        ref = results.get("compiled" if mode.startswith("compiled_") else "torch")
+        if ref is None or ref is r:
+            rows[mode] = dict(bit_equal=None, max_abs_diff=0.0, calls=r["calls"], rewrites=r["rewrites"])
+            continue
+        diff = (r["out"].float() - ref["out"].float()).abs().max().item()
+        rows[mode] = dict(bit_equal=torch.equal(r["out"], ref["out"]), max_abs_diff=diff,
+                          calls=r["calls"], rewrites=r["rewrites"])
+    return rows
+
+
+def main(rank, world, args):
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    group = dist.group.WORLD
+    comm = tpcomm.Communicator(group, device=device)
+    model = build(rank, world, group, dtype=dtype, device=device)
+    x = example_input(world, dtype=dtype, device=device)
+    rows = summary(run_modes(model, x, comm, group, inner=args.inner))
+    if rank == 0:
+        print(f"{world} ranks on {device.type}, {dtype}, tpcomm custom path: "
+              f"{'on' if comm.enabled else 'off (' + str(comm.disabled_reason) + ')'}")
+        for mode, row in rows.items():
+            print(f"{mode:16s} bit_equal={row['bit_equal']!s:5s} max_abs_diff={row['max_abs_diff']:.3g} "
+                  f"tpcomm calls={row['calls']} rewrites={row['rewrites']}")
+    comm.close()
+
+
+def _spawned(rank, world, init_method, args):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        main(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu", action="store_true", help="spawn --ranks gloo processes on the CPU")
+    p.add_argument("--ranks", type=int, default=2, help="with --cpu: how many processes")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--inner", default="aot_eager", help="the backend after tpcomm's pass: aot_eager or inductor")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    return args
+
+
+if __name__ == "__main__":
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[key] = value  # NVLink multicast stays off (spawned ranks inherit it)
+    args = parse()
+    if args.cpu:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_spawned, args=(args.ranks, "file://" + os.path.join(tmp, "store"), args),
+                               nprocs=args.ranks, start_method="spawn")
+    else:
+        if "RANK" not in os.environ:
+            sys.exit("run it with torchrun (one process per GPU), or with --cpu")
+        dist.init_process_group("nccl")
+        try:
+            main(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()

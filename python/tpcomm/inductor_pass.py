@@ -1,0 +1,44 @@
+"""tpcomm's compile pass as an inductor custom pass (a CustomGraphPass, so
+inductor's cache keys on it and vLLM's pass manager takes it):
+
+    torch._inductor.config.post_grad_custom_post_pass = tpcomm.inductor_pass.TpcommPass()
+
+It runs tpcomm.compile_pass.apply: torch's functional collectives on groups
+with an open Communicator become tpcomm's ops (the add + RMSNorm fusion
+matches only the graph Dynamo captures, before AOT autograd decomposes the
+norm: tpcomm.compile_backend runs it there). A separate module from
+compile_pass because importing inductor takes seconds, which `import tpcomm`
+does not pay."""
+import hashlib
+import inspect
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import _group_comms, compile_pass, fusion
+
+
+class TpcommPass(CustomGraphPass):
+    """compile_pass.apply on a graph, then `then` (another custom pass) if
+    given. `counts` holds what it rewrote so far (compile_pass.COUNTED)."""
+
+    def __init__(self, then=None):
+        if then is not None and not isinstance(then, CustomGraphPass):
+            raise TypeError(f"tpcomm: TpcommPass(then=...) takes a CustomGraphPass (what inductor can cache), "
+                            f"got {type(then).__name__}")
+        self.then = then
+        self.counts = dict.fromkeys(compile_pass.COUNTED, 0)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        compile_pass.apply(graph, self.counts)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self):
+        """What inductor's cache keys on: the pass's code, the groups it
+        may put on tpcomm (those with an open Communicator now) and `then`."""
+        digest = hashlib.sha256()
+        for module in (compile_pass, fusion):
+            digest.update(inspect.getsource(module).encode())
+        digest.update(repr(_group_comms.names()).encode())
+        return digest.hexdigest(), self.then.uuid() if self.then is not None else None
