@@ -36,4 +36,4 @@ except ImportError as _e:
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "fusion", "load", "policy"]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)
