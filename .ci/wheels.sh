@@ -43,5 +43,7 @@ for run in "cu128 $TORCH_CU12" "cu130 $OLDEST_CU13" "cu130 $NEWEST_CU13"; do
   bash .ci/test_wheel.sh "$(ls "$DIST"/tpcomm-*+"$1"-*.whl)" "$2" "$W/venv-torch$2" || status=$?
 done
 step "done (exit $status)"
-echo "support: +cu128 wheel in torch $TORCH_CU12; +cu130 wheel in torch $OLDEST_CU13 and $NEWEST_CU13 (CPU tests, as installed)"
+if [ "$status" -eq 0 ]; then
+  echo "support: +cu128 wheel in torch $TORCH_CU12; +cu130 wheel in torch $OLDEST_CU13 and $NEWEST_CU13 (CPU tests pass, as installed)"
+fi
 exit "$status"

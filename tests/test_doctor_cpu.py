@@ -126,3 +126,19 @@ def test_a_failed_self_test_row_is_a_problem():
     assert report.problems == []
     doctor._report_row(report, {"op": "all_gather", "bytes": 8192, "route": "packet", "ok": False})
     assert report.problems == ["all_gather 8 KiB/rank: via packet, DIFFERS from torch.distributed"]
+
+
+def test_self_test_runs_every_collective_over_spawned_ranks(capsys):
+    """The self-test's machinery (spawned ranks, the comparison agreed on by
+    every rank, per-rank results, the report) on the CPU over gloo, where the
+    Communicator falls back to torch.distributed: every op matches, and the
+    custom path being off is reported as the problem it would be on GPUs."""
+    report = doctor.Report()
+    doctor._self_test(report, 0, False, 2, 1, 240, on_cpu=True, sizes=(8 * 1024,))
+    text = capsys.readouterr().out
+    assert "== self-test (2 ranks on cpu, tpcomm against torch.distributed/gloo)" in text
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert f"\n{op} 8 KiB/rank: via nccl (custom path off), bit-exact, tpcomm " in text, op
+    assert "all_reduce_add_rms_norm 128 KiB/rank: via unfused (custom path off), residual_out 0 ulp, normed 0 ulp" in text
+    assert len(report.problems) == 1 and report.problems[0].startswith("communicator: custom path off"), \
+        report.problems

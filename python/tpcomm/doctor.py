@@ -315,12 +315,6 @@ def _env_facts(report):
 
 # ----------------------------------------------------------------- self-test
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_inputs(rank, op, nbytes, dtype, world):
     """This rank's input: small integers (exact sums in any order), from a
     seed, so that every run of the doctor sends the same data."""
@@ -332,12 +326,18 @@ def _rank_inputs(rank, op, nbytes, dtype, world):
     return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
 
 
-def _timed(fn, iters):
-    """Mean seconds per call of fn() over iters calls, after 5 warm-up calls."""
+def _timed(fn, iters, device):
+    """Mean seconds per call of fn() over iters calls, after 5 warm-up calls
+    (CUDA events on a GPU, the host clock on the CPU)."""
     import torch
 
     for _ in range(5):
         fn()
+    if device.type == "cpu":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -348,8 +348,9 @@ def _timed(fn, iters):
     return start.elapsed_time(end) / 1000 / iters
 
 
-def _self_test_rank(rank, world, port, device, backend, share_gpu, iters, out_path):
-    """One rank of the self-test; rank 0 writes the rows to out_path."""
+def _self_test_rank(rank, world, device, backend, share_gpu, iters, sizes, out_dir):
+    """One rank of the self-test on `device` (a GPU; the CPU only in tpcomm's
+    own tests of this code); it writes its rows to out_dir/rank{rank}.json."""
     import torch
     import torch.distributed as dist
 
@@ -358,41 +359,52 @@ def _self_test_rank(rank, world, port, device, backend, share_gpu, iters, out_pa
     topology.force_multicast_off()
     if share_gpu:
         _allow_shared_gpu()
-    torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # A FileStore in the parent's temporary directory: no port to race for.
+    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
+                            world_size=world)
     rows = []
     try:
         import tpcomm
 
-        comm = tpcomm.Communicator(device=torch.device("cuda", device))
+        comm = tpcomm.Communicator(device=device)
         rows.append({"op": "communicator", "ok": comm.enabled,
                      "note": "custom path on" if comm.enabled else f"custom path off: {comm.disabled_reason}"})
-        cuda = torch.device("cuda", device)
         # torch.distributed's side: NCCL on the GPUs, or gloo (host copies) where ranks share one.
         on_ref = (lambda t: t.cpu()) if backend == "gloo" else (lambda t: t)
-        for nbytes in SELF_TEST_BYTES:
+        for nbytes in sizes:
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
-                x = _rank_inputs(rank, op, nbytes, torch.bfloat16, world).to(cuda)
+                x = _rank_inputs(rank, op, nbytes, torch.bfloat16, world).to(device)
                 ours, theirs, route = _run_pair(comm, op, x, world, on_ref)
-                same = bool(torch.equal(ours.cpu(), theirs.cpu()))
+                same = _on_every_rank(torch.equal(ours.cpu(), theirs.cpu()))
                 row = {"op": op, "bytes": nbytes, "route": route, "ok": same}
-                if same:
-                    row["tpcomm_s"] = _timed(lambda: _run_ours(comm, op, x), iters)
+                if same:  # the same on every rank, so every rank runs the same timed collectives
+                    row["tpcomm_s"] = _timed(lambda: _run_ours(comm, op, x), iters, device)
                     if backend == "nccl":  # gloo's host copies say nothing about NCCL
-                        row["torch_s"] = _timed(lambda: _run_theirs(op, x, world), iters)
+                        row["torch_s"] = _timed(lambda: _run_theirs(op, x, world), iters, device)
                 rows.append(row)
-        rows.append(_fused_row(comm, rank, world, cuda, on_ref, iters))
+        rows.append(_fused_row(comm, rank, world, device, on_ref, iters))
         comm.close()
     except Exception as e:  # noqa: BLE001 - the doctor reports, it does not crash
         rows.append({"op": "error", "ok": False, "note": f"rank {rank}: {type(e).__name__}: {e}"})
     finally:
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(rows, f)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(rows, f)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _on_every_rank(flag):
+    """True when flag is true on every rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return all(flags)
 
 
 def _allow_shared_gpu():
@@ -439,50 +451,52 @@ def _run_pair(comm, op, x, world, on_ref):
     return _run_ours(comm, op, x), _run_theirs(op, on_ref(x), world), route
 
 
-def _fused_row(comm, rank, world, cuda, on_ref, iters):
+def _fused_row(comm, rank, world, device, on_ref, iters):
     import torch
 
     from .reference import reference_add_rms_norm, ulp_distance
 
     g = torch.Generator().manual_seed(99 + rank)
-    x = torch.randint(-8, 9, NORM_SHAPE, generator=g).to(torch.bfloat16).to(cuda)
+    x = torch.randint(-8, 9, NORM_SHAPE, generator=g).to(torch.bfloat16).to(device)
     shared = torch.Generator().manual_seed(5)  # the same residual and weight on every rank
-    residual = torch.randint(-8, 9, NORM_SHAPE, generator=shared).to(torch.bfloat16).to(cuda)
-    weight = (torch.rand(NORM_SHAPE[1], generator=shared) + 0.5).to(torch.bfloat16).to(cuda)
+    residual = torch.randint(-8, 9, NORM_SHAPE, generator=shared).to(torch.bfloat16).to(device)
+    weight = (torch.rand(NORM_SHAPE[1], generator=shared) + 0.5).to(torch.bfloat16).to(device)
     route = comm.route_all_reduce_add_rms_norm(x, weight) if comm.enabled else "unfused (custom path off)"
     normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS)
-    total = _run_theirs("all_reduce", on_ref(x), world).to(cuda)
+    total = _run_theirs("all_reduce", on_ref(x), world).to(device)
     ref_normed, ref_summed = reference_add_rms_norm([total], residual, weight, NORM_EPS)
     residual_ulps = int(ulp_distance(summed, ref_summed).max())
     normed_ulps = int(ulp_distance(normed, ref_normed).max())
     row = {"op": "all_reduce_add_rms_norm", "bytes": x.numel() * x.element_size(), "route": route,
-           "ok": residual_ulps == 0 and normed_ulps <= 1,
+           "ok": _on_every_rank(residual_ulps == 0 and normed_ulps <= 1),
            "note": f"residual_out {residual_ulps} ulp, normed {normed_ulps} ulp"}
     if row["ok"]:
-        row["tpcomm_s"] = _timed(lambda: comm.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS), iters)
+        row["tpcomm_s"] = _timed(lambda: comm.all_reduce_add_rms_norm(x, residual, weight, NORM_EPS), iters, device)
     return row
 
 
-def _self_test(report, count, share_gpu, world, iters, timeout_s):
+def _self_test(report, count, share_gpu, world, iters, timeout_s, on_cpu=False, sizes=SELF_TEST_BYTES):
+    """The self-test over `world` spawned ranks (on_cpu: ranks on the CPU over
+    gloo, for tpcomm's own tests of this code on a machine without GPUs)."""
     import torch.multiprocessing as mp
 
     from . import topology
 
-    world = world or (2 if share_gpu else count)
-    devices = [0] * world if share_gpu else list(range(world))
-    backend = "gloo" if share_gpu else "nccl"  # NCCL refuses two ranks on one GPU
-    report.section(f"self-test ({world} ranks on GPU{'s' if not share_gpu else ''} "
-                   f"{', '.join(map(str, sorted(set(devices))))}, tpcomm against torch.distributed/{backend})")
+    world = world or (2 if share_gpu or on_cpu else count)
+    devices = ["cpu"] * world if on_cpu else [f"cuda:{0 if share_gpu else r}" for r in range(world)]
+    backend = "gloo" if share_gpu or on_cpu else "nccl"  # NCCL refuses two ranks on one GPU
+    report.section(f"self-test ({world} ranks on {', '.join(sorted(set(devices)))}, "
+                   f"tpcomm against torch.distributed/{backend})")
+    clock = "the host clock" if on_cpu else "CUDA events"
+    report.line("latency", f"eager calls, mean of {iters} after 5 warm-up calls ({clock})")
     if share_gpu:
         report.line("note", "ranks share one GPU: results are checked, latencies only say the kernels ran")
     topology.force_multicast_off()
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "rows.json")
+    with tempfile.TemporaryDirectory() as out_dir:
         target = importlib.import_module("tpcomm.doctor")._self_test_rank  # not __main__'s: spawn re-imports it
-        procs = [ctx.Process(target=target, args=(r, world, port, devices[r], backend, share_gpu, iters,
-                                                           out_path)) for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, devices[r], backend, share_gpu, iters, sizes, out_dir))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -494,12 +508,16 @@ def _self_test(report, count, share_gpu, world, iters, timeout_s):
             procs[r].join()
         if late:
             report.problem("self-test", f"ranks {late} still running after {timeout_s:.0f} s: killed")
-        if not os.path.exists(out_path):
-            codes = [p.exitcode for p in procs]
-            report.problem("self-test", f"rank 0 wrote no results (exit codes {codes})")
-            return
-        with open(out_path) as f:
-            rows = json.load(f)
+        rows = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out_dir, f"rank{r}.json")
+            if not os.path.exists(path):
+                report.problem(f"rank {r}", f"wrote no results (exit code {p.exitcode})")
+                continue
+            with open(path) as f:
+                ranks_rows = json.load(f)
+            # Rank 0's rows (their verdicts hold for every rank), and every rank's errors.
+            rows += [row for row in ranks_rows if r == 0 or row["op"] == "error"]
     for row in rows:
         _report_row(report, row)
 
