@@ -43,7 +43,7 @@ git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parent
   { echo "could not copy the source tree" >&2; exit 1; }
 echo "== wheel $variant: building (torch $("$PY" -c 'import torch; print(torch.__version__)'), CUDA_HOME=$CUDA_HOME, arch $TORCH_CUDA_ARCH_LIST)"
 start=$(date +%s)
-(cd "$work/src" && "$PY" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w "$work/raw" .) \
+(cd "$work/src" && "$PY" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps -w "$work/raw" .) \
   > "$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
 if grep -iE "deprecat.*(as data|package_data|namespace)|is not a package" "$work/build.log"; then
   echo "the build warned about the package layout (above)" >&2; exit 1

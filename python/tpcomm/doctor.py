@@ -50,15 +50,15 @@ NORM_EPS = 1e-6
 class Report:
     """Lines under section headings, and the problems found on the way."""
 
-    def __init__(self, out=sys.stdout):
-        self.out = out
+    def __init__(self, out=None):
+        self.out = out  # None: sys.stdout as it is at each line
         self.problems = []
 
     def section(self, title):
-        print(f"\n== {title}", file=self.out)
+        print(f"\n== {title}", file=self.out or sys.stdout)
 
     def line(self, key, value=""):
-        print(f"{key}: {value}" if value != "" else key, file=self.out)
+        print(f"{key}: {value}" if value != "" else key, file=self.out or sys.stdout)
 
     def problem(self, key, value):
         self.problems.append(f"{key}: {value}")
