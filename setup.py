@@ -6,18 +6,78 @@ hipcc after hipify on a ROCm torch) and the one C++ binding file.
 CUDA targets default to 8.0 and 9.0 plus PTX; set TORCH_CUDA_ARCH_LIST to change.
 On a ROCm torch the targets default to gfx90a and gfx942 (MI200, MI300); set
 PYTORCH_ROCM_ARCH to change.
+
+TPCOMM_CUDA_CLANG=clang-19 compiles the kernels with that clang instead of
+nvcc, against the toolkit in CUDA_HOME (scripts/cuda12_toolkit.sh assembles a
+CUDA 12 one from PyPI wheels, which ship no nvcc).
+
+The version is python/tpcomm/_version.py's, with a local label naming the
+GPU runtime the build links (0.1.0+cu130, 0.1.0+cu128, 0.1.0+rocm64), so
+wheels for different CUDA majors are told apart; TPCOMM_VERSION_LABEL
+replaces the label, and set empty drops it (PyPI takes no local labels).
 """
 import os
+import re
+import shutil
 import subprocess
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 CORE_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.c"))
+# Linked into tpcomm._C with the core; csrc/compat/glibc.c says why.
+COMPAT_SOURCES = ["csrc/compat/glibc.c"]
+# Included first in every kernel compilation by clang (csrc/compat/clang_cuda.h).
+CLANG_CUDA_PRELUDE = "csrc/compat/clang_cuda.h"
+KERNEL_SOURCE = "csrc/kernels/launch.cu"
 # Stable-ABI target: the oldest torch whose stable ops we use (contiguous, new_empty).
 TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
+
+
+def _base_version():
+    text = (ROOT / "python" / "tpcomm" / "_version.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"$', text, re.M).group(1)
+
+
+def _cuda_version(gpu_include):
+    """(major, minor) of the CUDA toolkit whose headers the build uses."""
+    text = Path(gpu_include, "cuda.h").read_text(errors="replace")
+    found = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", text)
+    if not found:
+        raise RuntimeError(f"{gpu_include}/cuda.h has no CUDA_VERSION")
+    number = int(found.group(1))
+    return number // 1000, number % 1000 // 10
+
+
+def _version(rocm, gpu_include):
+    label = os.environ.get("TPCOMM_VERSION_LABEL")
+    if label is None:
+        if rocm:
+            import torch
+
+            label = "rocm" + "".join(torch.version.hip.split(".")[:2])
+        else:
+            label = "cu%d%d" % _cuda_version(gpu_include)
+    return _base_version() + (f"+{label}" if label else "")
+
+
+def _clang_cuda_arch_flags():
+    """clang's flags for TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX"): a cubin per
+    arch, PTX only where "+PTX" asks for it."""
+    flags = ["--no-cuda-include-ptx=all"]
+    for item in re.split(r"[;\s]+", os.environ["TORCH_CUDA_ARCH_LIST"].strip()):
+        if not item:
+            continue
+        arch = item.replace("+PTX", "")
+        if not re.fullmatch(r"\d+\.\d+a?", arch):
+            raise RuntimeError(f"TORCH_CUDA_ARCH_LIST entry {item!r} is not like 9.0 or 9.0+PTX")
+        sm = "sm_" + arch.replace(".", "")
+        flags.append(f"--cuda-gpu-arch={sm}")
+        if item.endswith("+PTX"):
+            flags.append(f"--cuda-include-ptx={sm}")
+    return flags
 
 
 def _extension():
@@ -30,17 +90,21 @@ def _extension():
     else:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     macros = ["-DUSE_ROCM=1", "-D__HIP_PLATFORM_AMD__=1"] if rocm else ["-DUSE_CUDA"]
-    gpu_include = os.path.join(ROCM_HOME if rocm else CUDA_HOME, "include")
-    return CUDAExtension(
+    gpu_home = ROCM_HOME if rocm else os.environ.get("CUDA_HOME") or CUDA_HOME
+    gpu_include = os.path.join(gpu_home, "include")
+    clang = None if rocm else os.environ.get("TPCOMM_CUDA_CLANG")
+    sources = ["csrc/binding/ops.cpp"] if clang else [KERNEL_SOURCE, "csrc/binding/ops.cpp"]
+    ext = CUDAExtension(
         name="tpcomm._C",
-        sources=["csrc/kernels/launch.cu", "csrc/binding/ops.cpp"],
+        sources=sources,
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", TORCH_TARGET, *macros],
             "nvcc": ["-O3", "-std=c++17", TORCH_TARGET, *macros],
         },
         include_dirs=[gpu_include],
         py_limited_api=True,
-    ), gpu_include, macros
+    )
+    return ext, gpu_home, gpu_include, macros, clang, _version(rocm, gpu_include)
 
 
 # The eager fast path (csrc/binding/fastpath.c): a C module of the limited
@@ -50,19 +114,20 @@ FASTPATH = Extension("tpcomm._fastpath", sources=[], py_limited_api=True)
 FASTPATH_SOURCE = "csrc/binding/fastpath.c"
 
 
-def _build_ext_class(gpu_include, macros):
+def _build_ext_class(gpu_home, gpu_include, macros, clang):
     from torch.utils.cpp_extension import BuildExtension
 
     class BuildWithCCore(BuildExtension):
         """Compiles the C core (into tpcomm._C) and the fast path module as
-        C11, not as C++, and links their objects in."""
+        C11, not as C++, and links their objects in; with TPCOMM_CUDA_CLANG,
+        compiles the kernels with clang and links them in too."""
 
         def build_extension(self, ext):
             cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
             out_dir = Path(self.build_temp) / "ccore"
             out_dir.mkdir(parents=True, exist_ok=True)
             fastpath = ext.name == FASTPATH.name
-            sources = [FASTPATH_SOURCE] if fastpath else CORE_SOURCES
+            sources = [FASTPATH_SOURCE] if fastpath else CORE_SOURCES + COMPAT_SOURCES
             extra = [f"-I{sysconfig.get_paths()['include']}"] if fastpath else [f"-I{gpu_include}", *macros]
             objects = []
             for src in sources:
@@ -77,19 +142,37 @@ def _build_ext_class(gpu_include, macros):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 subprocess.check_call([cc, "-shared", *objects, "-o", str(target)])
                 return
+            if clang:
+                objects.append(self._clang_kernels(out_dir))
             ext.extra_objects = list(ext.extra_objects or []) + objects
             super().build_extension(ext)
+
+        @staticmethod
+        def _clang_kernels(out_dir):
+            if shutil.which(clang) is None:
+                raise RuntimeError(f"TPCOMM_CUDA_CLANG={clang}: no such compiler on PATH")
+            obj = out_dir / "launch_clang.o"
+            # CUDA_HOME's headers go first as -isystem: clang would otherwise
+            # find another toolkit's under /usr/local/include before them.
+            cmd = [clang, "-x", "cuda", f"--cuda-path={gpu_home}", "-isystem", gpu_include,
+                   *_clang_cuda_arch_flags(), "-std=c++17", "-O3", "-fPIC", "-Wall", "-Werror",
+                   "-Wno-unknown-cuda-version", *macros, "-I", str(ROOT / "csrc"),
+                   "-include", str(ROOT / CLANG_CUDA_PRELUDE), "-c", str(ROOT / KERNEL_SOURCE), "-o", str(obj)]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            return str(obj)
 
     return BuildWithCCore.with_options(use_ninja=True)
 
 
-ext, gpu_include, macros = _extension()
+ext, gpu_home, gpu_include, macros, clang, version = _extension()
 setup(
-    name="tpcomm",
-    version="0.1.0",
+    version=version,
     package_dir={"": "python"},
-    packages=find_packages("python"),
+    # Namespace packages too, so tpcomm.tables (JSON only) is a package whose
+    # data setuptools installs as declared in pyproject.toml.
+    packages=find_namespace_packages("python", include=["tpcomm", "tpcomm.*"], exclude=["*.__pycache__"]),
     ext_modules=[ext, FASTPATH],
-    cmdclass={"build_ext": _build_ext_class(gpu_include, macros)},
+    cmdclass={"build_ext": _build_ext_class(gpu_home, gpu_include, macros, clang)},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

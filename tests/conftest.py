@@ -19,7 +19,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON_DIR = os.path.join(ROOT, "python")
-if PYTHON_DIR not in sys.path:
+# TPCOMM_TEST_INSTALLED=1 tests the tpcomm installed in this Python (a
+# wheel, .ci/test_wheel.sh), so this checkout's python/ stays off the path.
+if os.environ.get("TPCOMM_TEST_INSTALLED") != "1" and PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
 import multiproc  # noqa: E402 - tests/ is on sys.path (pytest puts conftest.py's directory there)

@@ -43,4 +43,4 @@ except ImportError as _e:
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "compile_backend", "fusion", "install", "load", "policy"]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)

