@@ -27,11 +27,8 @@ import tpcomm
 from tpcomm.integrations import vllm as plugin
 from tpcomm.integrations.vllm_contract import COMMUNICATOR_INIT
 
-try:
-    from bitexact import exact_values, expected_sum
-    from multiproc import run_ranks
-except ImportError:  # the helpers' home on branches without tests/multiproc.py
-    from test_communicator_cpu import exact_values, expected_sum, run_ranks
+from bitexact import exact_values, expected_sum
+from multiproc import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAND_IN = os.path.join(HERE, "data", "vllm_stand_in")

@@ -14,10 +14,7 @@ import torch.distributed as dist
 
 from tpcomm.integrations import vllm as plugin
 
-try:
-    from multiproc import run_gpu
-except ImportError:  # the GPU harness's home on branches without tests/multiproc.py
-    from harness import run as run_gpu
+from multiproc import run_gpu
 
 pytestmark = pytest.mark.gpu
 
