@@ -49,6 +49,11 @@ extern "C" {
 /* What tpc_comm_export writes: the IPC handles of this rank's buffer and of
  * its control slot's pool chunk, and the slot's offset in that chunk. */
 #define TPC_IPC_HANDLE_BYTES 144
+/* Largest tpc_config.max_bytes: an op's size travels in 32-bit header words. */
+#define TPC_MAX_BYTES_LIMIT 4294967296
+/* Largest tpc_config.packet_max_bytes: a packet carries 8 data bytes in 16,
+ * so a sender's packet slot (twice the cap) stays within 4 GiB. */
+#define TPC_PACKET_MAX_BYTES_LIMIT 2147483648
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
 /* Data threads of the largest block a kernel is launched with (the packet

@@ -51,8 +51,9 @@ const char *tpc_comm_last_error(const tpc_comm *comm) {
 }
 
 static const char *op_name(uint32_t kind) {
-  switch (kind & 0xffu) {
+  switch (TPC_KIND_OP(kind)) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
+    case TPC_OP_ALL_REDUCE_NORM: return "all_reduce_add_rms_norm";
     case TPC_OP_ALL_GATHER: return "all_gather";
     case TPC_OP_REDUCE_SCATTER: return "reduce_scatter";
   }
@@ -60,7 +61,7 @@ static const char *op_name(uint32_t kind) {
 }
 
 static const char *algo_name(uint32_t kind) {
-  switch ((kind >> 8) & 0xffu) {
+  switch (TPC_KIND_ALGO(kind)) {
     case TPC_ALGO_PACKET: return "packet";
     case TPC_ALGO_BULK: return "bulk";
     case TPC_ALGO_LINE: return "line";
@@ -70,10 +71,10 @@ static const char *algo_name(uint32_t kind) {
 
 /* The first field in which two header announcements differ. */
 static const char *differing_field(const tpc_async_error *e) {
-  if ((e->peer_kind ^ e->own_kind) & 0xffu) return "op";
+  if (TPC_KIND_OP(e->peer_kind) != TPC_KIND_OP(e->own_kind)) return "op";
   if (e->peer_bytes != e->own_bytes) return "size";
-  if ((e->peer_kind ^ e->own_kind) & 0xff00u) return "algorithm";
-  if ((e->peer_kind ^ e->own_kind) & 0xff0000u) return "dtype";
+  if (TPC_KIND_ALGO(e->peer_kind) != TPC_KIND_ALGO(e->own_kind)) return "algorithm";
+  if (TPC_KIND_DTYPE(e->peer_kind) != TPC_KIND_DTYPE(e->own_kind)) return "dtype";
   return "layout (all_gather dim)";
 }
 
@@ -87,35 +88,35 @@ static tpc_result describe(tpc_comm *comm, int rank, uint64_t id, uint64_t timeo
     case TPC_ERR_TIMEOUT:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                    "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
-                    "within %.3f s); this rank's output of that op is NaN; %s",
-                    rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
+                        "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
+                        "within %.3f s); this rank's output of that op is NaN; %s",
+                        rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
       return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                  "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
-                  rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
+                      "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
+                      rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
     case TPC_ERR_MISMATCH:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_MISMATCH,
-                    "rank %d: peer %d found that the ranks called different ops at op #%u on "
-                    "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
+                        "rank %d: peer %d found that the ranks called different ops at op #%u on "
+                        "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
       return tpc_fail(comm, TPC_ERR_MISMATCH,
-                  "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
-                  "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
-                  rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
-                  op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
-                  op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
+                      "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
+                      "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
+                      rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
+                      op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
+                      op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
     case TPC_ERR_CLOSED:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_CLOSED,
-                    "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
-                    e->peer, (unsigned long long)id, e->epoch, tail);
+                        "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
+                        e->peer, (unsigned long long)id, e->epoch, tail);
       return tpc_fail(comm, TPC_ERR_CLOSED,
-                  "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
-                  "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
-                  rank, (unsigned long long)id);
+                      "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
+                      "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
+                      rank, (unsigned long long)id);
   }
   return tpc_fail(comm, (tpc_result)e->code, "rank %d: device error %d involving peer %d (op #%u)", rank,
-              e->code, e->peer, e->epoch);
+                  e->code, e->peer, e->epoch);
 }
 
 /* The device writes the record's code last, after a system fence; a
@@ -154,6 +155,6 @@ tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out) {
   if (copy.code != TPC_OK) return describe(NULL, e->rank, id, e->timeout_ns, &copy);
   if (state != TPC_ENTRY_OPEN)
     return tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
-                state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
+                    state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
   return TPC_OK;
 }

@@ -99,12 +99,15 @@ typedef struct {
 enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 };
 
 /* The header's kind word: op, algorithm, dtype and a fold of the row length,
- * so peers that disagree on any of them fail with a CollectiveMismatch that
- * names the field. */
+ * a byte each (low to high), so peers that disagree on any of them fail with
+ * a CollectiveMismatch that names the field. */
 static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_bytes) {
   const uint32_t row_fold = (uint32_t)(row_bytes ^ (row_bytes >> 8) ^ (row_bytes >> 16) ^ (row_bytes >> 24)) & 0xffu;
   return (uint32_t)(op & 0xff) | (uint32_t)(algo & 0xff) << 8 | (uint32_t)(dtype & 0xff) << 16 | row_fold << 24;
 }
+#define TPC_KIND_OP(kind) ((kind) & 0xffu)
+#define TPC_KIND_ALGO(kind) (((kind) >> 8) & 0xffu)
+#define TPC_KIND_DTYPE(kind) (((kind) >> 16) & 0xffu)
 
 typedef struct {
   char *bufs[TPC_MAX_RANKS];  /* every rank's registered buffer, own included */

@@ -31,20 +31,24 @@ static tpc_result check_config(const tpc_config *c) {
   if (!c) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "config is NULL");
   if (c->world_size < 2 || c->world_size > TPC_MAX_RANKS)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "world_size %d is outside 2..%d", c->world_size,
-                TPC_MAX_RANKS);
+                    TPC_MAX_RANKS);
   if (c->rank < 0 || c->rank >= c->world_size)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "rank %d is outside 0..%d", c->rank,
-                c->world_size - 1);
+                    c->world_size - 1);
   if (c->device < 0 || c->device >= TPC_MAX_DEVICES)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "device %d is outside 0..%d", c->device, TPC_MAX_DEVICES - 1);
   if (c->max_bytes < 16 || c->max_bytes % 16)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes %zu is not a positive multiple of 16",
-                c->max_bytes);
+                    c->max_bytes);
   if (c->packet_max_bytes < 16 || c->packet_max_bytes % 16)
     return tpc_fail(NULL, TPC_ERR_INVALID_ARG,
-                "packet_max_bytes %zu is not a positive multiple of 16", c->packet_max_bytes);
-  if (c->max_bytes > ((size_t)1 << 32) || c->packet_max_bytes > ((size_t)1 << 31))
-    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes or packet_max_bytes over 4 GiB / 2 GiB");
+                    "packet_max_bytes %zu is not a positive multiple of 16", c->packet_max_bytes);
+  if ((uint64_t)c->max_bytes > TPC_MAX_BYTES_LIMIT)
+    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "max_bytes %zu is over %llu", c->max_bytes,
+                    (unsigned long long)TPC_MAX_BYTES_LIMIT);
+  if ((uint64_t)c->packet_max_bytes > TPC_PACKET_MAX_BYTES_LIMIT)
+    return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "packet_max_bytes %zu is over %llu", c->packet_max_bytes,
+                    (unsigned long long)TPC_PACKET_MAX_BYTES_LIMIT);
   if (c->timeout_ns == 0) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "timeout_ns is 0");
   return TPC_OK;
 }
@@ -139,7 +143,7 @@ tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle) {
   if (comm->ready) return tpc_fail(comm, TPC_ERR_STATE, "peers are already fixed (ready was called)");
   if (peer < 0 || peer >= comm->cfg.world_size)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "peer %d is outside 0..%d", peer,
-                comm->cfg.world_size - 1);
+                    comm->cfg.world_size - 1);
   if (peer == comm->cfg.rank)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "peer %d is this rank itself", peer);
   if (comm->opened_mask & (1u << peer))
@@ -149,19 +153,19 @@ tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle) {
   memcpy(&offset, in + TPC_CONTROL_OFFSET_AT, sizeof offset);
   if (offset % sizeof(tpc_control) || offset > TPC_CONTROL_CHUNK_BYTES - sizeof(tpc_control))
     return tpc_fail(comm, TPC_ERR_PEER, "peer %d sent a control slot offset of %llu", peer,
-                (unsigned long long)offset);
+                    (unsigned long long)offset);
   void *ptr = NULL, *chunk = NULL;
   int code = comm->rt->ipc_open(&ptr, in);
   if (code)
     return tpc_fail(comm, TPC_ERR_PEER, "opening the IPC handle of peer %d failed: %s", peer,
-                comm->rt->error_string(code));
+                    comm->rt->error_string(code));
   /* The same chunk may already be open for another communicator: the
    * runtime counts the opens and returns the same address. */
   code = comm->rt->ipc_open(&chunk, in + TPC_CHUNK_HANDLE_AT);
   if (code) {
     comm->rt->ipc_close(ptr);
     return tpc_fail(comm, TPC_ERR_PEER, "opening the control slot of peer %d failed: %s", peer,
-                comm->rt->error_string(code));
+                    comm->rt->error_string(code));
   }
   comm->bufs[peer] = ptr;
   comm->peer_chunks[peer] = chunk;
@@ -190,7 +194,7 @@ static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
   }
   tpc_registry_unlock();
   return busy ? tpc_fail(comm, TPC_ERR_STATE, "communicator %llu is running an op (from another thread?)",
-                     (unsigned long long)comm->entry->id)
+                         (unsigned long long)comm->entry->id)
               : TPC_OK;
 }
 
@@ -218,7 +222,7 @@ tpc_result tpc_comm_destroy(tpc_comm *comm) {
     /* A replayed graph would still pass the alive check: keep the buffer and
      * the mappings it would touch (as abort does) rather than free them. */
     return free_host_state(comm, tpc_runtime_fail(comm, rt, code,
-                                              "marking the control slot closed (the GPU memory is kept)"));
+                                                  "marking the control slot closed (the GPU memory is kept)"));
   }
   for (int p = 0; p < comm->cfg.world_size; ++p) {
     if (!(comm->opened_mask & (1u << p))) continue;
@@ -271,15 +275,15 @@ tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out) {
   tpc_result r = TPC_OK;
   if (!e)
     r = tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is unknown (never created in this process)",
-             (unsigned long long)id);
+                 (unsigned long long)id);
   else if (e->state != TPC_ENTRY_OPEN)
     r = tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
-             e->state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
+                 e->state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
   else if (e->in_use)
     r = tpc_fail(NULL, TPC_ERR_STATE,
-             "communicator id %llu is already running an op (from another thread?): ops of one "
-             "communicator must come from one thread at a time, in the same order on every rank",
-             (unsigned long long)id);
+                 "communicator id %llu is already running an op (from another thread?): ops of one "
+                 "communicator must come from one thread at a time, in the same order on every rank",
+                 (unsigned long long)id);
   else {
     e->in_use = 1;
     *comm_out = e->comm;
@@ -303,7 +307,7 @@ tpc_result tpc_comm_probe_write(tpc_comm *comm) {
     tpc_signals *peer = (tpc_signals *)comm->bufs[p];
     int code = comm->rt->memcpy_any(&peer->probe[comm->cfg.rank], &token, sizeof token);
     if (code) return tpc_fail(comm, TPC_ERR_PEER, "writing into peer %d's buffer failed: %s", p,
-                          comm->rt->error_string(code));
+                              comm->rt->error_string(code));
   }
   int code = comm->rt->device_synchronize();
   return code ? tpc_runtime_fail(comm, comm->rt, code, "synchronising the probe") : TPC_OK;

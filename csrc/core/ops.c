@@ -111,7 +111,7 @@ static const char *dtype_name(tpc_dtype dtype) { return reducible(dtype) ? dtype
 static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
   if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) return TPC_OK;
   return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: unknown algorithm %d (packet %d, bulk %d or line %d)", name,
-              (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE);
+                  (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE);
 }
 
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
@@ -136,7 +136,7 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
   /* lines live in the packet slots: 112 data bytes in 128, within the cap */
   if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
-                comm->cfg.packet_max_bytes);
+                    comm->cfg.packet_max_bytes);
   /* compared as nbytes against cap / parts: nbytes * parts could overflow */
   if (algo == TPC_ALGO_BULK && nbytes > comm->cfg.max_bytes / parts)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu x %zu bytes is over the cap of %zu", name, parts, nbytes,
@@ -195,13 +195,13 @@ tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const voi
                     dtype_name(dtype));
   if (row_bytes == 0 || row_bytes % 16 || row_bytes > TPC_NORM_MAX_ROW_BYTES)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: a row of %zu bytes: a multiple of 16 up to %d is needed", name,
-                row_bytes, TPC_NORM_MAX_ROW_BYTES);
+                    row_bytes, TPC_NORM_MAX_ROW_BYTES);
   if (nbytes == 0 || nbytes % row_bytes)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive number of %zu-byte rows is needed", name,
-                nbytes, row_bytes);
+                    nbytes, row_bytes);
   if (nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
-                comm->cfg.packet_max_bytes);
+                    comm->cfg.packet_max_bytes);
   if (misaligned(in, 16) || misaligned(residual, 16) || misaligned(weight, 16) || misaligned(normed, 16) ||
       misaligned(residual_out, 16))
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: every tensor must be 16-byte aligned", name);
@@ -227,17 +227,17 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather of %zu bytes: a positive multiple of 4 is needed", nbytes);
   if (row_bytes == 0 || row_bytes % 4 || nbytes % row_bytes)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "row of %zu bytes must be a positive multiple of 4 dividing %zu",
-                row_bytes, nbytes);
+                    row_bytes, nbytes);
   /* every kernel variant is chosen by shape; none may depend on a pointer */
   if (misaligned(in, 16) || misaligned(out, 16))
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned");
   const size_t world = (size_t)comm->cfg.world_size;
   if (algo != TPC_ALGO_PACKET && (nbytes % 16 || row_bytes % 16)) /* line and bulk move 16-byte units */
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather needs 16-byte sizes and rows",
-                algo == TPC_ALGO_BULK ? "bulk" : "line");
+                    algo == TPC_ALGO_BULK ? "bulk" : "line");
   if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
-                nbytes, comm->cfg.packet_max_bytes);
+                    nbytes, comm->cfg.packet_max_bytes);
   /* compared as nbytes against cap / world: nbytes * world could overflow */
   if (algo == TPC_ALGO_BULK && nbytes > comm->cfg.max_bytes / world)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "all_gather output of %zu x %zu bytes is over the cap of %zu", world,
