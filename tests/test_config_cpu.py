@@ -56,6 +56,18 @@ def test_bad_arguments_are_refused():
             Config().replace(**changes)
 
 
+def test_caps_within_the_c_cores_limits():
+    """The largest caps the kernels take (csrc/tpcomm.h, through the
+    generated constants) are accepted; one step past them is refused here,
+    before any collective, naming the limit."""
+    from tpcomm import _constants as C
+
+    for name, limit in (("max_bytes", C.TPC_MAX_BYTES_LIMIT), ("packet_max_bytes", C.TPC_PACKET_MAX_BYTES_LIMIT)):
+        assert getattr(Config().replace(**{name: limit}), name) == limit
+        with pytest.raises(ValueError, match=f"{name}={limit + 16} is over the largest the kernels take, {limit}"):
+            Config().replace(**{name: limit + 16})
+
+
 def _body_routing_from_config_and_table(rank, world_size, table_path):
     comm = tpcomm.Communicator(device="cpu", table=table_path, config=Config(forbid=("bulk",)),
                                max_bytes=8 * MiB)

@@ -24,6 +24,7 @@ end with the same configuration: the ranks compare it at init.
 import dataclasses
 import os
 
+from . import _constants as C
 from . import policy
 
 KiB = 1024
@@ -75,10 +76,12 @@ class Config:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
 
     def checked(self):
-        for name in ("max_bytes", "packet_max_bytes"):
+        for name, limit in (("max_bytes", C.TPC_MAX_BYTES_LIMIT), ("packet_max_bytes", C.TPC_PACKET_MAX_BYTES_LIMIT)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
                 raise ValueError(f"tpcomm: {name}={value!r} must be a positive multiple of 16")
+            if value > limit:  # the C core's cap (csrc/tpcomm.h says why)
+                raise ValueError(f"tpcomm: {name}={value} is over the largest the kernels take, {limit}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive")
         for op, backend in self.force:
