@@ -7,7 +7,7 @@
 # Usage (on the device machine, repo root):
 #   bash scripts/device_run.sh [tests|bench|tune|decode|routes|host|all] [pytest args...]
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
-#     the GPU suite with every rank on GPU 0 (tests/gpu/harness.py: kernel
+#     the GPU suite with every rank on GPU 0 (tests/multiproc.py: kernel
 #     results at that world size on any machine; one log per world size)
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

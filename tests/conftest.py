@@ -4,11 +4,13 @@
   `pip install --no-build-isolation -e .` puts the built extension), never
   from another installed copy.
 * NVLink multicast (NVLS) stays off in this process and every process it
-  spawns: these defaults are set in os.environ at import, which children
-  inherit.
+  spawns (tests/multiproc.py forces it off at import; children inherit it,
+  and each spawned rank forces it again).
 * Tests marked `gpu` (tests/gpu/ holds them; everything collected there is
-  marked automatically) are skipped where fewer than 2 CUDA GPUs are visible,
-  unless TPCOMM_SHARE_GPU=1 puts every rank on the one GPU (tests/gpu/harness.py).
+  marked automatically) are skipped where the ranks cannot be placed on the
+  visible GPUs (multiproc.gpu_skip_reason): fewer than 2 GPUs, unless
+  TPCOMM_SHARE_GPU=1 lets the ranks share them; TPCOMM_TEST_WORLD sets how
+  many ranks.
 """
 import os
 import sys
@@ -20,11 +22,8 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
-from tpcomm.topology import env_flag, force_multicast_off  # noqa: E402 - needs the path above
+import multiproc  # noqa: E402 - tests/ is on sys.path (pytest puts conftest.py's directory there)
 
-force_multicast_off()  # forced, never merely defaulted; spawned children inherit it
-
-GPU_SKIP_REASON = "needs 2 CUDA GPUs, or 1 with TPCOMM_SHARE_GPU=1 (run on the device machine: see README)"
 GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep
 
 
@@ -48,7 +47,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("gpu") is not None:
             gpu_items.append(item)
-    if gpu_items and cuda_device_count() < (1 if env_flag("TPCOMM_SHARE_GPU") else 2):
-        skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
-        for item in gpu_items:
-            item.add_marker(skip)
+    if gpu_items:
+        reason = multiproc.gpu_skip_reason(cuda_device_count())
+        if reason:
+            skip = pytest.mark.skip(reason=reason)
+            for item in gpu_items:
+                item.add_marker(skip)

@@ -12,7 +12,7 @@ from tpcomm import _fake, _lib, add_rms_norm, policy
 from tpcomm.config import Config
 from tpcomm.reference import rank_order_sum, reference_add_rms_norm, ulp_distance
 
-from test_communicator_cpu import run_ranks
+from multiproc import run_ranks
 
 KiB = 1024
 MiB = 1024 * KiB

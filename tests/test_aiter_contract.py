@@ -44,14 +44,25 @@ def _signatures(source):
     return out
 
 
-def test_every_call_of_the_adapter_exists_in_the_pinned_wheel(aiter_source):
-    found = _signatures(aiter_source)
-    for cls, methods in aiter_backend.CONTRACT.items():
-        assert cls in found, f"{SOURCE} has no class {cls}"
+def contract_mismatches(source, contract):
+    """What in `contract` (class -> method -> the parameters the adapter
+    passes, in order) the module `source` does not provide: [] when it
+    provides everything (extra trailing parameters are allowed)."""
+    found, out = _signatures(source), []
+    for cls, methods in contract.items():
+        if cls not in found:
+            out.append(f"no class {cls}")
+            continue
         for method, params in methods.items():
-            assert method in found[cls], f"{cls} has no method {method}"
-            have = found[cls][method]
-            assert list(params) == have[:len(params)], f"{cls}.{method}: adapter passes {params}, AITER takes {have}"
+            if method not in found[cls]:
+                out.append(f"{cls} has no method {method}")
+            elif list(params) != found[cls][method][:len(params)]:
+                out.append(f"{cls}.{method}: the adapter passes {list(params)}, AITER takes {found[cls][method]}")
+    return out
+
+
+def test_every_call_of_the_adapter_exists_in_the_pinned_wheel(aiter_source):
+    assert contract_mismatches(aiter_source, aiter_backend.CONTRACT) == [], SOURCE
 
 
 def test_capture_is_a_context_manager(aiter_source):
@@ -62,11 +73,41 @@ def test_capture_is_a_context_manager(aiter_source):
     assert any("contextmanager" in n for n in names), names
 
 
-def test_signature_reader_sees_a_change():
-    """The check has teeth: a renamed parameter is seen."""
-    changed = "class CustomAllreduce:\n    def should_custom_ar(self, tensor):\n        pass\n"
-    assert _signatures(changed)["CustomAllreduce"]["should_custom_ar"] == ["tensor"]
-    assert ["inp"] != _signatures(changed)["CustomAllreduce"]["should_custom_ar"][:1]
+# Hand-written modules against a hand-written contract: the check passes what
+# provides every call, and names each way a module can stop providing one.
+_CONTRACT = {"CustomAllreduce": {"__init__": ("group", "device", "max_size"), "should_custom_ar": ("inp",),
+                                 "close": ()}}
+_PROVIDES = """
+class Helper:
+    def should_custom_ar(self, tensor):
+        pass
+
+class CustomAllreduce:
+    def __init__(self, group, device, max_size=8192 * 1024, enable_register_for_capturing=True):
+        pass
+
+    def should_custom_ar(self, inp):
+        pass
+
+    def close(self):
+        pass
+"""
+
+
+@pytest.mark.parametrize("change,mismatch", [
+    (("def should_custom_ar(self, inp)", "def should_custom_ar(self, tensor)"),
+     "CustomAllreduce.should_custom_ar: the adapter passes ['inp'], AITER takes ['tensor']"),
+    (("self, group, device, max_size=", "self, device, group, max_size="),
+     "CustomAllreduce.__init__: the adapter passes ['group', 'device', 'max_size'], AITER takes "
+     "['device', 'group', 'max_size', 'enable_register_for_capturing']"),
+    (("    def close(self):\n        pass\n", ""), "CustomAllreduce has no method close"),
+    (("class CustomAllreduce:", "class CustomAllReduce:"), "no class CustomAllreduce"),
+])
+def test_the_check_names_what_a_changed_module_lacks(change, mismatch):
+    assert contract_mismatches(_PROVIDES, _CONTRACT) == []
+    old, new = change
+    assert old in _PROVIDES
+    assert contract_mismatches(_PROVIDES.replace(old, new), _CONTRACT) == [mismatch]
 
 
 def test_absent_on_cuda():

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
-from test_communicator_cpu import assert_bits_equal, exact_values, expected_sum, run_ranks
+from bitexact import assert_bits_equal, exact_values, expected_sum
+from multiproc import run_ranks
 from tpcomm.backends import aiter as aiter_backend
 
 DECLINE_OVER = 4096  # bytes: the stand-in declines larger inputs

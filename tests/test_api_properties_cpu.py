@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import tpcomm
 
-from test_communicator_cpu import run_ranks
+from multiproc import run_ranks
 
 from tpcomm.errors import CommunicatorClosed
 

@@ -1,110 +1,21 @@
 """tpcomm.Communicator on CPU tensors: every call falls back to torch.distributed
 (gloo here), so its results, argument checks and life cycle are tested with
-real multi-process groups on a machine without a GPU.
-
-Each multi-process test spawns its ranks with torch.multiprocessing; a child
-that fails an assertion raises, torch.multiprocessing re-raises it in the
-parent, and the test fails with the child's traceback. A run that does not
-finish within RUN_TIMEOUT_S is killed and fails.
-"""
-import datetime
+real multi-process groups on a machine without a GPU (tests/multiproc.py runs
+the ranks)."""
 import os
-import sys
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tpcomm
+from bitexact import assert_bits_equal, exact_values, expected_sum
+from multiproc import run_ranks
 from tpcomm import policy
-from tpcomm.bench.measure import rendezvous
 
 KiB = 1024
 MiB = 1024 * KiB
-RUN_TIMEOUT_S = 60
-
-
-# ------------------------------------------------------------------ harness
-
-def _entry(rank, world_size, init_method, body, env, errors):
-    """Runs in each spawned rank: joins a gloo group and runs body(rank, world_size).
-    A failure is also put on `errors`, so the parent can show every rank's
-    traceback (the first rank to die is often a peer that only lost its
-    connection, not the one that failed)."""
-    try:
-        os.environ.update(env)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        try:
-            body(rank, world_size)
-            dist.barrier()  # nobody leaves while a peer still needs it
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-    # Done and checked: leave without interpreter teardown, where threads that
-    # torch.compile leaves behind sometimes ended a rank with std::terminate
-    # ("terminate called without an active exception") after its test passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(world_size, body, env=None, timeout=RUN_TIMEOUT_S):
-    """Runs body(rank, world_size) in world_size spawned processes; fails with
-    every failing rank's traceback, or if they take longer than `timeout`."""
-    errors = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_entry, args=(world_size, rendezvous(), body, dict(env or {}), errors),
-                             nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
-    except Exception as e:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join(5)
-        reports = []
-        while not errors.empty():
-            reports.append(errors.get())
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(reports))
-        pytest.fail(f"{type(e).__name__}: {str(e).strip()[:2000]}\n{details}", pytrace=False)
-
-
-# ------------------------------------------------------- per-rank test data
-
-def exact_values(rank, shape, dtype, seed=0):
-    """Rank-dependent values whose sums over ranks are exact in `dtype` in any
-    order (so gloo's summation order cannot change a bit)."""
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    if dtype in (torch.float16, torch.bfloat16):
-        return torch.randint(-8, 9, shape, generator=g).to(dtype)
-    if dtype.is_floating_point:
-        return (torch.randint(-4000, 4001, shape, generator=g).to(torch.float64) / 4).to(dtype)
-    return torch.randint(-10**12, 10**12, shape, generator=g, dtype=torch.int64).to(dtype)
-
-
-def expected_sum(world_size, shape, dtype, seed=0, ranks=None):
-    ranks = range(world_size) if ranks is None else ranks
-    total = torch.zeros(shape, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
-    for r in ranks:
-        total += exact_values(r, shape, dtype, seed).to(total.dtype)
-    return total.to(dtype)
-
-
-def assert_bits_equal(actual, expected, what):
-    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-    assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
 
 
 # -------------------------------------------------------------- rank bodies
@@ -383,29 +294,6 @@ def test_subgroup_of_three_ranks():
 
 def test_disabled_by_env():
     run_ranks(2, _body_disabled_by_env, env={"TPCOMM_DISABLE": "1"})
-
-
-def _body_fails(rank, world_size):
-    if rank == 1:
-        raise AssertionError("rank 1 fails on purpose")
-
-
-def test_harness_reports_child_failures():
-    """A child's failed assertion fails the test (guards the harness itself)."""
-    with pytest.raises(pytest.fail.Exception, match="(?s)--- rank 1 ---.*rank 1 fails on purpose"):
-        run_ranks(2, _body_fails)
-
-
-def _body_hangs(rank, world_size):
-    if rank == 0:
-        time.sleep(600)
-
-
-def test_harness_kills_hung_ranks():
-    start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception, match="did not finish within 10 s"):
-        run_ranks(2, _body_hangs, timeout=10)
-    assert time.monotonic() - start < 40
 
 
 def test_needs_torch_distributed():

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from test_communicator_cpu import assert_bits_equal, exact_values, expected_sum, run_ranks
+from bitexact import assert_bits_equal, exact_values, expected_sum
+from multiproc import run_ranks
 
 
 def test_ops_are_registered_at_import():

@@ -8,7 +8,7 @@ import torch
 
 import tpcomm
 from tpcomm import Config, policy
-from test_communicator_cpu import run_ranks
+from multiproc import run_ranks
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -524,6 +524,6 @@ def _body_communicator_inline_fast_path(rank, world_size):
 
 
 def test_communicator_all_reduce_calls_the_fast_path_inline(lib):
-    from test_communicator_cpu import run_ranks
+    from multiproc import run_ranks
 
     run_ranks(2, _body_communicator_inline_fast_path)

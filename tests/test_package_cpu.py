@@ -11,7 +11,7 @@ import pytest
 
 import tpcomm
 from tpcomm import _log, topology
-from test_communicator_cpu import run_ranks
+from multiproc import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

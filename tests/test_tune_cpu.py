@@ -1,11 +1,14 @@
 """python -m tpcomm.tune without a GPU: deriving the routing table from
-benchmark results (the committed 2xH200 run and synthetic rows), the file it
-writes loading as a table, and the live mode saying it measured nothing."""
-import importlib.metadata
+benchmark results (a hand-written run whose winners are known, and the
+committed runs, from which the shipped table must follow), the file it writes
+loading as a table, and the live mode saying it measured nothing."""
 import json
 import os
 import subprocess
 import sys
+import tomllib
+
+import pytest
 
 from tpcomm import policy, tune
 
@@ -37,23 +40,67 @@ def test_bands_merge_runs_and_drop_a_trailing_nccl_band():
     assert tune.bands([(64, "nccl")]) == []
 
 
-def test_table_from_the_committed_benchmark():
-    with open(COMMITTED) as f:
-        results = json.load(f)
-    table = tune.derive_table(results)
+# A run of 3 ranks written by hand: its winners are known without tune.
+SIZES = (64, 1024, 16 * 1024, 256 * 1024, 4 << 20)
+HAND_RUN = {"env": {"world_size": 3, "gpu": "NVIDIA H200", "driver": "1", "torch": "2", "nccl": "2", "date": "d"},
+            "rows": (
+    # all_reduce bf16: packet, line, line, bulk (a faster row that is wrong never wins), nccl
+    [_row(n, b, t) for n, ts in zip(SIZES, [(2.0, 2.5, 9.0, 10.0), (3.0, 2.9, 9.0, 10.0), (5.0, 4.0, 6.0, 10.0),
+                                          (30.0, 25.0, 20.0, 25.0), (900.0, 900.0, 300.0, 200.0)])
+     for b, t in zip(("tpcomm_packet", "tpcomm_line", "tpcomm_bulk", "nccl"), ts)]
+    + [_row(256 * 1024, "tpcomm_packet", 1.0, correct=False)]
+    # all_reduce fp32: nccl, packet, a tie of packet and bulk (packet), bulk, bulk; eager and
+    # unroutable rows that would win are ignored
+    + [_row(n, b, t, dtype="float32") for n, ts in zip(SIZES, [(2.0, 1.0), (1.0, 5.0), (3.0, 4.0), (9.0, 9.5),
+                                                               (99.0, 99.5)])
+       for b, t in zip(("tpcomm_packet", "nccl"), ts)]
+    + [_row(n, "tpcomm_bulk", t, dtype="float32") for n, t in zip(SIZES[1:], (9.0, 3.0, 8.0, 90.0))]
+    + [_row(64, "tpcomm_packet", 0.1, dtype="float32", mode="eager"), _row(1024, "symm_one_shot", 0.1, dtype="float32")]
+    # all_gather: bf16 packet, packet, bulk, nccl; its fp32 rows do not make a row of their own
+    + [_row(n, b, t, op="all_gather") for n, (b, t) in zip(SIZES, [("tpcomm_packet", 1.0), ("tpcomm_packet", 2.0),
+                                                                   ("tpcomm_bulk", 3.0), ("nccl", 4.0)])]
+    + [_row(64, "tpcomm_bulk", 1.0, op="all_gather", dtype="float32")]
+    # reduce_scatter: float16 only (then "*" is its row): packet, bulk
+    + [_row(64, "tpcomm_packet", 1.0, op="reduce_scatter", dtype="float16"),
+       _row(1024, "tpcomm_bulk", 1.0, op="reduce_scatter", dtype="float16"),
+       _row(1024, "tpcomm_packet", 2.0, op="reduce_scatter", dtype="float16")])}
+HAND_BASE = {"routes": {"all_reduce": {"*": {"*": [[1024, "packet"]]}, "3": {"*": [[32, "packet"]]}},
+                        "all_gather": {"*": {"*": [[2048, "packet"]]}},
+                        "reduce_scatter": {"*": {"*": [[4096, "packet"]]}}}}
+
+
+def test_table_from_a_hand_written_run():
+    ar_bf16 = [[64, "packet"], [16 * 1024, "line"], [256 * 1024, "bulk"]]
+    ar_fp32 = [[64, "nccl"], [16 * 1024, "packet"], [4 << 20, "bulk"]]
+    rs = [[64, "packet"], [1024, "bulk"]]
+    table = tune.derive_table(HAND_RUN, base=HAND_BASE)
+    assert table["routes"] == {
+        "all_reduce": {"*": {"*": [[1024, "packet"]]},  # other world sizes: the base's rows
+                       "3": {"*": ar_bf16, "bfloat16": ar_bf16, "float32": ar_fp32}},  # its own "3" replaced
+        "all_gather": {"*": {"*": [[2048, "packet"]]}, "3": {"*": [[1024, "packet"], [16 * 1024, "bulk"]]}},
+        "reduce_scatter": {"*": {"*": [[4096, "packet"]]}, "3": {"*": rs, "float16": rs}},
+    }
+    assert table["about"].startswith("python -m tpcomm.tune: 3x NVIDIA H200")
     assert policy.load_table(table) is not None
-    routes = table["routes"]
+
+
+def test_results_without_a_world_size_are_refused():
+    with pytest.raises(ValueError, match="world size"):
+        tune.derive_table({"env": {}, "rows": HAND_RUN["rows"]}, base=HAND_BASE)
+
+
+@pytest.mark.parametrize("run", ["h200x2", "h200x4"])
+def test_the_shipped_table_is_what_tune_derives_from_the_committed_runs(run):
+    """The shipped table's rows for a measured world size are `tune --from`
+    that committed run (a re-measured run needs a re-derived table)."""
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{run}.json")) as f:
+        results = json.load(f)
+    world = str(results["env"]["world_size"])
+    derived = tune.derive_table(results)["routes"]
+    shipped = policy.load_table()["routes"]
     for op in policy.OPS:
-        assert "2" in routes[op] and "*" in routes[op]
-        bf16 = policy.bands_for(policy.load_table(table), op, 2, "bfloat16")
-        assert bf16[0][1] == "packet"  # decode sizes: tpcomm's packet kernel is the fastest measured
-    # every band's backend really was the fastest at its limit in that run
-    for limit, backend in routes["all_reduce"]["2"]["bfloat16"]:
-        won = dict(tune.winners(results["rows"], "all_reduce", "bfloat16"))
-        assert won[limit] == backend
-    # the world sizes it did not measure come from the shipped table
-    assert routes["all_reduce"]["*"]["*"] == [list(b) for b in policy.load_table()["routes"]["all_reduce"]["*"]["*"]]
-    assert "2x NVIDIA H200" in table["about"]
+        assert {d: [list(b) for b in bands] for d, bands in shipped[op][world].items()} == derived[op][world], op
+        assert derived[op][world]["*"][0][1] == "packet"  # decode sizes: the packet kernel was the fastest measured
 
 
 def test_command_writes_a_table_the_communicator_loads(tmp_path):
@@ -76,6 +123,8 @@ def test_live_mode_without_gpus_measures_nothing(tmp_path):
 
 
 def test_console_script():
-    scripts = {ep.name: ep.value for ep in importlib.metadata.distribution("tpcomm").entry_points
-               if ep.group == "console_scripts"}
+    """pyproject.toml declares tpcomm-tune, and it names tune.main."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
     assert scripts.get("tpcomm-tune") == "tpcomm.tune:main"
+    assert callable(tune.main)

@@ -4,17 +4,21 @@ rounded once): on the fused kernel and on the split route (reduce-scatter
 in fp32, the norm on a rank's rows, all-gather) residual_out bit for bit and
 normed within 1 ulp (its mean of squares is summed in another order),
 identical bits on every rank, in place and out of place, graph replays with
-new inputs and a random rank late, NaN and inf where the reference has them,
-and the unfused path for what neither takes. Every body checks the route it
+new inputs, a random rank late before every op and inputs overwritten right
+after, NaN and inf where the reference has them, and the unfused path for
+what neither takes, with shapes built from the world size so that every
+route runs at any world size from 2 to 8. Every body checks the routes it
 expects through stats()."""
+import collections
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
+from gpu_checks import delay_random_rank, overwrite, shared_rng
 from tpcomm.config import Config
 from tpcomm.reference import reference_add_rms_norm, ulp_distance
 
@@ -57,12 +61,15 @@ def _check(normed, summed, x, residual, weight, what):
 def body_shapes(rank, world):
     comm = _comm()
     rng = random.Random(5)
+    skew = shared_rng(6)
     shapes = [(1, 4096), (1, 8192), (8, 4096), (32, 4096), (3, 2048), (1, 16384), (2, 5120), (64, 8192),
               (17, 2048), (128, 4096)]
     shapes += [(rng.randrange(1, 33), rng.choice([2048, 3072, 4096, 6144, 8192])) for _ in range(6)]
-    # over the packet cap: the split route where the rows divide among the ranks
-    shapes += [(256, 4096), (1024, 2048), (8 * 3 * 5, 8192), (515, 4096), (2, 32768)]
+    # over the packet cap: the split route where the rows divide among the ranks (the first two at any
+    # world size), else the unfused one
+    shapes += [(128 * world, 4096), (40 * world, 8192), (1024, 2048), (515, 4096), (2, 32768)]
     gen = torch.Generator(device="cuda").manual_seed(40 + rank)
+    expected = collections.Counter()
     for i, (tokens, hidden) in enumerate(shapes):
         for dtype in (torch.bfloat16, torch.float16):
             x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * (1 + rank)).to(dtype)
@@ -72,10 +79,16 @@ def body_shapes(rank, world):
             fused = nbytes <= 1 * MiB and hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES
             split = tokens % world == 0 and nbytes <= comm.max_bytes
             assert route == ("fused" if fused else "split" if split else "unfused"), (tokens, hidden, route)
+            expected[route] += 2
             what = f"{tokens}x{hidden} {dtype} ({route})"
+            kept_x, kept_r = x.clone(), residual.clone()
+            delay_random_rank(rank, world, skew)
             normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
-            _check(normed, summed, x, residual, weight, what)
-            xi, ri = x.clone(), residual.clone()
+            overwrite(x)
+            overwrite(residual)
+            _check(normed, summed, kept_x, kept_r, weight, what)
+            xi, ri = kept_x.clone(), kept_r.clone()
+            delay_random_rank(rank, world, skew)
             comm.all_reduce_add_rms_norm(xi, ri, weight, EPS, in_place=True)
             assert torch.equal(xi.view(torch.int16), normed.view(torch.int16)), f"in place normed {what}"
             assert torch.equal(ri.view(torch.int16), summed.view(torch.int16)), f"in place residual {what}"
@@ -83,12 +96,13 @@ def body_shapes(rank, world):
     x = torch.randn(4096, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     residual, weight = _shared((4096, 4096), torch.bfloat16, 7)
     assert comm.route_all_reduce_add_rms_norm(x, weight) == "unfused"
+    expected["unfused"] += 1
     normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
     ref_normed, ref_summed = reference_add_rms_norm(_gathered(x), residual, weight, EPS)
     assert int(ulp_distance(summed, ref_summed).max()) <= 1 and int(ulp_distance(normed, ref_normed).max()) <= 1
-    stats = comm.stats()
-    assert stats[("all_reduce_add_rms_norm", "fused")]["calls"] > 20, stats
-    assert stats[("all_reduce_add_rms_norm", "split")]["calls"] >= 4, stats
+    stats = {b: s["calls"] for (op, b), s in comm.stats().items() if op == "all_reduce_add_rms_norm"}
+    assert stats == dict(expected), (stats, expected)
+    assert expected["fused"] > 20 and expected["split"] >= 4, expected
     comm.close()
 
 
@@ -99,8 +113,13 @@ def body_nan_inf(rank, world):
     if rank == world - 1:
         x[1, 7] = float("nan")
         x[2, 9] = float("inf")
+    kept = x.clone()
+    assert comm.route_all_reduce_add_rms_norm(x, weight) == "fused"
+    delay_random_rank(rank, world, shared_rng(4))
     normed, summed = comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
-    ref_normed, ref_summed = reference_add_rms_norm(_gathered(x), residual, weight, EPS)
+    overwrite(x)
+    assert comm.stats()[("all_reduce_add_rms_norm", "fused")]["calls"] == 1, comm.stats()
+    ref_normed, ref_summed = reference_add_rms_norm(_gathered(kept), residual, weight, EPS)
     for got, ref, name in ((normed, ref_normed, "normed"), (summed, ref_summed, "residual_out")):
         assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"NaN positions of {name}"
         assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"inf positions of {name}"
@@ -113,19 +132,17 @@ def body_nan_inf(rank, world):
 def body_graph_and_skew(rank, world):
     comm = _comm()
     gen = torch.Generator(device="cuda").manual_seed(80 + rank)
-    rng = random.Random(9)
+    rng = shared_rng(9)
     shapes = [(1, 4096), (8, 4096), (32, 8192), (64 * world, 8192)]  # the last over the packet cap: split
     static_x = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     static_res = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     weights = [_shared(s, torch.bfloat16, 50 + i)[1] for i, s in enumerate(shapes)]
-    delays = [(rng.randrange(world), rng.uniform(0, 60)) for _ in shapes]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with comm.capture(), torch.cuda.graph(graph):
         outs = []
-        for x, r, w, (who, us) in zip(static_x, static_res, weights, delays):
-            if who == rank:
-                torch.cuda._sleep(int(us * 1980))
+        for x, r, w in zip(static_x, static_res, weights):
+            delay_random_rank(rank, world, rng)
             outs.append(comm.all_reduce_add_rms_norm(x, r, w, EPS))
     for replay in range(20):
         kept = []
@@ -135,8 +152,8 @@ def body_graph_and_skew(rank, world):
             kept.append((x.clone(), r.clone()))
         graph.replay()
         for x, r in zip(static_x, static_res):  # overwritten right after the replay
-            x.fill_(float("nan"))
-            r.fill_(float("nan"))
+            overwrite(x)
+            overwrite(r)
         for i, ((x, r), w, (normed, summed)) in enumerate(zip(kept, weights, outs)):
             _check(normed, summed, x, r, w, f"replay {replay} op {i}")
     comm.check()
@@ -148,4 +165,4 @@ def body_graph_and_skew(rank, world):
 
 @pytest.mark.parametrize("body", [body_shapes, body_nan_inf, body_graph_and_skew], ids=lambda f: f.__name__[5:])
 def test_all_reduce_add_rms_norm(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)

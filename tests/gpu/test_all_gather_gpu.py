@@ -1,15 +1,19 @@
-"""custom_all_gather on real GPUs: bit for bit against the NCCL path and
-against torch.cat of every rank's input (each rank can rebuild all inputs
-from their seeds), for every dtype, special values, dims and size bands."""
+"""all_gather on real GPUs: bit for bit against the NCCL path and against
+torch.cat of every rank's input (each rank can rebuild all inputs from their
+seeds), for every dtype, special values, dims and size bands, at any world
+size from 2 to 8. Every op runs with a random rank late and its input
+overwritten right after it; every Communicator call is checked against
+stats() for the backend its route names, and the internal op
+(torch.ops._tpcomm.all_gather, algo explicit) runs the kernel it is told."""
 import pytest
 import torch
 
-import harness
+import multiproc
 import tpcomm
+from gpu_checks import ALGO, Calls, KiB, MiB, assert_custom_only, delay_random_rank, overwrite, round16, shared_rng
 
 pytestmark = pytest.mark.gpu
 
-KiB, MiB = 1024, 1024 * 1024
 
 
 def _as_bytes(t):
@@ -73,67 +77,83 @@ CASES = (
 )
 
 
-def _check(comm, shape, dtype, dim, seed, world, rank, what, algo=None):
+def _check(comm, shape, dtype, dim, seed, world, rank, what, rng, algo=None, calls=None):
+    """One all_gather, routed (algo None; counted on its route in `calls`)
+    or on the kernel `algo` names, a random rank late, the input overwritten
+    right after; returns the route."""
     xs = _inputs_of_all_ranks(shape, dtype, seed, world)
-    x = xs[rank]
+    x = xs[rank].clone()
+    route = comm.route_all_gather(x, dim) if algo is None else algo
+    delay_random_rank(rank, world, rng)
     if algo is None:
         y = comm.all_gather(x, dim)
     else:
-        y = torch.ops.tpcomm.custom_all_gather(x, dim, comm.handle, algo)
-    _assert_same_bits(y, torch.cat(xs, dim), f"{what} vs torch.cat")
-    _assert_same_bits(y, _nccl_path(comm, x, dim), f"{what} vs NCCL path")
-    return y
+        y = torch.ops._tpcomm.all_gather(x, dim, comm.handle, ALGO[algo])
+    overwrite(x)
+    if calls is not None and algo is None:
+        calls.expect("all_gather", route)
+    _assert_same_bits(y, torch.cat(xs, dim), f"{what} ({route}) vs torch.cat")
+    _assert_same_bits(y, _nccl_path(comm, xs[rank], dim), f"{what} ({route}) vs NCCL path")
+    return route
 
 
 def body_shapes_dtypes_dims(rank, world):
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
+    calls, rng = Calls(comm), shared_rng(51)
     seed = 0
     routes = set()
     for shape, dtype in CASES:
         for dim in (0, 1, -1):
             seed += 1
-            x = torch.empty(shape, dtype=dtype, device="cuda")
-            routes.add(comm.route_all_gather(x, dim))
-            _check(comm, shape, dtype, dim, seed, world, rank, f"{shape} {dtype} dim {dim}")
+            routes.add(_check(comm, shape, dtype, dim, seed, world, rank, f"{shape} {dtype} dim {dim}", rng,
+                              calls=calls))
     assert "packet" in routes, routes
     # transposed (non-contiguous) input
     xs = _inputs_of_all_ranks((64, 48), torch.bfloat16, 999, world)
     for dim in (0, 1):
-        y = comm.all_gather(xs[rank].t(), dim)
+        x = xs[rank].t()
+        route = comm.route_all_gather(x, dim)
+        y = comm.all_gather(x, dim)
+        calls.expect("all_gather", route)
         _assert_same_bits(y, torch.cat([t.t() for t in xs], dim), f"transposed dim {dim}")
+    comm.check()
     comm.close()
 
 
 def body_size_bands(rank, world):
-    """Just below and above every threshold: the last packet or line band,
-    the packet cap, the cap."""
+    """Sizes just below and above the packet cap and the cap on the output
+    at this world size, routed and on each kernel forced; small sizes the
+    bulk kernel cannot take; every size a kernel takes at any world size."""
     max_bytes = 4 * MiB
     comm = tpcomm.Communicator(max_bytes=max_bytes, packet_max_bytes=1 * MiB)
-    cut = tpcomm.policy.packet_cutover(tpcomm.policy.bands_for(comm.table, "all_gather", world))
-    per_rank_cap = max_bytes // world
+    assert comm.enabled, comm.disabled_reason
+    calls, rng = Calls(comm), shared_rng(53)
+    per_rank_cap = round16(max_bytes // world)  # the most a rank may give for the output to fit the cap
     seen = {}
-    for nbytes in (cut - 16, cut, cut + 16, 1 * MiB - 16, 1 * MiB, 1 * MiB + 16,
-                   per_rank_cap - 16, per_rank_cap, per_rank_cap + 16, 4, 12, 20):
-        if nbytes <= 0:
-            continue
+    for nbytes in sorted({64 * KiB - 16, 64 * KiB, 64 * KiB + 16, 1 * MiB - 16, 1 * MiB, 1 * MiB + 16,
+                          per_rank_cap - 16, per_rank_cap, per_rank_cap + 16, 4, 12, 20}):
         shape = (nbytes // 4,)
-        x = torch.empty(shape, dtype=torch.float32, device="cuda")
-        seen[nbytes] = comm.route_all_gather(x, 0)
-        _check(comm, shape, torch.float32, 0, nbytes, world, rank, f"{nbytes} B per rank ({seen[nbytes]})")
-        if nbytes % 16 == 0 and nbytes * world <= max_bytes:
-            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_LINE, tpcomm._lib.ALGO_BULK):
-                if algo != tpcomm._lib.ALGO_BULK and nbytes > comm.packet_max_bytes:
-                    continue
-                _check(comm, shape, torch.float32, 0, nbytes + 7, world, rank, f"{nbytes} B forced {algo}", algo)
-    assert seen[cut] in ("packet", "line") and seen[cut + 16] == "bulk", seen
-    # past the cap on the output: NCCL, unless the packet kernel (capped per rank) still takes it
-    assert seen[per_rank_cap + 16] == ("packet" if per_rank_cap + 16 <= comm.packet_max_bytes else "nccl"), seen
+        seen[nbytes] = _check(comm, shape, torch.float32, 0, nbytes, world, rank, f"{nbytes} B per rank", rng,
+                              calls=calls)
+        for algo in ("packet", "line", "bulk"):
+            cap = per_rank_cap if algo == "bulk" else comm.packet_max_bytes
+            if nbytes % 16 or nbytes > cap:
+                continue
+            _check(comm, shape, torch.float32, 0, nbytes + 7, world, rank, f"{nbytes} B forced {algo}", rng, algo)
+    # within the packet cap: a kernel, whatever the table; past both caps: NCCL
+    assert all(seen[n] != "nccl" for n in seen if n <= 64 * KiB), seen
+    assert seen[max(1 * MiB, per_rank_cap) + 16] == "nccl", seen
+    with pytest.raises(RuntimeError, match="over the"):
+        torch.ops._tpcomm.all_gather(torch.zeros(per_rank_cap // 4 + 4, device="cuda"), 0, comm.handle, ALGO["bulk"])
+    comm.check()
     comm.close()
 
 
 def body_graph_replays(rank, world):
     comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    rng = shared_rng(57)
     shapes = [((8, 1024), torch.bfloat16, 1), ((1, 32768), torch.bfloat16, 0), ((512, 1024), torch.bfloat16, -1),
               ((4096 // world, 1024), torch.float16, 0), ((8, 2), torch.float32, 1), ((24, 40), torch.bool, 0)]
     static = [torch.zeros(s, dtype=d, device="cuda") for s, d, _ in shapes]
@@ -141,7 +161,11 @@ def body_graph_replays(rank, world):
     graph = torch.cuda.CUDAGraph()
     with comm.capture():
         with torch.cuda.graph(graph):
-            outs = [comm.all_gather(x, dim) for x, (_, _, dim) in zip(static, shapes)]
+            outs = []
+            for x, (_, _, dim) in zip(static, shapes):
+                delay_random_rank(rank, world, rng)
+                outs.append(comm.all_gather(x, dim))
+    assert_custom_only(comm, want=("packet",))
     for replay in range(25):
         refs = []
         for i, (x, (shape, dtype, dim)) in enumerate(zip(static, shapes)):
@@ -149,17 +173,23 @@ def body_graph_replays(rank, world):
             x.copy_(xs[rank])
             refs.append(torch.cat(xs, dim))
         graph.replay()
+        for x in static:
+            overwrite(x)  # right after the replay, on the stream
         for i, (y, ref) in enumerate(zip(outs, refs)):
             _assert_same_bits(y, ref, f"replay {replay} case {i}")
         if replay % 5 == 0:
-            _check(comm, (4, 256), torch.bfloat16, 0, replay, world, rank, f"eager after replay {replay}")
+            _check(comm, (4, 256), torch.bfloat16, 0, replay, world, rank, f"eager after replay {replay}", rng)
     comm.check()
+    assert_custom_only(comm, want=("packet",))
     comm.close()
 
 
 def body_size_mismatch(rank, world):
+    """Ranks that give different sizes to the kernels: an error, not a result."""
     comm = tpcomm.Communicator(timeout_s=2.0)
+    assert comm.enabled, comm.disabled_reason
     x = torch.ones(256 if rank == 0 else 512, dtype=torch.int32, device="cuda")
+    assert comm.route_all_gather(x, 0) != "nccl"
     comm.all_gather(x)
     torch.cuda.synchronize()
     with pytest.raises(tpcomm.TpcommError, match="different op"):
@@ -170,4 +200,4 @@ def body_size_mismatch(rank, world):
 @pytest.mark.parametrize("body", [body_shapes_dtypes_dims, body_size_bands, body_graph_replays, body_size_mismatch],
                          ids=lambda f: f.__name__[5:])
 def test_all_gather(body):
-    harness.run(body)
+    multiproc.run_gpu(body)

@@ -1,41 +1,27 @@
-"""custom_all_reduce on real GPUs, compared with NCCL bit for bit.
+"""all_reduce on real GPUs, compared with NCCL bit for bit, at any world size
+from 2 to 8.
 
 Integer-valued inputs make every summation order exact, so the custom result
 must equal NCCL's bits whatever the world size; on two ranks a + b has only
-one rounding, so random floats must match bit for bit too."""
+one rounding, so random floats must match bit for bit too. Every op runs
+with a random rank late and its input overwritten right after it; every
+Communicator call is checked against stats() for the backend its route
+names, and the internal ops (torch.ops._tpcomm.*, algo explicit) run the
+kernel they are told or raise."""
 import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
+from gpu_checks import (ALGO, BULK, DTYPES, PACKET, Calls, KiB, MiB, assert_bits_equal, assert_custom_only,
+                        delay_random_rank, int_valued, nccl_all_reduce, overwrite, same_on_all_ranks,
+                        shared_rng)
 from tpcomm.reference import rank_order_sum
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-KiB, MiB = 1024, 1024 * 1024
 CAP = 16 * MiB
-# raw ops with the algorithm forced, and with 0: the C core's AUTO, which follows the Communicator's routes
-ALGOS = {"packet": tpcomm._lib.ALGO_PACKET, "line": tpcomm._lib.ALGO_LINE, "bulk": tpcomm._lib.ALGO_BULK,
-         "raw auto": tpcomm._lib.ALGO_AUTO}
-
-
-def _bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _assert_bits_equal(a, b, what):
-    if not torch.equal(_bits(a), _bits(b)):
-        diff = (_bits(a) != _bits(b)).nonzero()
-        raise AssertionError(f"{what}: {diff.numel()} elements differ, first at {diff[:4].tolist()}: "
-                             f"{a.flatten()[diff[:4, 0]].tolist()} vs {b.flatten()[diff[:4, 0]].tolist()}")
-
-
-def _nccl(x):
-    y = x.clone()
-    dist.all_reduce(y)
-    return y
 
 
 def _rank_order_sum(x):
@@ -45,20 +31,10 @@ def _rank_order_sum(x):
     return rank_order_sum(parts).to(x.dtype)
 
 
-def _int_valued(numel, dtype, gen):
-    return torch.randint(-8, 9, (numel,), generator=gen, device="cuda").to(dtype)
-
-
-def _same_on_all_ranks(t, what):
-    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, t)
-    for r, g in enumerate(gathered):
-        _assert_bits_equal(g, gathered[0], f"{what}: rank {r} differs from rank 0")
-
-
 def _sizes(gen):
     """16 B, the cap, sizes around the packet cutover and packet cap, and
-    random multiples of 16 in between."""
+    random multiples of 16 in between (all_reduce takes any multiple of 16
+    at any world size)."""
     fixed = [16, 32, 64 * KiB, 256 * KiB - 16, 256 * KiB, 256 * KiB + 16, 1 * MiB, 1 * MiB + 16, CAP]
     rand = [16 * int(torch.randint(1, CAP // 16, (1,), generator=gen)) for _ in range(6)]
     rand += [16 * int(torch.randint(1, 4096, (1,), generator=gen)) for _ in range(4)]
@@ -68,27 +44,35 @@ def _sizes(gen):
 def body_eager_matches_nccl(rank, world):
     comm = tpcomm.Communicator(max_bytes=CAP)
     assert comm.enabled, comm.disabled_reason
+    calls = Calls(comm)
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     size_gen = torch.Generator().manual_seed(99)  # same sizes on every rank
-    checked = 0
+    rng = shared_rng(3)
     for nbytes in _sizes(size_gen):
         for dtype in DTYPES:
-            numel = nbytes // dtype.itemsize
-            x = _int_valued(numel, dtype, gen)
-            ref = _nccl(x)
-            for algo in ("auto", "raw auto", "packet", "line", "bulk"):
+            x = int_valued(nbytes // dtype.itemsize, dtype, gen)
+            ref = nccl_all_reduce(x)
+            for algo in ("routed", "packet", "line", "bulk"):
                 if algo in ("packet", "line") and nbytes > comm.packet_max_bytes:
                     continue
-                if algo == "auto":
-                    y = comm.all_reduce(x)
+                xi = x.clone()
+                delay_random_rank(rank, world, rng)
+                if algo == "routed":
+                    route = comm.route_all_reduce(xi)
+                    y = comm.all_reduce(xi)
+                    calls.expect("all_reduce", route)
+                    assert nbytes > 64 * KiB or route != "nccl", (nbytes, route)  # decode sizes: a kernel
                 else:
-                    y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, ALGOS[algo])
-                _assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
-                checked += 1
+                    y = torch.ops._tpcomm.all_reduce(xi, comm.handle, ALGO[algo])
+                overwrite(xi)
+                assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
             # in place
             z = x.clone()
-            comm.all_reduce(z, out=z)
-            _assert_bits_equal(z, ref, f"{nbytes} B {dtype} in place")
+            route = comm.route_all_reduce(z)
+            delay_random_rank(rank, world, rng)
+            assert comm.all_reduce(z, out=z) is z
+            calls.expect("all_reduce", route)
+            assert_bits_equal(z, ref, f"{nbytes} B {dtype} in place")
     # random floats: the fp32 sum in rank order rounded once, bit for bit, and
     # bit-exact against NCCL on 2 ranks (a + b has one order); NCCL sums more
     # ranks in an order of its own (and 16-bit types in 16 bits), so with more
@@ -96,72 +80,105 @@ def body_eager_matches_nccl(rank, world):
     for dtype in DTYPES:
         for nbytes in (64, 48 * KiB, 768 * KiB, 8 * MiB):
             x = torch.randn(nbytes // dtype.itemsize, generator=gen, device="cuda").to(dtype)
+            kept = x.clone()
+            route = comm.route_all_reduce(x)
+            delay_random_rank(rank, world, rng)
             y = comm.all_reduce(x)
-            _same_on_all_ranks(y, f"random {dtype} {nbytes} B")
-            _assert_bits_equal(y, _rank_order_sum(x), f"random {dtype} {nbytes} B vs the rank-order sum")
+            overwrite(x)
+            calls.expect("all_reduce", route)
+            same_on_all_ranks(y, f"random {dtype} {nbytes} B")
+            assert_bits_equal(y, _rank_order_sum(kept), f"random {dtype} {nbytes} B vs the rank-order sum")
             if world == 2:
-                _assert_bits_equal(y, _nccl(x), f"random {dtype} {nbytes} B vs NCCL")
-    assert checked > 60
+                assert_bits_equal(y, nccl_all_reduce(kept), f"random {dtype} {nbytes} B vs NCCL")
+    comm.check()
     comm.close()
 
 
 def body_graph_replays(rank, world):
-    """Several captured ops of both kernels, replayed 100 times with new
-    inputs, interleaved with eager calls on the same communicator."""
+    """Several captured ops of both kernels, each after a random rank's
+    delay, replayed 100 times with new inputs overwritten right after,
+    interleaved with eager calls on the same communicator."""
     comm = tpcomm.Communicator(max_bytes=CAP)
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
+    rng = shared_rng(17)
     shapes = [(4096,), (8, 4096), (1024 * 1024,), (3 * 1024 * 1024,)]  # bf16: 8 KiB, 64 KiB, 2 MiB, 6 MiB
     static_in = [torch.zeros(s, dtype=torch.bfloat16, device="cuda") for s in shapes]
     torch.cuda.synchronize()
+    calls = Calls(comm)
     graph = torch.cuda.CUDAGraph()
     with comm.capture():
         with torch.cuda.graph(graph):
-            static_out = [comm.all_reduce(x) for x in static_in]
+            static_out = []
+            for x in static_in:
+                delay_random_rank(rank, world, rng)
+                static_out.append(comm.all_reduce(x))
             inplace = static_in[1] * 1
             comm.all_reduce(inplace, out=inplace)
+    assert sum(calls.ran("all_reduce", k) for k in ("packet", "line", "bulk")) == len(shapes) + 1, comm.stats()
     second = torch.cuda.CUDAGraph()  # a second graph, replayed in between
     small_in = torch.zeros(64, dtype=torch.float16, device="cuda")
     with comm.capture():
         with torch.cuda.graph(second):
             small_out = comm.all_reduce(small_in)
     for replay in range(100):
+        kept = []
         for x in static_in:
-            x.copy_(_int_valued(x.numel(), x.dtype, gen).view(x.shape))
-        small_in.copy_(_int_valued(64, torch.float16, gen))
+            x.copy_(int_valued(x.numel(), x.dtype, gen).view(x.shape))
+            kept.append(x.clone())
+        small_in.copy_(int_valued(64, torch.float16, gen))
+        small_kept = small_in.clone()
         graph.replay()
+        kept_inplace = kept[1]
+        for x in static_in:
+            overwrite(x)
         if replay % 3 == 0:
             second.replay()
-            _assert_bits_equal(small_out, _nccl(small_in), f"second graph replay {replay}")
-        for x, y in zip(static_in, static_out):
-            _assert_bits_equal(y, _nccl(x), f"replay {replay} shape {tuple(x.shape)}")
-        _assert_bits_equal(inplace, _nccl(static_in[1]), f"replay {replay} in place")
+            overwrite(small_in)
+            assert_bits_equal(small_out, nccl_all_reduce(small_kept), f"second graph replay {replay}")
+        for k, y in zip(kept, static_out):
+            assert_bits_equal(y, nccl_all_reduce(k), f"replay {replay} shape {tuple(k.shape)}")
+        assert_bits_equal(inplace, nccl_all_reduce(kept_inplace), f"replay {replay} in place")
         if replay % 10 == 0:  # eager calls between replays share the device epoch
-            e = _int_valued(2048, torch.float32, gen)
-            _assert_bits_equal(comm.all_reduce(e), _nccl(e), f"eager between replays {replay}")
+            e = int_valued(2048, torch.float32, gen)
+            kept_e = e.clone()
+            y = comm.all_reduce(e)
+            overwrite(e)
+            assert_bits_equal(y, nccl_all_reduce(kept_e), f"eager between replays {replay}")
     comm.check()
+    assert_custom_only(comm, want=())
     comm.close()
 
 
 def body_back_to_back_and_overwrite(rank, world):
     """50 ops queued without waiting (packet slot parity and bulk slot reuse),
-    inputs overwritten right after each op (a missing wait would show)."""
+    a random rank late before each, inputs overwritten right after each op
+    (a missing wait would show)."""
     comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    rng = shared_rng(23)
     inputs, outputs = [], []
     for i in range(50):
         numel = [256, 64 * 1024, 600 * 1024, 2 * 1024 * 1024][i % 4]
-        x = _int_valued(numel, torch.bfloat16, gen)
+        x = int_valued(numel, torch.bfloat16, gen)
         inputs.append(x.clone())
+        delay_random_rank(rank, world, rng)
         outputs.append(comm.all_reduce(x))
-        x.fill_(float("nan"))  # overwrite the input immediately
+        overwrite(x)
     for i, (x, y) in enumerate(zip(inputs, outputs)):
-        _assert_bits_equal(y, _nccl(x), f"back-to-back op {i}")
+        assert_bits_equal(y, nccl_all_reduce(x), f"back-to-back op {i}")
+    assert_custom_only(comm, want=())
+    assert sum(s["calls"] for s in comm.stats().values()) == 50
     comm.close()
 
 
 def body_nan_inf(rank, world):
+    """NaN, inf and -0.0 through the packet and bulk kernels: NaN where NCCL
+    has NaN, the other elements NCCL's bits."""
     comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    rng = shared_rng(31)
     for dtype in DTYPES:
         for numel in (64, 1 << 16):  # within the packet cap for every dtype
             x = torch.ones(numel, dtype=dtype, device="cuda")
@@ -170,32 +187,45 @@ def body_nan_inf(rank, world):
             x[3] = float("inf") if rank == 0 else float("-inf")
             x[4] = float("-inf")
             x[5] = -0.0
-            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
-                y = torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo)
-                ref = _nccl(x)
+            ref = nccl_all_reduce(x)
+            for algo in (PACKET, BULK):
+                xi = x.clone()
+                delay_random_rank(rank, world, rng)
+                y = torch.ops._tpcomm.all_reduce(xi, comm.handle, algo)
+                overwrite(xi)
                 assert torch.isnan(y[1]) and torch.isnan(y[3]), (dtype, numel, algo, y[:6])
                 assert y[2] == float("inf") and y[4] == float("-inf"), (dtype, y[:6])
                 assert torch.signbit(y[5]), "-0.0 + -0.0 must stay -0.0"
                 assert torch.equal(torch.isnan(y), torch.isnan(ref))
                 finite = ~torch.isnan(ref)
-                _assert_bits_equal(y[finite], ref[finite], f"nan/inf {dtype} {numel} algo {algo}")
+                assert_bits_equal(y[finite], ref[finite], f"nan/inf {dtype} {numel} algo {algo}")
+    comm.check()
     comm.close()
 
 
 def body_two_communicators(rank, world):
+    """Two communicators of one group, used in turn, each with its own
+    buffers and caps; stats() shows each ran its own calls on the kernels."""
     a = tpcomm.Communicator()
     b = tpcomm.Communicator(max_bytes=4 * MiB, packet_max_bytes=64 * KiB)
     assert a.enabled and b.enabled and a.handle != b.handle
     gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+    rng = shared_rng(37)
     for i in range(20):
-        x = _int_valued(8192 * (i + 1), torch.float16, gen)
+        x = int_valued(8192 * (i + 1), torch.float16, gen)
+        kept = x.clone()
+        delay_random_rank(rank, world, rng)
         ya = a.all_reduce(x)
         yb = b.all_reduce(x)
         za = a.all_reduce(x[: 1024 * 8])
-        ref = _nccl(x)
-        _assert_bits_equal(ya, ref, f"comm a op {i}")
-        _assert_bits_equal(yb, ref, f"comm b op {i}")
-        _assert_bits_equal(za, _nccl(x[: 1024 * 8]), f"comm a small op {i}")
+        overwrite(x)
+        ref = nccl_all_reduce(kept)
+        assert_bits_equal(ya, ref, f"comm a op {i}")
+        assert_bits_equal(yb, ref, f"comm b op {i}")
+        assert_bits_equal(za, nccl_all_reduce(kept[: 1024 * 8]), f"comm a small op {i}")
+    assert_custom_only(a, want=("packet",))
+    assert_custom_only(b, want=("packet",))
+    assert sum(s["calls"] for s in a.stats().values()) == 40 and sum(s["calls"] for s in b.stats().values()) == 20
     a.close()
     b.close()
 
@@ -204,28 +234,38 @@ def body_errors(rank, world):
     """Bad input: clear exceptions or documented fallbacks; peers that
     disagree or never arrive: an error naming the peer, never a hang."""
     comm = tpcomm.Communicator(timeout_s=2.0)
+    assert comm.enabled, comm.disabled_reason
     x = torch.ones(64, device="cuda")
-    if torch.cuda.device_count() > 1:  # a one-GPU run (harness.one_gpu_mode) has no other GPU
+    if torch.cuda.device_count() > 1:  # ranks sharing one GPU have no other GPU here
         other = (comm.device.index + 1) % torch.cuda.device_count()
         with pytest.raises(ValueError, match="cuda"):
             comm.all_reduce(x.to(f"cuda:{other}"))
     with pytest.raises(TypeError):
         comm.all_reduce([1.0, 2.0])
-    # documented fallbacks go to NCCL and are still right
+    # documented fallbacks go to NCCL, are counted there, and are still right
+    calls = Calls(comm)
     assert comm.route_all_reduce(torch.ones(64, dtype=torch.float64, device="cuda")) == "nccl"
     assert comm.route_all_reduce(torch.ones(5, device="cuda")) == "nccl"  # 20 bytes
     assert comm.route_all_reduce(torch.ones(17 * MiB // 4, device="cuda")) == "nccl"
     i = torch.arange(10, dtype=torch.int32, device="cuda")
     assert torch.equal(comm.all_reduce(i), i * world)
     t = torch.arange(64 * 64, dtype=torch.float32, device="cuda").reshape(64, 64).t()
-    assert torch.equal(comm.all_reduce(t), t * world)  # non-contiguous: made contiguous
-    # raw op misuse raises from the C core
+    route = comm.route_all_reduce(t)
+    assert route != "nccl"
+    assert torch.equal(comm.all_reduce(t), t * world)  # non-contiguous: made contiguous, on the kernels
+    assert calls.ran("all_reduce", "nccl") == 1 and calls.ran("all_reduce", route) == 1, comm.stats()
+    # internal op misuse raises from the C core, naming what is wrong
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(5, device="cuda"), comm.handle, 0)
+        torch.ops._tpcomm.all_reduce(torch.ones(5, device="cuda"), comm.handle, PACKET)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle, 0)
+        torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle, PACKET)
     with pytest.raises(RuntimeError, match="over the"):
-        torch.ops.tpcomm.custom_all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, tpcomm._lib.ALGO_PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, PACKET)
+    for bad in (0, 4, -1):  # the kernels are 1, 2 and 3; there is no automatic choice in the C core
+        with pytest.raises(RuntimeError, match=f"algorithm {bad}"):
+            torch.ops._tpcomm.all_reduce(x, comm.handle, bad)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        torch.ops._tpcomm.all_reduce(torch.ones(64), comm.handle, PACKET)
 
     # peers disagree on the size: both ranks get an error naming the other
     mismatched = torch.ones(64 if rank == 0 else 128, device="cuda")
@@ -239,6 +279,7 @@ def body_errors(rank, world):
 
     # a peer that never arrives: bounded wait, error names it
     late = tpcomm.Communicator(timeout_s=1.0)
+    assert late.route_all_reduce(torch.ones(1024, device="cuda")) != "nccl"
     if rank == 0:
         late.all_reduce(torch.ones(1024, device="cuda"))
         torch.cuda.synchronize()  # returns after ~1 s instead of hanging
@@ -274,35 +315,42 @@ def body_eager_fast_path(rank, world):
     assert tpcomm._lib.fastpath() is not None, "tpcomm._fastpath was not built"
     counting = comm.kernels._fastpath = _CountingFastpath(comm.kernels._fastpath)
     gen = torch.Generator(device="cuda").manual_seed(21 + rank)
-    delay_gen = torch.Generator().manual_seed(8)  # the same draws on every rank
+    rng = shared_rng(8)
     side = torch.cuda.Stream()
     expected_fast = 0
+    calls = Calls(comm)
     for i, nbytes in enumerate((64, 2 * KiB, 48 * KiB, 512 * KiB, 4 * MiB)):
         for dtype in DTYPES:
-            x = _int_valued(nbytes // dtype.itemsize, dtype, gen)
+            x = int_valued(nbytes // dtype.itemsize, dtype, gen)
             kept = x.clone()
-            late = int(torch.randint(0, world, (1,), generator=delay_gen))
-            if rank == late:
-                torch.cuda._sleep(200_000)  # ~0.1 ms: the other ranks arrive first
+            route = comm.route_all_reduce(kept)
+            assert route in ("packet", "line", "bulk"), route
+            delay_random_rank(rank, world, rng, max_us=100)
             stream = side if i % 2 else torch.cuda.current_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 y = comm.all_reduce(x)
-                x.fill_(float("nan"))
+                overwrite(x)
             torch.cuda.current_stream().wait_stream(stream)
             expected_fast += 1
-            assert comm.route_all_reduce(kept) in ("packet", "line", "bulk")
-            _assert_bits_equal(y, _nccl(kept), f"fast path {nbytes} B {dtype}")
+            calls.expect("all_reduce", route)
+            assert_bits_equal(y, nccl_all_reduce(kept), f"fast path {nbytes} B {dtype}")
             # a view 4 bytes past an aligned start: the op path, which copies it
-            base = _int_valued(nbytes // dtype.itemsize + 8, dtype, gen)
+            base = int_valued(nbytes // dtype.itemsize + 8, dtype, gen)
             view = base[4 // dtype.itemsize:][: nbytes // dtype.itemsize]
             assert view.data_ptr() % 16
-            _assert_bits_equal(comm.all_reduce(view), _nccl(view.clone()), f"misaligned {nbytes} B {dtype}")
+            kept_view = view.clone()
+            y = comm.all_reduce(view)
+            overwrite(base)
+            calls.expect("all_reduce", route)
+            assert_bits_equal(y, nccl_all_reduce(kept_view), f"misaligned {nbytes} B {dtype}")
             out = torch.empty(nbytes // dtype.itemsize + 8, dtype=dtype, device="cuda")[4 // dtype.itemsize:]
             out = out[: nbytes // dtype.itemsize]
-            kept = x.copy_(_int_valued(x.numel(), dtype, gen)).clone()
+            kept = x.copy_(int_valued(x.numel(), dtype, gen)).clone()
             comm.all_reduce(x, out=out)
-            _assert_bits_equal(out, _nccl(kept), f"misaligned out {nbytes} B {dtype}")
+            overwrite(x)
+            calls.expect("all_reduce", route)
+            assert_bits_equal(out, nccl_all_reduce(kept), f"misaligned out {nbytes} B {dtype}")
     assert counting.calls == expected_fast, (counting.calls, expected_fast)
     # captured: the graph holds the kernel the fast path launched
     static = torch.zeros(4096, dtype=torch.bfloat16, device="cuda")
@@ -311,21 +359,44 @@ def body_eager_fast_path(rank, world):
         captured = comm.all_reduce(static)
     assert counting.calls == expected_fast + 1
     for replay in range(5):
-        static.copy_(_int_valued(4096, torch.bfloat16, gen))
+        static.copy_(int_valued(4096, torch.bfloat16, gen))
+        kept = static.clone()
         graph.replay()
-        _assert_bits_equal(captured, _nccl(static), f"captured fast path, replay {replay}")
+        overwrite(static)
+        assert_bits_equal(captured, nccl_all_reduce(kept), f"captured fast path, replay {replay}")
     comm.check()
     comm.close()
     # a closed communicator: the fast path's error, as the op's
     with pytest.raises(tpcomm.CommunicatorClosed):
         comm.all_reduce(static)
     with pytest.raises(RuntimeError, match=r"closed.*\[tpc_result 8\]"):
-        counting.fast.all_reduce(comm._id, static.data_ptr(), captured.data_ptr(), 8192, 2,
-                                 tpcomm._lib.ALGO_PACKET, 0)
+        counting.fast.all_reduce(comm._id, static.data_ptr(), captured.data_ptr(), 8192, 2, PACKET, 0)
+
+
+def body_sizes_for_any_world(rank, world):
+    """Sizes that are multiples of 16 bytes but not of 16 * world: the
+    kernels that split the work among the ranks still take them."""
+    comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(90 + rank)
+    rng = shared_rng(41)
+    for nbytes in (16 * (world + 1), 4 * KiB * world + 16, 1 * MiB + 16 * (world + 1), 3 * MiB + 16):
+        for algo in ("packet", "line", "bulk"):
+            if algo != "bulk" and nbytes > comm.packet_max_bytes:
+                continue
+            x = int_valued(nbytes // 2, torch.bfloat16, gen)
+            kept = x.clone()
+            delay_random_rank(rank, world, rng)
+            y = torch.ops._tpcomm.all_reduce(x, comm.handle, ALGO[algo])
+            overwrite(x)
+            assert_bits_equal(y, nccl_all_reduce(kept), f"{nbytes} B on {algo} at {world} ranks")
+    comm.check()
+    comm.close()
 
 
 @pytest.mark.parametrize("body", [body_eager_matches_nccl, body_graph_replays, body_back_to_back_and_overwrite,
-                                  body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path],
+                                  body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path,
+                                  body_sizes_for_any_world],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
-    harness.run(body)
+    multiproc.run_gpu(body)

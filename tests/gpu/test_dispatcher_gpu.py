@@ -1,14 +1,15 @@
 """The group-name ops (torch.ops.tpcomm.all_reduce / all_gather) in a model
 compiled with fullgraph=True, default mode and "reduce-overhead" (CUDA
-graphs), on 2 GPUs: bit for bit what eager NCCL gives, through tpcomm's own
-kernels (stats() proves the custom path ran)."""
+graphs), at any world size: bit for bit what eager NCCL gives, through
+tpcomm's own kernels (stats() proves the custom path ran), with a random
+rank late before each step and the input overwritten right after it."""
 import pytest
 import torch
-import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued, _nccl
+from gpu_checks import (assert_bits_equal, delay_random_rank, int_valued, kernel_calls, nccl_all_gather,
+                        nccl_all_reduce, overwrite, shared_rng)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,30 +25,31 @@ class _Block(torch.nn.Module):
 
 
 def _reference(x):
-    y = _nccl(x * 2) + 1
-    parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, y)
-    return torch.cat(parts, -1)
+    return nccl_all_gather(nccl_all_reduce(x * 2) + 1, -1)
 
 
 def body_compiled_model(rank, world):
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(40 + rank)
+    rng = shared_rng(43)
     block = _Block(comm.group_name)
     for kwargs in ({"fullgraph": True}, {"fullgraph": True, "mode": "reduce-overhead"}):
         torch._dynamo.reset()
         compiled = torch.compile(block, **kwargs)
         for step in range(6):  # new inputs every step; reduce-overhead records, then replays
-            x = _int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
-            _assert_bits_equal(compiled(x).clone(), _reference(x), f"{kwargs} step {step}")
-    stats = comm.stats()
+            x = int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
+            kept = x.clone()
+            delay_random_rank(rank, world, rng)
+            y = compiled(x).clone()
+            overwrite(x)
+            assert_bits_equal(y, _reference(kept), f"{kwargs} step {step}")
     for op in ("all_reduce", "all_gather"):  # on tpcomm's kernels, whichever the table picks
-        assert sum(s["calls"] for (o, b), s in stats.items() if o == op and b in tpcomm.policy.KERNELS) > 0, stats
-    assert not any(b == "nccl" for _, b in stats), stats
+        assert kernel_calls(comm, op) > 0, comm.stats()
+    assert not any(b == "nccl" for _, b in comm.stats()), comm.stats()
     comm.check()
     comm.close()
 
 
 def test_compiled_model():
-    harness.run(body_compiled_model, timeout_s=300)
+    multiproc.run_gpu(body_compiled_model, timeout=300)

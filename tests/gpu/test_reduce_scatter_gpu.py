@@ -1,98 +1,118 @@
-"""custom_reduce_scatter on real GPUs, bit for bit against NCCL's
+"""reduce_scatter on real GPUs, bit for bit against NCCL's
 reduce_scatter_tensor on integer-valued data (exact in any summation order):
 packet and bulk, every reducible dtype, sizes around the caps, dims 0 and 1,
-graph replays with new inputs, a random rank late, a view misaligned on one
-rank. Every body checks stats() for the custom path."""
-import random
-
+graph replays with new inputs, a random rank late before every op, inputs
+overwritten right after, a view misaligned on one rank. Sizes are built from
+the world size (each rank's part a multiple of 16 bytes, what the kernels
+need), so every body runs at any world size from 2 to 8. Every Communicator
+call is checked against stats() for the backend its route names."""
 import pytest
 import torch
-import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued
+from gpu_checks import (ALGO, DTYPES, Calls, KiB, MiB, assert_bits_equal, assert_custom_only, chunk_numel,
+                        delay_random_rank, int_valued, nccl_reduce_scatter, overwrite, round16, shared_rng)
 
 pytestmark = pytest.mark.gpu
 
-KiB, MiB = 1024, 1024 * 1024
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CAP = 16 * MiB
 
 
-def _nccl_rs(x, dim=0):
-    world = dist.get_world_size()
-    parts = x.movedim(dim, 0).contiguous()
-    out = torch.empty((parts.shape[0] // world,) + tuple(parts.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, parts)
-    return out.movedim(0, dim).contiguous()
-
-
-def _assert_custom(comm):
-    stats = comm.stats()
-    assert comm.enabled and not any(b == "nccl" for _, b in stats), stats
+def _part_sizes(world):
+    """Bytes of one rank's part: tiny, around the packet cap, and the most
+    the cap allows at this world size."""
+    return (16, 48, 4 * KiB, 64 * KiB - 16, 1 * MiB, 1 * MiB + 16, round16(CAP // world))
 
 
 def body_sizes_dtypes_algos(rank, world):
-    comm = tpcomm.Communicator(max_bytes=16 * MiB, packet_max_bytes=1 * MiB)
+    comm = tpcomm.Communicator(max_bytes=CAP, packet_max_bytes=1 * MiB)
     assert comm.enabled, comm.disabled_reason
+    calls = Calls(comm)
     gen = torch.Generator(device="cuda").manual_seed(60 + rank)
-    for chunk in (16, 48, 4 * KiB, 64 * KiB - 16, 1 * MiB, 1 * MiB + 16, 16 * MiB // world):
+    rng = shared_rng(61)
+    for part in _part_sizes(world):
         for dtype in DTYPES:
-            n = chunk * world // dtype.itemsize
-            x = _int_valued(n, dtype, gen)
-            ref = _nccl_rs(x)
-            _assert_bits_equal(comm.reduce_scatter(x), ref, f"auto {chunk} B per part {dtype}")
-            for algo in (tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_BULK):
-                if algo == tpcomm._lib.ALGO_PACKET and chunk > comm.packet_max_bytes:
+            x = int_valued(chunk_numel(world, dtype, part), dtype, gen)
+            ref = nccl_reduce_scatter(x)
+            route = comm.route_reduce_scatter(x)
+            assert part > 64 * KiB or route != "nccl", (part, route)  # small parts: a kernel
+            xi = x.clone()
+            delay_random_rank(rank, world, rng)
+            y = comm.reduce_scatter(xi)
+            overwrite(xi)
+            calls.expect("reduce_scatter", route)
+            assert_bits_equal(y, ref, f"routed ({route}) {part} B per part {dtype}")
+            for algo in ("packet", "bulk"):
+                if algo == "packet" and part > comm.packet_max_bytes:
                     continue
-                y = torch.ops.tpcomm.custom_reduce_scatter(x, comm.handle, algo)
-                _assert_bits_equal(y, ref, f"algo {algo} {chunk} B per part {dtype}")
-    x = _int_valued(8 * 256 * world, torch.bfloat16, gen).view(8, 256 * world)
-    _assert_bits_equal(comm.reduce_scatter(x, dim=1), _nccl_rs(x, 1), "dim 1")
+                xi = x.clone()
+                delay_random_rank(rank, world, rng)
+                y = torch.ops._tpcomm.reduce_scatter(xi, comm.handle, ALGO[algo])
+                overwrite(xi)
+                assert_bits_equal(y, ref, f"{algo} {part} B per part {dtype}")
+    x = int_valued(8 * 256 * world, torch.bfloat16, gen).view(8, 256 * world)
+    kept = x.clone()
+    route = comm.route_reduce_scatter(x)
+    y = comm.reduce_scatter(x, dim=1)
+    overwrite(x)
+    calls.expect("reduce_scatter", route)
+    assert_bits_equal(y, nccl_reduce_scatter(kept, 1), "dim 1")
     base = torch.empty(4096 * world + 8, dtype=torch.float32, device="cuda")
-    data = _int_valued(4096 * world, torch.float32, gen)
+    data = int_valued(4096 * world, torch.float32, gen)
     view = base[1:1 + 4096 * world] if rank == 0 else base[:4096 * world]
     view.copy_(data)
-    _assert_bits_equal(comm.reduce_scatter(view), _nccl_rs(data), "misaligned on rank 0")
-    _assert_custom(comm)
+    route = comm.route_reduce_scatter(view)
+    assert route != "nccl", route
+    y = comm.reduce_scatter(view)
+    overwrite(base)
+    calls.expect("reduce_scatter", route)
+    assert_bits_equal(y, nccl_reduce_scatter(data), "misaligned on rank 0")
+    with pytest.raises(RuntimeError, match="multiple of 16"):  # parts of 8 bytes: no kernel takes them
+        torch.ops._tpcomm.reduce_scatter(int_valued(4 * world, torch.float16, gen), comm.handle, ALGO["packet"])
+    comm.check()
     comm.close()
 
 
 def body_graph_and_skew(rank, world):
-    comm = tpcomm.Communicator()
+    comm = tpcomm.Communicator(max_bytes=CAP)
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(70 + rank)
-    rng = random.Random(8)
-    # bf16 elements: packet, packet, and bulk on 2 ranks (6 MiB in: within the cap at any world size)
-    sizes = [512 * world, 32 * KiB * world, 3 * MiB]
+    rng = shared_rng(8)
+    # bf16 parts of 1 KiB and 64 KiB (packet), and of 6 MiB / world (bulk at any world size)
+    sizes = [chunk_numel(world, torch.bfloat16, p) for p in (1 * KiB, 64 * KiB, round16(6 * MiB // world))]
     static_in = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in sizes]
-    delays = [(rng.randrange(world), rng.uniform(0, 60)) for _ in sizes]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with comm.capture(), torch.cuda.graph(graph):
         outs = []
-        for x, (who, us) in zip(static_in, delays):
-            if who == rank:
-                torch.cuda._sleep(int(us * 1980))
+        for x in static_in:
+            delay_random_rank(rank, world, rng)
             outs.append(comm.reduce_scatter(x))
+    assert_custom_only(comm, want=())
     for replay in range(30):
         kept = []
         for x in static_in:
-            x.copy_(_int_valued(x.numel(), x.dtype, gen))
+            x.copy_(int_valued(x.numel(), x.dtype, gen))
             kept.append(x.clone())
         graph.replay()
         for x in static_in:
-            x.fill_(float("nan"))  # overwritten right after the replay
+            overwrite(x)  # right after the replay, on the stream
         for i, (k, y) in enumerate(zip(kept, outs)):
-            _assert_bits_equal(y, _nccl_rs(k), f"replay {replay} op {i}")
+            assert_bits_equal(y, nccl_reduce_scatter(k), f"replay {replay} op {i}")
         if replay % 5 == 0:
-            e = _int_valued(256 * world, torch.float16, gen)
-            _assert_bits_equal(comm.reduce_scatter(e), _nccl_rs(e), f"eager between replays {replay}")
+            e = int_valued(256 * world, torch.float16, gen)
+            kept_e = e.clone()
+            delay_random_rank(rank, world, rng)
+            y = comm.reduce_scatter(e)
+            overwrite(e)
+            assert_bits_equal(y, nccl_reduce_scatter(kept_e), f"eager between replays {replay}")
     comm.check()
-    _assert_custom(comm)
+    assert_custom_only(comm, want=())
+    assert sum(s["calls"] for s in comm.stats().values()) == len(sizes) + 6
     comm.close()
 
 
 @pytest.mark.parametrize("body", [body_sizes_dtypes_algos, body_graph_and_skew], ids=lambda f: f.__name__[5:])
 def test_reduce_scatter(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)

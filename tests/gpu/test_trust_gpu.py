@@ -15,40 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
+import multiproc
 import tpcomm
-from test_all_reduce_gpu import _assert_bits_equal, _int_valued, _nccl
+from gpu_checks import (BULK, LINE, PACKET, KiB, MiB, assert_bits_equal, assert_custom_only, delay_random_rank,
+                        int_valued, nccl_all_gather, nccl_all_reduce, overwrite, sleep_us)
 
 pytestmark = pytest.mark.gpu
-
-KiB, MiB = 1024, 1024 * 1024
-CYCLES_PER_US = 1980  # torch.cuda._sleep counts SM cycles; an H200 runs at about 1.98 GHz
-
-
-def _sleep_us(us):
-    if us > 0:
-        torch.cuda._sleep(int(us * CYCLES_PER_US))
-
-
-def _skew(rank, world, rng, max_us=60):
-    """Delays one rank, drawn from the shared rng, by 0..max_us on the GPU."""
-    who, us = rng.randrange(world), rng.uniform(0, max_us)
-    if who == rank:
-        _sleep_us(us)
-
-
-def _assert_custom_only(comm, want=("packet", "bulk")):
-    stats = comm.stats()
-    backends = {b for _, b in stats}
-    assert comm.enabled, comm.disabled_reason
-    assert "nccl" not in backends, f"an op fell back to NCCL: {stats}"
-    assert set(want) <= backends, f"expected {want} to run: {stats}"
-
-
-def _nccl_gather(x, dim):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim)
 
 
 def _timing(what, seconds):
@@ -62,33 +34,41 @@ def body_stale_handle_and_replay_after_close(rank, world):
     gen = torch.Generator(device="cuda").manual_seed(3 + rank)
     xs = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for n in (512, 64 * KiB, 1 * MiB)]  # packet, packet, bulk
     g_in = torch.zeros(8, 256, dtype=torch.float16, device="cuda")
+    rng = random.Random(2)  # the same draws on every rank
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with comm.capture(), torch.cuda.graph(graph):
-        outs = [comm.all_reduce(x) for x in xs]
+        outs = []
+        for x in xs:
+            delay_random_rank(rank, world, rng)
+            outs.append(comm.all_reduce(x))
+        delay_random_rank(rank, world, rng)
         g_out = comm.all_gather(g_in, dim=1)
-    _assert_custom_only(comm)
+    assert_custom_only(comm)
     for x in xs:
-        x.copy_(_int_valued(x.numel(), x.dtype, gen))
-    g_in.copy_(_int_valued(g_in.numel(), g_in.dtype, gen).view(8, 256))
+        x.copy_(int_valued(x.numel(), x.dtype, gen))
+    g_in.copy_(int_valued(g_in.numel(), g_in.dtype, gen).view(8, 256))
+    kept, g_kept = [x.clone() for x in xs], g_in.clone()
     graph.replay()
-    for x, y in zip(xs, outs):
-        _assert_bits_equal(y, _nccl(x), f"replay before close, {x.numel()} elements")
-    _assert_bits_equal(g_out, _nccl_gather(g_in, 1), "all_gather replay before close")
+    for x in xs + [g_in]:
+        overwrite(x)  # right after the replay, on the stream
+    for x, y in zip(kept, outs):
+        assert_bits_equal(y, nccl_all_reduce(x), f"replay before close, {x.numel()} elements")
+    assert_bits_equal(g_out, nccl_all_gather(g_kept, 1), "all_gather replay before close")
 
     stale = comm.handle
     comm.close()
     x = torch.ones(64, device="cuda")
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_reduce(x, stale, 0)
+        torch.ops._tpcomm.all_reduce(x, stale, PACKET)
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_gather(x, 0, stale, 0)
+        torch.ops._tpcomm.all_gather(x, 0, stale, PACKET)
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
-        torch.ops.tpcomm.custom_all_reduce_out(x, torch.empty_like(x), stale, 0)
+        torch.ops._tpcomm.all_reduce_out(x, torch.empty_like(x), stale, PACKET)
     with pytest.raises(RuntimeError, match="unknown"):
-        torch.ops.tpcomm.custom_all_reduce(x, stale + 100000, 0)
+        torch.ops._tpcomm.all_reduce(x, stale + 100000, PACKET)
     with pytest.raises(RuntimeError, match="not a communicator"):
-        torch.ops.tpcomm.custom_all_reduce(x, 0, 0)
+        torch.ops._tpcomm.all_reduce(x, 0, PACKET)
     with pytest.raises(tpcomm.CommunicatorClosed, match="closed"):
         comm.all_reduce(x)
     comm.check()  # closed, but nothing ran after close yet
@@ -106,11 +86,11 @@ def body_stale_handle_and_replay_after_close(rank, world):
 
     fresh.check()
     for n in (256, 48 * KiB, 3 * MiB // 2):
-        v = _int_valued(n, torch.bfloat16, gen)
-        _assert_bits_equal(fresh.all_reduce(v), _nccl(v), f"fresh communicator, {n} elements")
-    g = _int_valued(8 * 256, torch.float16, gen).view(8, 256)
-    _assert_bits_equal(fresh.all_gather(g, dim=1), _nccl_gather(g, 1), "fresh all_gather")
-    _assert_custom_only(fresh)
+        v = int_valued(n, torch.bfloat16, gen)
+        assert_bits_equal(fresh.all_reduce(v), nccl_all_reduce(v), f"fresh communicator, {n} elements")
+    g = int_valued(8 * 256, torch.float16, gen).view(8, 256)
+    assert_bits_equal(fresh.all_gather(g, dim=1), nccl_all_gather(g, 1), "fresh all_gather")
+    assert_custom_only(fresh)
     fresh.close()
 
 
@@ -126,13 +106,13 @@ def _run_op(comm, spec, x):
 
 def _make_input(spec, gen):
     if spec[0] == "ar":
-        return _int_valued(spec[1], torch.bfloat16, gen)
+        return int_valued(spec[1], torch.bfloat16, gen)
     rows, cols = spec[1]
-    return _int_valued(rows * cols, torch.bfloat16, gen).view(rows, cols)
+    return int_valued(rows * cols, torch.bfloat16, gen).view(rows, cols)
 
 
 def _reference(spec, x):
-    return _nccl(x) if spec[0] == "ar" else _nccl_gather(x, spec[2])
+    return nccl_all_reduce(x) if spec[0] == "ar" else nccl_all_gather(x, spec[2])
 
 
 def body_skew(rank, world):
@@ -150,12 +130,12 @@ def body_skew(rank, world):
             spec = rng.choice(SKEW_OPS)
             x = _make_input(spec, gen)
             kept = x.clone()
-            _skew(rank, world, rng)
+            delay_random_rank(rank, world, rng)
             y = _run_op(comm, spec, x)
-            x.fill_(float("nan"))  # the op must not read its input after it returns... on the stream
+            overwrite(x)  # right after the op, on the stream
             pending.append((spec, kept, y))
         for i, (spec, kept, y) in enumerate(pending):
-            _assert_bits_equal(y, _reference(spec, kept), f"eager batch {batch} op {i} {spec}")
+            assert_bits_equal(y, _reference(spec, kept), f"eager batch {batch} op {i} {spec}")
             checked += 1
     # graph: 20 ops with their skew captured, replayed 25 times with new inputs
     specs = [rng.choice(SKEW_OPS) for _ in range(20)]
@@ -167,7 +147,7 @@ def body_skew(rank, world):
         static_out = []
         for spec, x, (who, us) in zip(specs, static_in, delays):
             if who == rank:
-                _sleep_us(us)
+                sleep_us(us)
             static_out.append(_run_op(comm, spec, x))
     for replay in range(25):
         kept = []
@@ -176,18 +156,18 @@ def body_skew(rank, world):
             kept.append(x.clone())
         graph.replay()
         for x in static_in:
-            x.fill_(float("nan"))  # overwritten right after the replay, on the stream
+            overwrite(x)  # right after the replay, on the stream
         if replay % 5 == 0:  # eager ops between replays share the device epoch
             spec = rng.choice(SKEW_OPS)
             e = _make_input(spec, gen)
-            _assert_bits_equal(_run_op(comm, spec, e), _reference(spec, e), f"eager between replays {replay}")
+            assert_bits_equal(_run_op(comm, spec, e), _reference(spec, e), f"eager between replays {replay}")
             checked += 1
         for i, (spec, k, y) in enumerate(zip(specs, kept, static_out)):
-            _assert_bits_equal(y, _reference(spec, k), f"replay {replay} op {i} {spec}")
+            assert_bits_equal(y, _reference(spec, k), f"replay {replay} op {i} {spec}")
             checked += 1
     assert checked >= 2000, checked
     comm.check()
-    _assert_custom_only(comm)
+    assert_custom_only(comm)
     comm.close()
 
 
@@ -200,21 +180,25 @@ def body_epoch_wrap(rank, world):
     comm = tpcomm.Communicator(timeout_s=5.0)
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(300 + rank)
-    packet, line = tpcomm._lib.ALGO_PACKET, tpcomm._lib.ALGO_LINE
+    packet, line = PACKET, LINE
     big = 256 * KiB  # bf16 elements: 512 KiB of packets per peer
 
     def run(n, late=None, gather=False, algo=packet):
-        x = _int_valued(n, torch.bfloat16, gen)
+        x = int_valued(n, torch.bfloat16, gen)
+        kept = x.clone()
         if late == rank:
-            _sleep_us(300)  # the peer reads its slots before this rank's packets land
+            sleep_us(300)  # the peer reads its slots before this rank's packets land
         if gather:
-            return ("ag", x, torch.ops.tpcomm.custom_all_gather(x, 0, comm.handle, algo))
-        return ("ar", x, torch.ops.tpcomm.custom_all_reduce(x, comm.handle, algo))
+            y = torch.ops._tpcomm.all_gather(x, 0, comm.handle, algo)
+        else:
+            y = torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
+        overwrite(x)  # right after the op, on the stream
+        return ("ag" if gather else "ar", kept, y)
 
     def verify(done, what):
         for i, (kind, x, y) in enumerate(done):
-            ref = _nccl(x) if kind == "ar" else _nccl_gather(x, 0)
-            _assert_bits_equal(y, ref, f"{what} op {i}")
+            ref = nccl_all_reduce(x) if kind == "ar" else nccl_all_gather(x, 0)
+            assert_bits_equal(y, ref, f"{what} op {i}")
 
     verify([run(big) for _ in range(3)], "epochs 1-3")  # flags 1, 2, 3 across 512 KiB
     assert comm._lib.tpc_comm_debug_set_epoch(comm._comm, 2**32 - 16) == tpcomm._lib.OK
@@ -224,8 +208,8 @@ def body_epoch_wrap(rank, world):
     done += [run(big, late=i % world, gather=i % 3 == 2, algo=line if i % 2 else packet)
              for i in range(8)]  # epochs 2..9: flags reused
     verify(done, "across the wrap")
-    x = _int_valued(3 * MiB // 2, torch.bfloat16, gen)  # bulk after the wrap
-    _assert_bits_equal(comm.all_reduce(x), _nccl(x), "bulk after the wrap")
+    x = int_valued(3 * MiB // 2, torch.bfloat16, gen)
+    assert_bits_equal(torch.ops._tpcomm.all_reduce(x, comm.handle, BULK), nccl_all_reduce(x), "bulk after the wrap")
     comm.check()
     comm.close()
 
@@ -280,14 +264,14 @@ def _soak(rank, world, table, want):
                 vals = [(b + counter * s) % 17 - 8 for b, s in zip(bases, steps)]  # int64, exact
                 x = vals[rank].to(torch.bfloat16)
                 if who == rank:
-                    _sleep_us(us)
+                    sleep_us(us)
                 if kind == "ar":
                     y = comm.all_reduce(x)
                     ref = torch.stack(vals).sum(0).to(torch.bfloat16)
                 else:
                     y = comm.all_gather(x, dim=0)
                     ref = torch.cat(vals, 0).to(torch.bfloat16)
-                x.fill_(float("nan"))  # overwritten right after the op
+                overwrite(x)  # right after the op, on the stream
                 mismatches.add_((y.view(torch.int16) != ref.view(torch.int16)).sum())
                 static.append((x, y, ref))
         graphs.append(graph)
@@ -302,7 +286,7 @@ def _soak(rank, world, table, want):
     assert int(counter) == 2 * replays_per_graph
     assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
     comm.check()
-    _assert_custom_only(comm, want)
+    assert_custom_only(comm, want)
     comm.close()
 
 
@@ -316,8 +300,8 @@ def body_back_to_back_chain(rank, world):
 
 def body_back_to_back_chain_line(rank, world):
     """The same through the line kernels, whose readers poll while the lines
-    land (the first version read a line's data in the load that found its
-    flag, and this chain caught stale data)."""
+    land (a reader that took a line's data from the load that found its flag
+    would pass stale data down this chain)."""
     _chain(rank, world, LINE_TABLE, ("packet", "line", "bulk"))
 
 
@@ -328,9 +312,10 @@ def _chain(rank, world, table, want):
     different sizes and kernels are interleaved for 40 steps inside one graph,
     replayed 200 times with inputs that change every replay; after k steps a
     chain holds the sum of the inputs multiplied by world k-1 times, each
-    product rounded to bf16 as the kernels round their fp32 sums (exact for
-    world sizes that are powers of two). One stale epoch would pair an op
-    with its predecessor's packets."""
+    product rounded to bf16 as the kernels round their fp32 sums. One stale
+    epoch would pair an op with its predecessor's packets. A random rank is
+    late once, before the chain; no delay and no overwrite sits between the
+    ops (either would put a kernel between them)."""
     comm = tpcomm.Communicator(timeout_s=10.0, table=table)
     assert comm.enabled, comm.disabled_reason
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -344,6 +329,7 @@ def _chain(rank, world, table, want):
         counter.add_(1)
         vals = [[(b + counter * (r + 1)) % 17 - 8 for r, b in enumerate(bs)] for bs in bases]
         ys = [v[rank].to(torch.bfloat16) for v in vals]
+        delay_random_rank(rank, world, random.Random(12))
         for _ in range(steps):
             ys = [comm.all_reduce(y) for y in ys]
         for v, y in zip(vals, ys):
@@ -360,7 +346,7 @@ def _chain(rank, world, table, want):
     assert int(counter) == 200
     assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
     comm.check()
-    _assert_custom_only(comm, want)
+    assert_custom_only(comm, want)
     comm.close()
 
 
@@ -374,6 +360,7 @@ def body_timeout_queue_and_late_peer(rank, world):
     comm = tpcomm.Communicator(timeout_s=timeout)
     assert comm.enabled, comm.disabled_reason
     xs = [torch.ones(n, dtype=torch.bfloat16, device="cuda") for n in (256, 4 * KiB, 400 * KiB, 2 * MiB)]
+    assert all(comm.route_all_reduce(x) != "nccl" for x in xs) and comm.route_all_gather(xs[1]) != "nccl"
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 0:
@@ -416,6 +403,7 @@ def body_sigkill(rank, world):
     assert comm.enabled, comm.disabled_reason
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     big = torch.ones(1 * MiB, dtype=torch.bfloat16, device="cuda")
+    assert comm.route_all_reduce(x) != "nccl" and comm.route_all_reduce(big) != "nccl"
     for i in range(200):
         if rank == 1 and i == 100:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -452,11 +440,12 @@ def body_misaligned_one_rank(rank, world):
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
     gen = torch.Generator(device="cuda").manual_seed(500 + rank)
+    rng = random.Random(13)  # the same draws on every rank
     for dtype, offset in ((torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1), (torch.float16, 5),
                           (torch.bfloat16, 7)):
         for n in (4096, 600 * KiB):  # packet and bulk
-            data = _int_valued(n, dtype, gen)
-            ref = _nccl(data)
+            data = int_valued(n, dtype, gen)
+            ref = nccl_all_reduce(data)
 
             def view(odd):
                 base = torch.empty(n + 16, dtype=dtype, device="cuda")
@@ -468,18 +457,27 @@ def body_misaligned_one_rank(rank, world):
             routes = [None] * world
             dist.all_gather_object(routes, route)
             assert len(set(routes)) == 1 and route != "nccl", routes
-            _assert_bits_equal(comm.all_reduce(x), ref, f"{dtype} {n} input misaligned on rank 0")
-            out = view(rank == world - 1)
+            delay_random_rank(rank, world, rng)
+            y = comm.all_reduce(x)
+            overwrite(x)  # right after the op, on the stream
+            assert_bits_equal(y, ref, f"{dtype} {n} input misaligned on rank 0")
+            x, out = view(rank == 0), view(rank == world - 1)
+            delay_random_rank(rank, world, rng)
             assert comm.all_reduce(x, out=out) is out
-            _assert_bits_equal(out, ref, f"{dtype} {n} out= misaligned on rank {world - 1}")
+            overwrite(x)
+            assert_bits_equal(out, ref, f"{dtype} {n} out= misaligned on rank {world - 1}")
             z = view(rank == 0)
+            delay_random_rank(rank, world, rng)
             comm.all_reduce(z, out=z)
-            _assert_bits_equal(z, ref, f"{dtype} {n} in place, misaligned on rank 0")
-            g = x.view(-1, 64)
+            assert_bits_equal(z, ref, f"{dtype} {n} in place, misaligned on rank 0")
             for dim in (0, 1):
-                _assert_bits_equal(comm.all_gather(g, dim=dim), _nccl_gather(data.view(-1, 64), dim),
-                                   f"{dtype} {n} all_gather dim {dim}, misaligned on rank 0")
-    _assert_custom_only(comm)
+                g = view(rank == 0).view(-1, 64)
+                delay_random_rank(rank, world, rng)
+                y = comm.all_gather(g, dim=dim)
+                overwrite(g)
+                assert_bits_equal(y, nccl_all_gather(data.view(-1, 64), dim),
+                                  f"{dtype} {n} all_gather dim {dim}, misaligned on rank 0")
+    assert_custom_only(comm)
     comm.close()
 
 
@@ -503,7 +501,7 @@ def body_groups_in_different_orders(rank, world):
                            for r in members[name]).to(torch.bfloat16)
             y = comm.all_reduce(x.to(device))
             assert torch.equal(y.cpu(), expected), f"group {name} seed {seed}"
-        _assert_custom_only(comm, want=("packet",))
+        assert_custom_only(comm, want=("packet",))
     for _, comm in comms:
         comm.close()
 
@@ -513,14 +511,14 @@ def body_groups_in_different_orders(rank, world):
                                   body_timeout_queue_and_late_peer, body_misaligned_one_rank],
                          ids=lambda f: f.__name__[5:])
 def test_trust(body):
-    harness.run(body, timeout_s=300)
+    multiproc.run_gpu(body, timeout=300)
 
 
 def test_sigkill_survivor_raises_and_aborts():
-    harness.run(body_sigkill, world=2, backend="gloo", expect_killed={1}, timeout_s=120)
+    multiproc.run_gpu(body_sigkill, world=2, backend="gloo", expect_killed={1}, timeout=120)
 
 
 def test_groups_created_in_different_orders():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    harness.run(body_groups_in_different_orders, world=4, devices=[0, 1, 0, 1], backend="gloo", timeout_s=120)
+    multiproc.run_gpu(body_groups_in_different_orders, world=4, devices=[0, 1, 0, 1], backend="gloo", timeout=120)

@@ -37,12 +37,12 @@ _rendezvous_count = itertools.count()
 
 
 def rendezvous():
-    """An init_method for the ranks of one spawned run: a file of its own
-    (torch's FileStore) in a temporary directory that the calling process
-    removes at its exit, so that ranks which leave with os._exit leave no
-    file behind. A TCP port picked in advance could be taken before rank 0
-    listened on it: on the device machine a GPU test's rank 0 once failed
-    with EADDRINUSE and its peer waited out the test's timeout."""
+    """An init_method for the ranks of one run of python -m tpcomm.bench: a
+    file of its own (torch's FileStore) in a temporary directory that the
+    calling process removes at its exit, so that ranks which leave with
+    os._exit leave no file behind. Not a TCP port picked in advance: another
+    process could take it before rank 0 listens on it (EADDRINUSE), and the
+    other ranks would wait for a rank 0 that never comes."""
     global _rendezvous_dir
     if _rendezvous_dir is None:
         _rendezvous_dir = tempfile.TemporaryDirectory(prefix="tpcomm-rendezvous-")
