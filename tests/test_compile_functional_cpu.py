@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import tpcomm
-from test_communicator_cpu import exact_values, expected_sum, run_ranks
+from bitexact import exact_values, expected_sum
+from multiproc import run_ranks
 
 _F = torch.ops._c10d_functional
 

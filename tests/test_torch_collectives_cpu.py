@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import traceable_collective_remaps
 
 import tpcomm
-from test_communicator_cpu import exact_values, expected_sum, run_ranks
+from bitexact import exact_values, expected_sum
+from multiproc import run_ranks
 
 _METHODS = ("allreduce", "_allgather_base", "_reduce_scatter_base")
 

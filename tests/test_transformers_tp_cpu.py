@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_communicator_cpu import run_ranks
+from multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import multiproc
+from multiproc import run_gpu
 import tpcomm
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -94,7 +94,7 @@ def _body_aot_eager(rank, world):
 
 
 def test_functional_model_aot_eager():
-    multiproc.run_gpu(_body_aot_eager, timeout=300)
+    run_gpu(_body_aot_eager, timeout=300)
 
 
 def _body_inductor(rank, world):
@@ -131,4 +131,4 @@ def _body_inductor(rank, world):
 
 
 def test_functional_model_inductor():
-    multiproc.run_gpu(_body_inductor, timeout=600)
+    run_gpu(_body_inductor, timeout=600)
