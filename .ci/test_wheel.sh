@@ -21,7 +21,8 @@ if [ "$have" != "$torch_version" ]; then
   rm -rf "$venv"
   "${PYTHON:-python3}" -m venv "$venv"
 fi
-"$py" -m pip install -q --progress-bar off "torch==$torch_version" numpy pytest hypothesis transformers accelerate
+"$py" -m pip install -q --progress-bar off "torch==$torch_version" numpy pytest hypothesis transformers accelerate \
+  matplotlib tqdm
 "$py" -m pip install -q --progress-bar off --no-deps --force-reinstall "$wheel"
 echo "== $(basename "$wheel") in torch $("$py" -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda, end=")")') (venv ready in $(( $(date +%s) - start )) s)"
 

@@ -102,7 +102,8 @@ def test_package_data_installs_without_layout_warnings(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA_HEADERS or shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")),
                     reason="needs CUDA headers and a git checkout")
 def test_sdist_holds_the_sources_and_no_built_objects(tmp_path):
-    out = setup_py("sdist", "-d", str(tmp_path), TPCOMM_VERSION_LABEL="")
+    # egg_info into tmp_path too: metadata left in python/ would be found as an installed tpcomm
+    out = setup_py("egg_info", "--egg-base", str(tmp_path), "sdist", "-d", str(tmp_path), TPCOMM_VERSION_LABEL="")
     assert out.returncode == 0, out.stderr[-3000:]
     (archive,) = tmp_path.glob("tpcomm-*.tar.gz")
     with tarfile.open(archive) as tar:
