@@ -27,6 +27,11 @@ def find(group_name):
     return _by_name.get(group_name)
 
 
+def names():
+    """The names of the groups that have an open Communicator, sorted."""
+    return tuple(sorted(_by_name))
+
+
 def communicator_for(group_name):
     """The open Communicator of the group; RuntimeError naming the open ones when none."""
     comm = _by_name.get(group_name)

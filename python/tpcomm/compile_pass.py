@@ -49,7 +49,7 @@ import operator
 
 import torch
 
-from . import _group_comms, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
+from . import _registry, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
 
 _F = torch.ops._c10d_functional
 _ALL_REDUCE = (_F.all_reduce, _F.all_reduce.default)
@@ -100,7 +100,7 @@ def _replacement(node):
         what, target, args = "reduce_scatter", torch.ops.tpcomm.reduce_scatter.default, (x, 0, name)
     else:
         return None
-    comm = _group_comms.find(name) if isinstance(name, str) else None
+    comm = _registry.find(name) if isinstance(name, str) else None
     if comm is None or (size is not None and size != comm.world_size):
         return None
     value = _value(x)

@@ -15,7 +15,7 @@ import inspect
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _group_comms, compile_pass, fusion
+from . import _registry, compile_pass, fusion
 
 
 class TpcommPass(CustomGraphPass):
@@ -40,5 +40,5 @@ class TpcommPass(CustomGraphPass):
         digest = hashlib.sha256()
         for module in (compile_pass, fusion):
             digest.update(inspect.getsource(module).encode())
-        digest.update(repr(_group_comms.names()).encode())
+        digest.update(repr(_registry.names()).encode())
         return digest.hexdigest(), self.then.uuid() if self.then is not None else None

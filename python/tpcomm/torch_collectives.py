@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import _group_comms
+from . import _registry
 
 _METHODS = ("allreduce", "_allgather_base", "_reduce_scatter_base")
 _originals = {}   # method name -> the ProcessGroup method it replaces, while installed
@@ -71,7 +71,7 @@ def _taker(group):
     already inside a call, else None."""
     if getattr(_inside, "active", False) or group.group_name not in _installed:
         return None
-    return _group_comms.find(group.group_name)
+    return _registry.find(group.group_name)
 
 
 def _single(args, kwargs, n, options):
@@ -194,7 +194,7 @@ def install(group=None) -> Installation:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"tpcomm.install takes a torch.distributed ProcessGroup, got {type(group).__name__}")
     name = group.group_name
-    if _group_comms.find(name) is None:
+    if _registry.find(name) is None:
         raise RuntimeError(f"tpcomm.install: no open tpcomm.Communicator for group {name!r}; "
                            "create one (tpcomm.Communicator(group)) first")
     if name in _installed:
