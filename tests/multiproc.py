@@ -53,7 +53,6 @@ STACK_DUMP_WAIT_S = 1.0  # how long a hung rank gets to write its stacks before 
 MAX_RANKS = 8          # the most ranks tpcomm's kernels take (csrc/tpcomm.h)
 REPORT_CHARS = 6000    # of each rank's stacks in a failure message (the end is kept)
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def force_multicast_off(environ=os.environ):
@@ -67,13 +66,9 @@ force_multicast_off()  # the importing process too; spawned ranks inherit it and
 def share_gpu(environ=os.environ):
     """TPCOMM_SHARE_GPU: may several ranks share one GPU (kernel tests on a
     machine with fewer GPUs than ranks)? Any value but a boolean raises."""
-    raw = environ.get("TPCOMM_SHARE_GPU", "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"TPCOMM_SHARE_GPU={raw!r}: expected one of 1/true/yes/on or 0/false/no/off")
+    from tpcomm.config import env_flag
+
+    return env_flag("TPCOMM_SHARE_GPU", environ)
 
 
 def world_from_env(environ=os.environ):

@@ -3,13 +3,10 @@ the pinned amd-aiter wheel: its custom_all_reduce.py is parsed (not imported;
 `import aiter` builds HIP code and needs a ROCm machine). The wheel comes from
 PyPI (pip download); outside CI a machine without network skips."""
 import ast
-import os
-import subprocess
-import sys
-import zipfile
 
 import pytest
 
+from pinned_wheel import read_sources
 from tpcomm.backends import aiter as aiter_backend
 
 SOURCE = aiter_backend.AITER_MODULE.replace(".", "/") + ".py"
@@ -17,16 +14,8 @@ SOURCE = aiter_backend.AITER_MODULE.replace(".", "/") + ".py"
 
 @pytest.fixture(scope="module")
 def aiter_source(tmp_path_factory):
-    where = tmp_path_factory.mktemp("aiter")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--pre", "--no-deps", "--quiet", "-d", str(where),
-                           aiter_backend.PINNED_WHEEL], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"could not download {aiter_backend.PINNED_WHEEL}: {proc.stderr[-2000:]}")
-        pytest.skip(f"could not download {aiter_backend.PINNED_WHEEL} (no network?)")
-    wheel = next(where.glob("*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(SOURCE).decode()
+    return read_sources(aiter_backend.PINNED_WHEEL, [SOURCE], tmp_path_factory.mktemp("aiter"), pip_args=("--pre",),
+                        timeout=600)[SOURCE]
 
 
 def _signatures(source):

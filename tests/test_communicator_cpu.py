@@ -12,7 +12,6 @@ import torch.distributed as dist
 import tpcomm
 from bitexact import assert_bits_equal, exact_values, expected_sum
 from multiproc import run_ranks
-from tpcomm import policy
 
 KiB = 1024
 MiB = 1024 * KiB

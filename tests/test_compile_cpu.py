@@ -5,7 +5,6 @@ model compiled with fullgraph=True (aot_eager and inductor, mode
 2 gloo ranks (every call takes the fallback on CPU)."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm

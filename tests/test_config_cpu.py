@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tpcomm
-from tpcomm import Config, policy
+from tpcomm import Config
 from multiproc import run_ranks
 
 KiB, MiB = 1024, 1024 * 1024

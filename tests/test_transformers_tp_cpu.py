@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from multiproc import run_ranks
 

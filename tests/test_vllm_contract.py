@@ -7,12 +7,11 @@ stand-in the plugin's logic tests run on (tests/data/vllm_stand_in) is
 checked against the same contract, and the reader is shown to see changes."""
 import os
 import re
-import subprocess
 import sys
-import zipfile
 
 import pytest
 
+from pinned_wheel import read_sources
 from tpcomm.integrations import vllm_contract
 from tpcomm.integrations.vllm_contract import CONTRACT, PINNED, gaps
 
@@ -29,19 +28,8 @@ def _read_stand_in(path):
 
 @pytest.fixture(scope="module")
 def pinned_sources(tmp_path_factory):
-    where = tmp_path_factory.mktemp("vllm")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                           "--platform", WHEEL_PLATFORM, "--quiet", "-d", str(where), PINNED],
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"could not download {PINNED}: {proc.stderr[-2000:]}")
-        pytest.skip(f"could not download {PINNED} (no network?)")
-    wheel = next(where.glob("*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        sources = {path: z.read(path).decode() for path in CONTRACT}
-    wheel.unlink()  # a few hundred MB; only the files read are kept
-    return sources
+    return read_sources(PINNED, CONTRACT, tmp_path_factory.mktemp("vllm"),
+                        pip_args=("--only-binary", ":all:", "--platform", WHEEL_PLATFORM))
 
 
 def test_pin_is_one_release():

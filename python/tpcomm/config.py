@@ -116,9 +116,9 @@ def _parse_force(text, name):
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def env_flag(name):
+def env_flag(name, environ=os.environ):
     """A boolean variable (unset: False); any other value raises, naming it."""
-    raw = os.environ.get(name, "")
+    raw = environ.get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
         return True

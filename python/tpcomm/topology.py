@@ -4,7 +4,6 @@ import socket
 
 import torch
 
-from .config import env_flag  # noqa: F401 - the test harnesses read TPCOMM_SHARE_GPU with it
 
 # NVLink multicast stays off on the shared machines: a program that uses it can
 # take the host's GPUs out of service. Set in every process that may start
