@@ -5,7 +5,7 @@
 #   +cu128 (clang-19 against CUDA 12.8 from PyPI wheels): built and tested in torch 2.10
 #          (PyPI's torch 2.10 runs CUDA 12.8)
 # Each test venv is fresh per clone (.whl/ is ignored), made by python3 -m venv.
-# Prints each step's time. Needs: the build venv .venv (.ci/run), clang-19
+# Prints each step's time. Needs: the build venv .venv (.ci/run; BUILD_PY overrides), clang-19
 # (.ci/run's apt step), nvcc in CUDA_HOME.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,7 +26,7 @@ export AUDITWHEEL="$W/tools/bin/auditwheel"
 command -v clang-19 >/dev/null || { echo "clang-19 is needed for the cu128 wheel (apt-get install clang-19)" >&2; exit 1; }
 
 step "cu130 wheel"
-PY="$ROOT/.venv/bin/python" bash .ci/wheel.sh cu130 "$DIST"
+PY="${BUILD_PY:-$ROOT/.venv/bin/python}" bash .ci/wheel.sh cu130 "$DIST"
 
 step "torch $TORCH_CU12 venv (builds the cu128 wheel)"
 V12="$W/venv-torch$TORCH_CU12"

@@ -30,7 +30,9 @@ def pyproject():
 
 
 def setup_py(*args, **env):
-    """`python setup.py ARGS` in the checkout (it imports torch to describe the extension)."""
+    """`python setup.py ARGS` in the checkout (it imports torch to describe the extension).
+    Commands that write egg-info are given egg_info --egg-base under a tmp dir:
+    metadata left in python/ would pass for an installed tpcomm."""
     full_env = dict(os.environ, CUDA_HOME=CUDA_HOME, **env)
     return subprocess.run([sys.executable, "setup.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env=full_env, timeout=600)
@@ -89,7 +91,7 @@ def test_metadata_names_every_collective_and_the_fused_op():
 def test_package_data_installs_without_layout_warnings(tmp_path):
     """The tables are declared package data of a package (tpcomm.tables), so
     setuptools installs them without 'Installing ... as data is deprecated'."""
-    out = setup_py("build_py", "-d", str(tmp_path / "lib"))
+    out = setup_py("egg_info", "--egg-base", str(tmp_path), "build_py", "-d", str(tmp_path / "lib"))
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "as data is deprecated" not in log and "is not a package" not in log, log[-3000:]
@@ -102,7 +104,6 @@ def test_package_data_installs_without_layout_warnings(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA_HEADERS or shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")),
                     reason="needs CUDA headers and a git checkout")
 def test_sdist_holds_the_sources_and_no_built_objects(tmp_path):
-    # egg_info into tmp_path too: metadata left in python/ would be found as an installed tpcomm
     out = setup_py("egg_info", "--egg-base", str(tmp_path), "sdist", "-d", str(tmp_path), TPCOMM_VERSION_LABEL="")
     assert out.returncode == 0, out.stderr[-3000:]
     (archive,) = tmp_path.glob("tpcomm-*.tar.gz")
