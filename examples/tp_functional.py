@@ -3,16 +3,25 @@ written, run with and without tpcomm, with no change to the model:
 
     torchrun --nproc-per-node 2 examples/tp_functional.py     # one rank per GPU, NCCL
     python examples/tp_functional.py --cpu                     # 2 gloo processes on the CPU (spawned here)
+    python examples/tp_functional.py --cpu --no-sequence-parallel   # the tail summed by an all-reduce
 
 The model issues its collectives as such code does: per block, a
 row-parallel output summed with dist.all_reduce(y, group=...) in place (as
 Hugging Face transformers' RowwiseParallel does at inference) and one with
 the functional funcol.all_reduce (torchtitan, DTensor's Partial); then a
-sequence-parallel tail (dist.reduce_scatter_tensor over the tokens, the
-residual added to this rank's part, dist.all_gather_into_tensor back) and a
+tail MLP whose partial sum is either sequence parallel (the default:
+dist.reduce_scatter_tensor over the tokens, the residual added to this
+rank's part, dist.all_gather_into_tensor back) or summed with
+dist.all_reduce(y, group=...) in place as the blocks do
+(--no-sequence-parallel, build(..., sequence_parallel=False)); then a
 vocabulary-parallel LM head whose slices funcol.all_gather_tensor stacks
-(dim 0) and torch.cat puts side by side. Each RMSNorm after an all-reduce is written either as
-torch.nn.RMSNorm or as Llama's model code writes it.
+(dim 0) and torch.cat puts side by side. Each RMSNorm after an all-reduce is
+written either as torch.nn.RMSNorm or as Llama's model code writes it.
+
+Without sequence parallelism the model's torch path calls only all-reduce
+(dist and funcol) and funcol's all-gather, no reduce-scatter: the form to
+run where ranks share one GPU over gloo, whose reduce_scatter_tensor on
+CUDA tensors crashes the process.
 
 Ways it runs (every rank builds the same weights from one seed and keeps
 its part):
@@ -97,9 +106,10 @@ class Block(torch.nn.Module):
 
 
 class TPModel(torch.nn.Module):
-    def __init__(self, parts, group, rank, world, eps):
+    def __init__(self, parts, group, rank, world, eps, sequence_parallel=True):
         super().__init__()
         self.group, self.rank, self.world = group, rank, world
+        self.sequence_parallel = sequence_parallel
         self.blocks = torch.nn.ModuleList(Block(p, group, eps) for p in parts["blocks"])
         self.tail_norm = _rms_norm(parts["tail_norm"], eps)
         self.tail = _Parallel(parts["tail_in"], parts["tail_out"])
@@ -110,19 +120,26 @@ class TPModel(torch.nn.Module):
         for block in self.blocks:
             h = block(h)
         y = self.tail(self.tail_norm(h))
-        part = torch.empty((h.shape[0] // self.world,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)
-        dist.reduce_scatter_tensor(part, y, group=self.group)  # sequence parallel: this rank's tokens
-        part = part + h.chunk(self.world)[self.rank]
-        full = torch.empty_like(h)
-        dist.all_gather_into_tensor(full, part, group=self.group)
-        local = F.linear(self.final_norm(full), self.head)     # this rank's slice of the vocabulary
+        if self.sequence_parallel:
+            part = torch.empty((h.shape[0] // self.world,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)
+            dist.reduce_scatter_tensor(part, y, group=self.group)  # this rank's tokens
+            part = part + h.chunk(self.world)[self.rank]
+            h = torch.empty_like(h)
+            dist.all_gather_into_tensor(h, part, group=self.group)
+        else:
+            dist.all_reduce(y, group=self.group)  # in place, as the blocks' first sum
+            h = h + y
+        local = F.linear(self.final_norm(h), self.head)        # this rank's slice of the vocabulary
         stacked = funcol.all_gather_tensor(local, 0, self.group)  # every rank's slice, one after the other
         return torch.cat(stacked.chunk(self.world), dim=1)
 
 
-def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0):
+def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0, sequence_parallel=True):
     """The model's part on `rank`: every rank draws the full weights from
-    `seed` (in fp32, then cast) and keeps its columns and rows."""
+    `seed` (in fp32, then cast) and keeps its columns and rows.
+    `sequence_parallel`: the tail's sum reduce-scattered over the tokens and
+    gathered back (True) or all-reduced in place (False); the same logits
+    up to rounding either way."""
     g = torch.Generator().manual_seed(seed)
     hidden, mlp, vocab = dims["hidden"], dims["mlp"], dims["vocab"]
     if mlp % world or vocab % world:
@@ -151,7 +168,27 @@ def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", see
     cast = lambda d: {k: (v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     parts = cast(parts)
     parts["blocks"] = [cast(b) for b in blocks]
-    return TPModel(parts, group, rank, world, dims["eps"]).eval()
+    return TPModel(parts, group, rank, world, dims["eps"], sequence_parallel).eval()
+
+
+def collectives(sequence_parallel=True, layers=SMALL["layers"]):
+    """What one forward issues, by tpcomm's op names:
+    "dist": the torch.distributed calls (what tpcomm.install routes; funcol's
+            are C++ and bypass it): per block one dist.all_reduce, and the
+            tail's reduce_scatter_tensor + all_gather_into_tensor or one more
+            dist.all_reduce;
+    "rewrites": what tpcomm.compile_backend rewrites (Dynamo traces dist.* and
+            funcol alike): per block two all-reduces, the tail's collectives,
+            and the head's funcol all-gather;
+    "fused": the all-reduces whose sum the residual add and an RMSNorm follow
+            (every block's two; the tail's all-reduce, which final_norm follows)."""
+    if sequence_parallel:
+        return {"dist": {"all_reduce": layers, "reduce_scatter": 1, "all_gather": 1},
+                "rewrites": {"all_reduce": 2 * layers, "all_gather": 2, "reduce_scatter": 1},
+                "fused": 2 * layers}
+    return {"dist": {"all_reduce": layers + 1},
+            "rewrites": {"all_reduce": 2 * layers + 1, "all_gather": 1, "reduce_scatter": 0},
+            "fused": 2 * layers + 1}
 
 
 def example_input(world, dims=SMALL, dtype=torch.float32, device="cpu", seed=1):
@@ -213,11 +250,12 @@ def main(rank, world, args):
     dtype = getattr(torch, args.dtype)
     group = dist.group.WORLD
     comm = tpcomm.Communicator(group, device=device)
-    model = build(rank, world, group, dtype=dtype, device=device)
+    model = build(rank, world, group, dtype=dtype, device=device, sequence_parallel=args.sequence_parallel)
     x = example_input(world, dtype=dtype, device=device)
     rows = summary(run_modes(model, x, comm, group, inner=args.inner))
     if rank == 0:
-        print(f"{world} ranks on {device.type}, {dtype}, tpcomm custom path: "
+        tail = "sequence parallel" if args.sequence_parallel else "all-reduce"
+        print(f"{world} ranks on {device.type}, {dtype}, tail: {tail}, tpcomm custom path: "
               f"{'on' if comm.enabled else 'off (' + str(comm.disabled_reason) + ')'}")
         for mode, row in rows.items():
             print(f"{mode:16s} bit_equal={row['bit_equal']!s:5s} max_abs_diff={row['max_abs_diff']:.3g} "
@@ -241,6 +279,8 @@ def parse(argv=None):
     p.add_argument("--ranks", type=int, default=2, help="with --cpu: how many processes")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--inner", default="aot_eager", help="the backend after tpcomm's pass: aot_eager or inductor")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="the tail's sum reduce-scattered and gathered back (default), or all-reduced in place")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     return args

@@ -257,32 +257,3 @@ def _body_inductor_pass(rank, world_size):
 
 def test_inductor_pass_rewrites_after_aot():
     run_ranks(2, _body_inductor_pass, timeout=180)
-
-
-def _body_example(rank, world_size):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import tp_functional
-
-    comm = tpcomm.Communicator(device="cpu")
-    model = tp_functional.build(rank, world_size, dist.group.WORLD)
-    x = tp_functional.example_input(world_size)
-    rows = tp_functional.summary(tp_functional.run_modes(model, x, comm, dist.group.WORLD))
-    layers = tp_functional.SMALL["layers"]
-    assert rows["install"]["bit_equal"] and rows["compiled_tpcomm"]["bit_equal"], rows
-    assert rows["install"]["calls"] == {"all_reduce/nccl": layers, "all_gather/nccl": 1, "reduce_scatter/nccl": 1}
-    assert rows["compiled_tpcomm"]["rewrites"] == {"all_reduce": 2 * layers, "all_gather": 2, "reduce_scatter": 1,
-                                                   "all_reduce_add_rms_norm": 0}
-    fused = rows["compiled_fused"]
-    assert fused["rewrites"]["all_reduce_add_rms_norm"] == 2 * layers
-    assert fused["calls"]["all_reduce_add_rms_norm/unfused"] == 2 * layers
-    assert fused["max_abs_diff"] <= 1e-5, fused  # fp32: the fused norm sums its squares in another order
-    comm.close()
-
-
-def test_example_tp_functional():
-    """examples/tp_functional.py's model on 2 gloo ranks: every way it runs
-    with tpcomm gives the torch path's logits (bit for bit unless fused)."""
-    run_ranks(2, _body_example, timeout=240)

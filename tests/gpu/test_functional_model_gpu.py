@@ -1,10 +1,19 @@
 """examples/tp_functional.py's model (dist.all_reduce in place as
-transformers calls it, funcol.all_reduce, dist.reduce_scatter_tensor,
-dist.all_gather_into_tensor, funcol.all_gather_tensor) on GPUs, bf16, with
-no change to the model: eager inside tpcomm.install, and compiled with
-tpcomm.compile_backend (aot_eager and inductor) or with the inductor pass
-object. Every body proves tpcomm's kernels ran (stats(): the packet, line
-or bulk kernels, and the fused add + RMSNorm kernel), not its fallback.
+transformers calls it, funcol.all_reduce, funcol.all_gather_tensor, and a
+sequence-parallel tail of dist.reduce_scatter_tensor and
+dist.all_gather_into_tensor, or a tail summed by one more dist.all_reduce)
+on GPUs, bf16, with no change to the model: eager inside tpcomm.install,
+and compiled with tpcomm.compile_backend (aot_eager and inductor) or with
+the inductor pass object. Every body proves tpcomm's kernels ran (stats():
+the packet, line or bulk kernels, and the fused add + RMSNorm kernel), not
+its fallback, with the counts the variant issues
+(tp_functional.collectives).
+
+Where ranks share one GPU the harness groups them over gloo, whose
+reduce_scatter_tensor on CUDA tensors crashes the process (SIGSEGV), so the
+reference path must not call it: there the model runs without sequence
+parallelism, and its torch path calls only all-reduce (dist and funcol) and
+funcol's all-gather. With one GPU per rank (NCCL) it runs sequence parallel.
 
 Numerics: on 2 ranks a sum is a + b whichever rank adds, and tpcomm's
 kernels and NCCL (or gloo) both round it once: the eager install and the
@@ -32,10 +41,6 @@ import tp_functional  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# The model's reference runs call torch.distributed on CUDA tensors; where
-# ranks share one GPU the harness groups them over gloo, whose CUDA
-# reduce_scatter_tensor crashes the process (SIGSEGV): this model needs one
-# GPU per rank.
 def _ranks_share_a_gpu():
     try:
         return multiproc.gpus_shared()
@@ -43,9 +48,11 @@ def _ranks_share_a_gpu():
         return False
 
 
-_needs_gpu_per_rank = pytest.mark.skipif(
-    "_ranks_share_a_gpu()", reason="the reference path's gloo reduce_scatter_tensor on CUDA tensors crashes "
-                                      "where ranks share a GPU: needs one GPU per rank")
+def _sequence_parallel():
+    """The variant this machine's ranks can run: gloo (ranks sharing a GPU)
+    has no CUDA reduce_scatter_tensor the reference path could call."""
+    return not _ranks_share_a_gpu()
+
 
 KERNELS = ("packet", "line", "bulk")
 LAYERS = tp_functional.SMALL["layers"]
@@ -68,32 +75,34 @@ def _close(out, ref, bound, what):
     assert diff <= bound, f"{what}: max |diff| {diff} > {bound}"
 
 
-def _setup(rank, world):
+def _setup(rank, world, sequence_parallel):
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
-    model = tp_functional.build(rank, world, group, dtype=torch.bfloat16, device=device)
+    model = tp_functional.build(rank, world, group, dtype=torch.bfloat16, device=device,
+                                sequence_parallel=sequence_parallel)
     x = tp_functional.example_input(world, dtype=torch.bfloat16, device=device)
-    model32 = tp_functional.build(rank, world, group, dtype=torch.float32, device=device)
+    model32 = tp_functional.build(rank, world, group, dtype=torch.float32, device=device,
+                                  sequence_parallel=sequence_parallel)
     with torch.no_grad():
         out32 = model32(x.float())
     return comm, group, model, x, out32
 
 
-def _body_aot_eager(rank, world):
-    comm, group, model, x, out32 = _setup(rank, world)
+def _body_aot_eager(rank, world, sequence_parallel):
+    comm, group, model, x, out32 = _setup(rank, world, sequence_parallel)
     results = tp_functional.run_modes(model, x, comm, group, inner="aot_eager")
     rows = tp_functional.summary(results)
     bound = 2 * (results["torch"]["out"].float() - out32).abs().max().item()
     exact = world == 2
+    issued = tp_functional.collectives(sequence_parallel, LAYERS)
+    rewrites = issued["rewrites"]
 
-    _assert_on_kernels(rows["install"]["calls"], {"all_reduce": LAYERS, "reduce_scatter": 1, "all_gather": 1},
-                       "install")
-    assert rows["compiled_tpcomm"]["rewrites"] == {"all_reduce": 2 * LAYERS, "all_gather": 2, "reduce_scatter": 1,
-                                                   "all_reduce_add_rms_norm": 0}
-    _assert_on_kernels(rows["compiled_tpcomm"]["calls"],
-                       {"all_reduce": 2 * LAYERS, "reduce_scatter": 1, "all_gather": 2}, "compiled_tpcomm")
+    _assert_on_kernels(rows["install"]["calls"], issued["dist"], "install")
+    assert rows["compiled_tpcomm"]["rewrites"] == dict(rewrites, all_reduce_add_rms_norm=0), \
+        rows["compiled_tpcomm"]["rewrites"]
+    _assert_on_kernels(rows["compiled_tpcomm"]["calls"], rewrites, "compiled_tpcomm")
     for mode, ref in (("install", "torch"), ("compiled_tpcomm", "compiled")):
         if exact:
             assert rows[mode]["bit_equal"], (mode, rows[mode]["max_abs_diff"])
@@ -101,23 +110,24 @@ def _body_aot_eager(rank, world):
             _close(results[mode]["out"], results[ref]["out"], bound, mode)
 
     fused = rows["compiled_fused"]
-    assert fused["rewrites"]["all_reduce_add_rms_norm"] == 2 * LAYERS, fused["rewrites"]
-    assert fused["calls"].get("all_reduce_add_rms_norm/fused") == 2 * LAYERS, fused["calls"]
+    assert fused["rewrites"]["all_reduce_add_rms_norm"] == issued["fused"], fused["rewrites"]
+    assert fused["calls"].get("all_reduce_add_rms_norm/fused") == issued["fused"], fused["calls"]
+    # every all-reduce is fused (one kernel, no all_reduce of its own); the gathers and scatters stay
     _assert_on_kernels({k: n for k, n in fused["calls"].items() if not k.startswith("all_reduce_add_rms_norm")},
-                       {"reduce_scatter": 1, "all_gather": 2}, "compiled_fused")
+                       dict(rewrites, all_reduce=0), "compiled_fused")
     _close(results["compiled_fused"]["out"], results["compiled"]["out"], bound, "compiled_fused")
     comm.close()
 
 
-@_needs_gpu_per_rank
 def test_functional_model_aot_eager():
-    run_gpu(_body_aot_eager, timeout=300)
+    run_gpu(_body_aot_eager, _sequence_parallel(), timeout=300)
 
 
-def _body_inductor(rank, world):
+def _body_inductor(rank, world, sequence_parallel):
     from tpcomm.inductor_pass import TpcommPass
 
-    comm, group, model, x, out32 = _setup(rank, world)
+    comm, group, model, x, out32 = _setup(rank, world, sequence_parallel)
+    issued = tp_functional.collectives(sequence_parallel, LAYERS)
     with torch.no_grad():
         reference = model(x)
         bound = 2 * (reference.float() - out32).abs().max().item()
@@ -128,8 +138,8 @@ def _body_inductor(rank, world):
         before = comm.stats()
         out = compiled(x)
         calls = tp_functional.calls_since(comm, before)
-        assert backend.counts["all_reduce_add_rms_norm"] == 2 * LAYERS, backend.counts
-        assert calls.get("all_reduce_add_rms_norm/fused") == 2 * LAYERS, calls
+        assert backend.counts["all_reduce_add_rms_norm"] == issued["fused"], backend.counts
+        assert calls.get("all_reduce_add_rms_norm/fused") == issued["fused"], calls
         _close(out, reference, bound, "compile_backend() (inductor)")
 
         torch._dynamo.reset()
@@ -140,13 +150,11 @@ def _body_inductor(rank, world):
             before = comm.stats()
             out = compiled(x)
         calls = tp_functional.calls_since(comm, before)
-        assert tpcomm_pass.counts["all_reduce"] == 2 * LAYERS and tpcomm_pass.counts["reduce_scatter"] == 1 \
-            and tpcomm_pass.counts["all_gather"] == 2, tpcomm_pass.counts
-        _assert_on_kernels(calls, {"all_reduce": 2 * LAYERS, "reduce_scatter": 1, "all_gather": 2}, "TpcommPass")
+        assert {op: tpcomm_pass.counts[op] for op in issued["rewrites"]} == issued["rewrites"], tpcomm_pass.counts
+        _assert_on_kernels(calls, issued["rewrites"], "TpcommPass")
         _close(out, reference, bound, "TpcommPass (inductor)")
     comm.close()
 
 
-@_needs_gpu_per_rank
 def test_functional_model_inductor():
-    run_gpu(_body_inductor, timeout=600)
+    run_gpu(_body_inductor, _sequence_parallel(), timeout=600)
