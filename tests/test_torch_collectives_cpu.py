@@ -16,7 +16,10 @@ import tpcomm
 from bitexact import exact_values, expected_sum
 from multiproc import run_ranks
 
-_METHODS = ("allreduce", "_allgather_base", "_reduce_scatter_base")
+# What dist's functions call: torch 2.15 gathers and scatters through the
+# *_single methods, older torch through the *_base ones.
+_METHODS = tuple(m for m in ("allreduce", "_allgather_base", "all_gather_single", "_reduce_scatter_base",
+                             "reduce_scatter_single") if m in dist.ProcessGroup.__dict__)
 
 
 def _calls(comm):

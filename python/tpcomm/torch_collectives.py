@@ -37,7 +37,13 @@ from torch.distributed import distributed_c10d as c10d
 
 from . import _registry
 
-_METHODS = ("allreduce", "_allgather_base", "_reduce_scatter_base")
+# The ProcessGroup methods dist's functions call, by what they do: torch
+# 2.10-2.14 gather and scatter through _allgather_base / _reduce_scatter_base,
+# torch 2.15 through all_gather_single / reduce_scatter_single (same
+# arguments). Those the installed torch has are replaced.
+_KINDS = {"allreduce": "all_reduce",
+          "_allgather_base": "all_gather", "all_gather_single": "all_gather",
+          "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
 _originals = {}   # method name -> the ProcessGroup method it replaces, while installed
 _installed = {}   # group name -> its Installation
 # Set while tpcomm runs a call it took or its fallback runs (torch_path): the
@@ -110,33 +116,32 @@ def torch_path(fn):
     return run
 
 
-def _allreduce(self, *args, **kwargs):
-    comm = _taker(self)
-    found = comm and _single(args, kwargs, 1, c10d.AllreduceOptions)
+def _all_reduce(comm, args, kwargs):
+    """Runs an in-place all_reduce of args on comm; its Work, or None when
+    tpcomm declines the call."""
+    found = _single(args, kwargs, 1, c10d.AllreduceOptions)
     if found:
         tensors, opts = found
         if type(tensors) is list and len(tensors) == 1 and _plain(comm, tensors[0]) \
                 and opts.reduceOp == dist.ReduceOp.SUM and not opts.asyncOp:
             _run(comm.all_reduce, tensors[0], tensors[0])
             return _Done(tensors)
-    return _originals["allreduce"](self, *args, **kwargs)
+    return None
 
 
-def _allgather_base(self, *args, **kwargs):
-    comm = _taker(self)
-    found = comm and _single(args, kwargs, 2, c10d.AllgatherOptions)
+def _all_gather(comm, args, kwargs):
+    found = _single(args, kwargs, 2, c10d.AllgatherOptions)
     if found:
         out, x, opts = found
         if _plain(comm, out, x) and not opts.asyncOp and out.dtype == x.dtype and x.dim() > 0 \
                 and out.shape == (comm.world_size * x.shape[0],) + tuple(x.shape[1:]):
             out.copy_(_run(comm.all_gather, x, 0))
             return _Done([out])
-    return _originals["_allgather_base"](self, *args, **kwargs)
+    return None
 
 
-def _reduce_scatter_base(self, *args, **kwargs):
-    comm = _taker(self)
-    found = comm and _single(args, kwargs, 2, c10d.ReduceScatterOptions)
+def _reduce_scatter(comm, args, kwargs):
+    found = _single(args, kwargs, 2, c10d.ReduceScatterOptions)
     if found:
         out, x, opts = found
         if _plain(comm, out, x) and opts.reduceOp == dist.ReduceOp.SUM and not opts.asyncOp \
@@ -144,11 +149,24 @@ def _reduce_scatter_base(self, *args, **kwargs):
                 and out.shape == (x.shape[0] // comm.world_size,) + tuple(x.shape[1:]):
             out.copy_(_run(comm.reduce_scatter, x, 0))
             return _Done([out])
-    return _originals["_reduce_scatter_base"](self, *args, **kwargs)
+    return None
 
 
-_WRAPPERS = {"allreduce": _allreduce, "_allgather_base": _allgather_base,
-             "_reduce_scatter_base": _reduce_scatter_base}
+_RUNNERS = {"all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter}
+
+
+def _wrapper(method):
+    """ProcessGroup.<method> as installed: tpcomm's run of the call where the
+    group is installed and tpcomm takes it, else torch's own method."""
+    runner = _RUNNERS[_KINDS[method]]
+
+    def call(self, *args, **kwargs):
+        comm = _taker(self)
+        done = runner(comm, args, kwargs) if comm else None
+        return done if done is not None else _originals[method](self, *args, **kwargs)
+
+    call.__name__ = method
+    return call
 
 
 class Installation:
@@ -183,6 +201,11 @@ class Installation:
         return f"tpcomm.Installation(group {self.group_name!r}, {'installed' if self.installed else 'uninstalled'})"
 
 
+def replaced_methods():
+    """The ProcessGroup methods an installation replaces in this torch."""
+    return tuple(m for m in _KINDS if m in dist.ProcessGroup.__dict__)
+
+
 def install(group=None) -> Installation:
     """Sends `group`'s (default: the world group's) dist.all_reduce,
     all_gather_into_tensor and reduce_scatter_tensor through the group's
@@ -200,8 +223,8 @@ def install(group=None) -> Installation:
     if name in _installed:
         raise RuntimeError(f"tpcomm.install: group {name!r} is already installed")
     if not _originals:
-        for method in _METHODS:
+        for method in replaced_methods():
             _originals[method] = dist.ProcessGroup.__dict__[method]
-            setattr(dist.ProcessGroup, method, _WRAPPERS[method])
+            setattr(dist.ProcessGroup, method, _wrapper(method))
     _installed[name] = handle = Installation(name)
     return handle
