@@ -21,14 +21,6 @@ README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
 MARKDOWN = [README] + sorted(os.path.join(DOCS, f) for f in os.listdir(DOCS) if f.endswith(".md"))
 
-# Names the README documents that other branches provide; absent here, they
-# skip with this reason instead of failing. Present, they are checked.
-PROVIDED_ELSEWHERE = {
-    "tpcomm.compile_backend": "reach", "tpcomm.install": "reach", "tpcomm.inductor_pass.TpcommPass": "reach",
-    "tpcomm.doctor": "install", "tpcomm.integrations.vllm": "vllm",
-}
-
-
 def _read(path):
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -142,11 +134,6 @@ def _readme_code():
     return "\n".join(_code(_read(README)))
 
 
-def _skip_if_elsewhere(name, present):
-    if not present and name in PROVIDED_ELSEWHERE:
-        pytest.skip(f"{name} comes from the {PROVIDED_ELSEWHERE[name]} branch, not merged in this checkout")
-
-
 def _repo_paths():
     found = re.findall(r"(?<![\w/.])((?:examples|scripts|benchmarks|docs|tests|csrc|python|\.ci)/[\w./<>-]*\w)",
                        _readme_code())
@@ -172,7 +159,6 @@ def test_readme_runs_known_python_modules():
 @pytest.mark.parametrize("module", _python_modules())
 def test_readme_python_module_exists(module):
     found = importlib.util.find_spec(module) is not None
-    _skip_if_elsewhere(module, found)
     assert found, f"README.md runs python -m {module}, which is not importable"
 
 
@@ -199,7 +185,6 @@ def _resolve(name):
 @pytest.mark.parametrize("name", _tpcomm_names())
 def test_readme_tpcomm_name_exists(name):
     found = _resolve(name) is not None
-    _skip_if_elsewhere(name, found)
     assert found, f"README.md names {name}, which tpcomm does not have"
 
 

@@ -256,17 +256,9 @@ def _extension_facts(report):
     return loaded
 
 
-def _routing_module():
-    """Where the table functions live (load_table, effective_routes)."""
-    try:
-        return importlib.import_module("tpcomm.policy")
-    except ImportError:
-        return importlib.import_module("tpcomm.routing")
-
-
 def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
-    routing = _routing_module()
+    from . import policy as routing
     source = getattr(config, "table", None) if config is not None else None
     try:
         table = routing.load_table(source)
@@ -409,12 +401,9 @@ def _on_every_rank(flag):
 
 def _allow_shared_gpu():
     """Lets ranks on one GPU keep the custom path (a test of the kernels' results only)."""
-    try:
-        from . import _testing
+    from . import _testing
 
-        _testing.allow_shared_gpu(True)
-    except ImportError:
-        os.environ["TPCOMM_SHARE_GPU"] = "1"
+    _testing.allow_shared_gpu(True)
 
 
 def _run_ours(comm, op, x):
