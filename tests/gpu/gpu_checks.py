@@ -8,27 +8,16 @@ import torch
 import torch.distributed as dist
 
 from bitexact import assert_bits_equal
+from tpcomm import _constants
 
 KiB, MiB = 1024, 1024 * 1024
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CYCLES_PER_US = 1980  # torch.cuda._sleep counts SM cycles; an H200 runs at about 1.98 GHz
 
 
-def _algos():
-    """The internal ops' `algo` argument for each kernel, from the C header
-    (tpcomm._constants, generated from csrc/tpcomm.h; tpcomm._lib where that
-    module does not exist)."""
-    try:
-        from tpcomm import _constants as c
-
-        return {"packet": c.TPC_ALGO_PACKET, "bulk": c.TPC_ALGO_BULK, "line": c.TPC_ALGO_LINE}
-    except ImportError:
-        from tpcomm import _lib as c
-
-        return {"packet": c.ALGO_PACKET, "bulk": c.ALGO_BULK, "line": c.ALGO_LINE}
-
-
-ALGO = _algos()
+# The internal ops' `algo` argument for each kernel, from the C header
+# (tpcomm._constants is generated from csrc/tpcomm.h).
+ALGO = {"packet": _constants.TPC_ALGO_PACKET, "bulk": _constants.TPC_ALGO_BULK, "line": _constants.TPC_ALGO_LINE}
 PACKET, BULK, LINE = ALGO["packet"], ALGO["bulk"], ALGO["line"]
 KERNELS = tuple(ALGO)  # tpcomm's own kernels: the backends stats() names besides "nccl" (and "aiter")
 
