@@ -4,7 +4,8 @@
 #          oldest and newest PyPI torch on CUDA 13)
 #   +cu128 (clang-19 against CUDA 12.8 from PyPI wheels): built and tested in torch 2.10
 #          (PyPI's torch 2.10 runs CUDA 12.8)
-# Each test venv is fresh per clone (.whl/ is ignored), made by python3 -m venv.
+# Each test venv is fresh per clone (.whl/ is ignored), made by python3 -m venv, and removed
+# after its tests (TPCOMM_CI_KEEP_VENVS=1 keeps them): one torch build at a time on disk.
 # Prints each step's time. Needs: the build venv .venv (.ci/run; BUILD_PY overrides), clang-19
 # (.ci/run's apt step), nvcc in CUDA_HOME.
 set -euo pipefail
@@ -13,7 +14,7 @@ ROOT="$(pwd)"
 W="$ROOT/.whl"
 DIST="$W/dist"
 PYTHON="${PYTHON:-python3}"
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 OLDEST_CU13=2.11.0 NEWEST_CU13=2.15.0 TORCH_CU12=2.10.0
 mkdir -p "$W" "$DIST"
 t0=$(date +%s)
@@ -41,6 +42,7 @@ for run in "cu128 $TORCH_CU12" "cu130 $OLDEST_CU13" "cu130 $NEWEST_CU13"; do
   set -- $run
   step "tests of the $1 wheel in torch $2"
   bash .ci/test_wheel.sh "$(ls "$DIST"/tpcomm-*+"$1"-*.whl)" "$2" "$W/venv-torch$2" || status=$?
+  [ "${TPCOMM_CI_KEEP_VENVS:-0}" = 1 ] || rm -rf "$W/venv-torch$2"
 done
 step "done (exit $status)"
 if [ "$status" -eq 0 ]; then
