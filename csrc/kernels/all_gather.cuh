@@ -77,21 +77,18 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return tpc_gather_load(&a, u, wide); }, &p)) return;
   tpc_op &op = p.op;
-  const uint64_t first = p.span.first, stride = p.span.stride;
-  const uint2 v0 = p.v0;
-  const int folded = p.folded;
 
-  for (uint64_t u = first; u < units; u += stride) {
-    const uint2 v = u == first ? v0 : tpc_gather_load(&a, u, wide);
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
+    const uint2 v = u == p.span.first ? p.v0 : tpc_gather_load(&a, u, wide);
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
     tpc_gather_store(&a, u, me, v, wide, 0);
   }
-  for (uint64_t u = first; u < units; u += stride) {
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
     /* Two ranks in straight-line code, as tpc_packet_push. */
     if (n == 2) {
-      tpc_gather_place(&op, &a, u, 1 - me, folded, wide);
+      tpc_gather_place(&op, &a, u, 1 - me, p.folded, wide);
     } else {
-      for (int i = 1; i < n; ++i) tpc_gather_place(&op, &a, u, (me + i) % n, folded, wide);
+      for (int i = 1; i < n; ++i) tpc_gather_place(&op, &a, u, (me + i) % n, p.folded, wide);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
@@ -112,20 +109,17 @@ __global__ void tpc_all_gather_packet_flat_kernel(const TPC_GRID_CONSTANT tpc_ke
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return in[u]; }, &p)) return;
   tpc_op &op = p.op;
-  const uint64_t first = p.span.first, stride = p.span.stride;
-  const uint2 v0 = p.v0;
-  const int folded = p.folded;
   const int n = a.world, me = a.rank;
 
-  for (uint64_t u = first; u < units; u += stride) {
-    const uint2 v = u == first ? v0 : in[u];
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
+    const uint2 v = u == p.span.first ? p.v0 : in[u];
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
     out[me * units + u] = v;
   }
-  for (uint64_t u = first; u < units; u += stride) {
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
     for (int i = 1; i < n; ++i) {
       const int q = me + i < n ? me + i : me + i - n; /* no modulo: a division's code on the hot path */
-      const uint2 v = tpc_packet_from(&op, u, q, folded); /* before tpc_op_broken: the wait may set it */
+      const uint2 v = tpc_packet_from(&op, u, q, p.folded); /* before tpc_op_broken: the wait may set it */
       if (!tpc_op_broken(&op))
         out[q * units + u] = v;
       else if (a.poison_out)

@@ -34,16 +34,13 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, units, [&](uint64_t u) { return in[u]; }, &p)) return;
   tpc_op &op = p.op;
-  const uint64_t first = p.span.first, stride = p.span.stride;
-  const uint2 v0 = p.v0;
-  const int folded = p.folded;
 
-  for (uint64_t u = first; u < units; u += stride) {
-    const uint2 v = u == first ? v0 : in[u];
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
+    const uint2 v = u == p.span.first ? p.v0 : in[u];
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
   }
-  for (uint64_t u = first; u < units; u += stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, u == first ? v0 : in[u], u, folded);
+  for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
+    const uint2 sum = tpc_sum_packet(&op, &a, u == p.span.first ? p.v0 : in[u], u, p.folded);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
