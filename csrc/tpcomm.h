@@ -85,9 +85,16 @@ typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
 typedef enum {
   TPC_ALGO_PACKET = 1,     /* barrier-free: data and epoch flag in one store */
   TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed or between barriers    */
-  TPC_ALGO_LINE = 3        /* 128-byte lines of data and flag (NVLink only):
-                              all_reduce and all_gather, up to the packet cap */
+  TPC_ALGO_LINE = 3,       /* 128-byte lines of data and flag (NVLink only):
+                              every op, up to the packet cap */
+  TPC_ALGO_TWO_SHOT = 4    /* all_reduce in lines, in two phases (reduce-scatter,
+                              then all-gather), up to the packet cap, at least
+                              one warp step of lines per rank: more than
+                              TPC_LINE_STEP_BYTES * (world - 1) bytes */
 } tpc_algo;
+
+/* Data bytes of one warp step of the line kernels: 4 lines of 112. */
+#define TPC_LINE_STEP_BYTES 448
 
 typedef struct {
   int rank;

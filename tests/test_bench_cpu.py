@@ -99,7 +99,7 @@ def fake_results():
     rows = []
     speed = {"nccl": 1.0, "nccl_nomix": 0.6, "nccl_window": 0.8, "nccl_window_nomix": 0.4, "symm_one_shot": 0.5,
              "symm_two_shot": 0.7, "symm_two_shot_copied": 0.8, "tpcomm": 0.3, "tpcomm_packet": 0.3,
-             "tpcomm_line": 0.35, "tpcomm_bulk": 0.6}
+             "tpcomm_line": 0.35, "tpcomm_two_shot": 0.32, "tpcomm_bulk": 0.6}
     not_run = []
     for op in report.OPS:
         for dtype in ("bfloat16", "float32"):
@@ -109,7 +109,11 @@ def fake_results():
                         not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
                                         "why": "all_reduce only"})
                         continue
-                    if b in ("tpcomm_packet", "tpcomm_line") and n > 1 * MiB:
+                    if b == "tpcomm_two_shot" and op != "all_reduce":
+                        not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
+                                        "why": f"{op} has no two_shot kernel"})
+                        continue
+                    if b in ("tpcomm_packet", "tpcomm_line", "tpcomm_two_shot") and n > 1 * MiB:
                         not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
                                         "why": "over the packet cap of 1 MiB"})
                         continue

@@ -373,7 +373,10 @@ def test_policy_effective_routes_and_flatten():
      "must be [limit bytes, backend]"),
     ({"all_reduce": {"*": {"*": []}}, "all_gather": {"*": {"*": [[16, "packet"]]}}}, "non-empty list"),
     ({"all_reduce": {"*": {"*": [[16, "line"]]}}, "all_gather": {"*": {"*": [[16, "line"]]}},
-      "reduce_scatter": {"*": {"*": [[16, "packet"], [32, "line"]]}}}, "reduce_scatter/*/*: reduce_scatter has no line kernel"),
+      "reduce_scatter": {"*": {"*": [[16, "packet"], [32, "two_shot"]]}}},
+     "reduce_scatter/*/*: reduce_scatter has no two_shot kernel"),
+    ({"all_reduce": {"*": {"*": [[16, "line"]]}}, "all_gather": {"*": {"*": [[16, "two_shot"]]}}},
+     "all_gather/*/*: all_gather has no two_shot kernel"),
 ])
 def test_policy_bad_tables_name_the_entry(routes, needle):
     with pytest.raises(policy.TableError, match=re.escape(needle)):

@@ -118,8 +118,9 @@ def test_route_line_kernels():
     assert rocm.route_all_reduce(_t(64 * KiB)) == "packet"
     assert rocm.route_all_gather(_t(64 * KiB), 0) == "packet"
     assert _comm(table=LINE_TABLE, forbid=("line",)).route_all_reduce(_t(64 * KiB)) == "nccl"
-    with pytest.raises(ValueError, match="reduce_scatter has no line kernel"):
-        tpcomm.Config(force=(("reduce_scatter", "line"),)).checked()
+    with pytest.raises(ValueError, match="reduce_scatter has no two_shot kernel"):
+        tpcomm.Config(force=(("reduce_scatter", "two_shot"),)).checked()
+    tpcomm.Config(force=(("reduce_scatter", "line"),)).checked()
 
 
 def test_route_reduce_scatter():
@@ -134,6 +135,28 @@ def test_route_reduce_scatter():
     assert c.route_reduce_scatter(_t(48)) == "nccl"              # parts of 24 bytes
     assert c.route_reduce_scatter(_t(1024, torch.int32)) == "nccl"
     assert _comm(table=table, enabled=False).route_reduce_scatter(_t(32)) == "nccl"
+
+
+def test_two_shot_and_line_reduce_scatter_bands():
+    """two_shot takes an all_reduce band from one warp step of lines per rank
+    on (more than 448 * (world - 1) bytes), the line kernel below that;
+    reduce_scatter's line band caps one part; builds without line kernels
+    fall back to the packet kernel."""
+    table = {"routes": {"all_reduce": {"*": {"*": [[1 * MiB, "two_shot"], [16 * MiB, "bulk"]]}},
+                        "reduce_scatter": {"*": {"*": [[1 * MiB, "line"], [16 * MiB, "bulk"]]}}}}
+    c = _comm(world_size=4, table=table, packet_max_bytes=256 * KiB)
+    assert c.route_all_reduce(_t(1360)) == "two_shot"
+    assert c.route_all_reduce(_t(1344)) == "line"
+    assert c.route_all_reduce(_t(256 * KiB)) == "two_shot"
+    assert c.route_all_reduce(_t(256 * KiB + 16)) == "bulk"  # lines live in the packet slots
+    assert _comm(world_size=2, table=table).route_all_reduce(_t(464)) == "two_shot"
+    assert c.route_reduce_scatter(_t(64)) == "line"  # parts of 16 bytes
+    assert c.route_reduce_scatter(_t(4 * 256 * KiB)) == "line"
+    assert c.route_reduce_scatter(_t(4 * (256 * KiB + 16))) == "bulk"
+    rocm = _comm(world_size=4, table=table, packet_max_bytes=256 * KiB, line_kernels=False)
+    assert rocm.route_all_reduce(_t(64 * KiB)) == "packet"
+    assert rocm.route_reduce_scatter(_t(64 * KiB)) == "packet"
+    assert _comm(world_size=4, table=table, forbid=("two_shot",)).route_all_reduce(_t(64 * KiB)) == "nccl"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7, 8])
@@ -188,7 +211,16 @@ def test_refusal_names_why():
     f32 = torch.float32
     assert routing.refusal("all_reduce", "packet", caps, f32, 1024) is None
     assert "no line kernels in this build" in routing.refusal("all_reduce", "line", caps, f32, 1024)
-    assert "has no line kernel" in routing.refusal("reduce_scatter", "line", caps._replace(line_kernels=True), f32, 1024)
+    lines = caps._replace(line_kernels=True)
+    assert routing.refusal("reduce_scatter", "line", lines, f32, 1024) is None
+    assert "no line kernels in this build" in routing.refusal("all_reduce", "two_shot", caps, f32, 2048)
+    assert "all_gather has no two_shot kernel" in routing.refusal("all_gather", "two_shot", lines, f32, 2048, 2048)
+    assert "reduce_scatter has no two_shot kernel" in routing.refusal("reduce_scatter", "two_shot", lines, f32, 2048)
+    # a warp step of lines (448 bytes) for each rank: more than 448 * 3 bytes at 4 ranks
+    assert "two_shot needs more than 1344 bytes" in routing.refusal("all_reduce", "two_shot", lines, f32, 1344)
+    assert routing.refusal("all_reduce", "two_shot", lines, f32, 1360) is None
+    assert routing.refusal("all_reduce", "two_shot", lines._replace(world_size=2), f32, 464) is None
+    assert "over packet_max_bytes" in routing.refusal("all_reduce", "two_shot", lines, f32, 64 * KiB + 16)
     assert "over packet_max_bytes" in routing.refusal("all_reduce", "packet", caps, f32, 128 * KiB)
     assert "over max_bytes" in routing.refusal("all_reduce", "bulk", caps, f32, 2 * MiB)
     assert "reduce float32, float16, bfloat16, not torch.int32" in routing.refusal("all_reduce", "bulk", caps,
@@ -292,4 +324,5 @@ def test_summary_logged_at_init_names_every_band():
 def test_algo_codes_are_the_headers():
     from tpcomm import _constants as C
 
-    assert routing.ALGO_CODES == {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "bulk": C.TPC_ALGO_BULK}
+    assert routing.ALGO_CODES == {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
+                                  "bulk": C.TPC_ALGO_BULK}

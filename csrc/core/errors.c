@@ -65,6 +65,7 @@ static const char *algo_name(uint32_t kind) {
     case TPC_ALGO_PACKET: return "packet";
     case TPC_ALGO_BULK: return "bulk";
     case TPC_ALGO_LINE: return "line";
+    case TPC_ALGO_TWO_SHOT: return "two_shot";
   }
   return "?";
 }

@@ -107,11 +107,18 @@ static int reducible(tpc_dtype dtype) {
 
 static const char *dtype_name(tpc_dtype dtype) { return reducible(dtype) ? dtype_names[dtype] : "no tpc_dtype"; }
 
-/* The kernel the caller chose, one of the three: the core never picks one. */
+/* The kernel the caller chose, one of the four: the core never picks one. */
 static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
-  if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE) return TPC_OK;
-  return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: unknown algorithm %d (packet %d, bulk %d or line %d)", name,
-                  (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE);
+  if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE || algo == TPC_ALGO_TWO_SHOT)
+    return TPC_OK;
+  return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: unknown algorithm %d (packet %d, bulk %d, line %d or two_shot %d)",
+                  name, (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE, TPC_ALGO_TWO_SHOT);
+}
+
+/* Warp steps of lines (line.cuh) an input of nbytes takes. */
+static size_t line_steps(size_t nbytes) {
+  const size_t lines = (nbytes / 16 + 6) / 7; /* 7 units of 16 bytes a line */
+  return (lines + 3) / 4;                     /* 4 lines a step */
 }
 
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
@@ -131,8 +138,14 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s of %zu bytes: a positive multiple of 16 is needed", name, nbytes);
   if (misaligned(in, 16) || misaligned(out, 16))
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
-  if (algo == TPC_ALGO_LINE && op != TPC_OP_ALL_REDUCE)
-    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s has no line kernel", name);
+  if (algo == TPC_ALGO_TWO_SHOT && op != TPC_OP_ALL_REDUCE)
+    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s has no two_shot kernel", name);
+  /* every rank owns a non-empty chunk: otherwise a rank could finish an op
+   * without a line from every peer and run two ops ahead of one (all_reduce.cuh) */
+  if (algo == TPC_ALGO_TWO_SHOT && line_steps(nbytes) < (size_t)comm->cfg.world_size)
+    return tpc_fail(comm, TPC_ERR_INVALID_ARG,
+                    "two_shot all_reduce of %zu bytes: more than %d bytes (a warp step of lines per rank) are needed",
+                    nbytes, TPC_LINE_STEP_BYTES * (comm->cfg.world_size - 1));
   /* lines live in the packet slots: 112 data bytes in 128, within the cap */
   if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
@@ -223,6 +236,7 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   tpc_result r = begin_op(comm, in, out, stream);
   if (r == TPC_OK) r = check_algo(comm, name, algo);
   if (r != TPC_OK) return r;
+  if (algo == TPC_ALGO_TWO_SHOT) return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather has no two_shot kernel");
   if (nbytes == 0 || nbytes % 4)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather of %zu bytes: a positive multiple of 4 is needed", nbytes);
   if (row_bytes == 0 || row_bytes % 4 || nbytes % row_bytes)

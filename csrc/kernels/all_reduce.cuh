@@ -13,6 +13,13 @@
  * line (line.cuh): the packet kernel's scheme with 128-byte lines that carry
  *   112 data bytes and one flag, where packets carry 8 of 16: for the sizes
  *   where the link, not the latency, sets the time.
+ * two_shot (line.cuh's lines, in two phases): the warp steps are cut into
+ *   world chunks and rank j owns chunk j. Every rank pushes chunk j's lines
+ *   into rank j's slot; rank j sums its chunk in rank order, as soon as a
+ *   step's lines are in, and pushes the sums into every peer's slot; every
+ *   rank gathers the other chunks' sums. Each rank sends 2(n-1)/n of the
+ *   input where the one-shot line kernel sends (n-1) times it, for a second
+ *   hop; no barrier, no flag but the lines' own.
  * bulk (two-shot): rank j owns chunk j. Scatter chunk j of the input into
  *   rank j's scatter slot, barrier, rank j sums its chunk and pushes the result
  *   into everyone's gather area, barrier, everyone copies out. Each rank sends
@@ -55,23 +62,52 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 
   for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
-    const uint4 own = tpc_line_own(&l, a.in, s, v0);
-    uint4 sum;
-    if (a.world == 2) {
-      sum = tpc_sum_pair16(own, tpc_line_wait(&op, &l, s, 1 - a.rank, s == 0), a.dtype);
-    } else {
-      float acc[8];
-      for (int q = 0; q < a.world; ++q) {
-        const uint4 v = q == a.rank ? own : tpc_line_wait(&op, &l, s, q, s == 0);
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-        tpc_add_rank(acc, words, 4, a.dtype, q);
-      }
-      uint32_t w[4];
-      tpc_round(acc, w, 4, a.dtype);
-      sum = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    const uint64_t u = tpc_line_unit(&l, s);
-    if (u < l.units) tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : sum);
+    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_own(&l, a.in, s, v0), s == 0);
+    tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), sum);
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* Slots: in rank p's buffer, sender q's slot holds q's lines of chunk p
+ * (phase one) and q's sums of chunk q (phase two), disjoint lines, each
+ * written once per op with the op's epoch as flag.
+ * Reuse: every chunk has at least one step (the core checks), so no rank
+ * finishes an op without a line from every peer; a peer that sent one in op
+ * e+1 has finished op e, so, as with packets, a rank is at most one op ahead
+ * and slots by epoch parity are never overwritten while read.
+ * Headers: each rank checks every peer's in the first step of its chunk,
+ * and the owner's in the first step of each chunk it gathers.
+ * A warp that fails in phase one pushes no sums: its peers stop at the
+ * record that failure sends them (tpc_record), never on stale sums.
+ * in == out is safe: a step of another chunk is pushed and gathered by the
+ * same warp in that order; a step of the own chunk is read before its sum is
+ * written. */
+__global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  const tpc_lines l = tpc_lines_of(&a);
+  const int n = a.world, me = a.rank;
+  const uint64_t cb = tpc_line_chunk(l.steps, me, n), ce = tpc_line_chunk(l.steps, me + 1, n);
+  const uint64_t others = l.steps - (ce - cb); /* steps of the other chunks, indexed t */
+  auto step_of = [&](uint64_t t) { return t < cb ? t : t + (ce - cb); };
+  uint4 v0 = make_uint4(0, 0, 0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (l.first < others) v0 = tpc_line_load(&l, a.in, step_of(l.first));
+  });
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+
+  for (uint64_t t = l.first; t < others; t += l.stride) {
+    const uint64_t s = step_of(t);
+    tpc_line_put(&op, &l, s, t == l.first ? v0 : tpc_line_load(&l, a.in, s), tpc_line_chunk_of(l.steps, s, n));
+  }
+  for (uint64_t s = cb + l.first; s < ce; s += l.stride) {
+    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
+    if (!tpc_op_broken(&op)) tpc_line_push(&op, &l, s, sum);
+    tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), sum);
+  }
+  for (uint64_t t = l.first; t < others; t += l.stride) {
+    const uint64_t s = step_of(t);
+    const int owner = tpc_line_chunk_of(l.steps, s, n);
+    const uint4 v = tpc_line_wait(&op, &l, s, owner, s == tpc_line_chunk(l.steps, owner, n));
+    tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), v);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }

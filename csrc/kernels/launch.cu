@@ -66,12 +66,13 @@ static tpc_geometry tpc_packet_geometry(const tpc_kernel_args *args, uint64_t it
   return tpc_geometry_for(items, tpc_packet_threads(items, max_blocks), max_blocks);
 }
 
-/* Line kernels (line.cuh): one warp step (a line per 8 lanes) per 32 data
- * threads, spread as the packet kernels are. */
-static tpc_geometry tpc_line_geometry(const tpc_kernel_args *args) {
+/* Line kernels (line.cuh): one warp step (4 lines of 8 lanes) per 32 data
+ * threads, for `chunks` times the steps of nbytes (reduce_scatter pushes
+ * world - 1 chunks of nbytes), spread as the packet kernels are. */
+static tpc_geometry tpc_line_geometry(const tpc_kernel_args *args, uint64_t chunks) {
   const uint64_t lines = (args->nbytes / 16 + TPC_LINE_UNITS - 1) / TPC_LINE_UNITS;
   const uint64_t lines_per_step = 32 / TPC_LINE_LANES;
-  return tpc_packet_geometry(args, (lines + lines_per_step - 1) / lines_per_step * 32);
+  return tpc_packet_geometry(args, chunks * ((lines + lines_per_step - 1) / lines_per_step) * 32);
 }
 
 /* The line protocol rests on NVLink delivering a warp's 128-byte store whole
@@ -127,7 +128,11 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
   }
   if (algo == TPC_ALGO_LINE) {
     TPC_LINE_UNSUPPORTED();
-    return tpc_launch(tpc_all_reduce_line_kernel, tpc_line_geometry(args), args, stream);
+    return tpc_launch(tpc_all_reduce_line_kernel, tpc_line_geometry(args, 1), args, stream);
+  }
+  if (algo == TPC_ALGO_TWO_SHOT) { /* a warp a step: the pushes and gathers cover (n-1)/n of them */
+    TPC_LINE_UNSUPPORTED();
+    return tpc_launch(tpc_all_reduce_two_shot_kernel, tpc_line_geometry(args, 1), args, stream);
   }
   /* two ranks: the one-shot stream moves as much and needs one phase */
   if (args->world == 2)
@@ -149,7 +154,7 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
   }
   if (algo == TPC_ALGO_LINE) {
     TPC_LINE_UNSUPPORTED();
-    return tpc_launch(tpc_all_gather_line_kernel, tpc_line_geometry(args), args, stream);
+    return tpc_launch(tpc_all_gather_line_kernel, tpc_line_geometry(args, 1), args, stream);
   }
   return tpc_launch(tpc_all_gather_bulk_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
 }
@@ -159,6 +164,11 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
     return tpc_launch(args->out_f32 ? tpc_reduce_scatter_packet_kernel<1> : tpc_reduce_scatter_packet_kernel<0>,
                       tpc_packet_geometry(args, items), args, stream);
+  }
+  if (algo == TPC_ALGO_LINE) { /* a warp for each step of the n-1 chunks it pushes */
+    TPC_LINE_UNSUPPORTED();
+    return tpc_launch(args->out_f32 ? tpc_reduce_scatter_line_kernel<1> : tpc_reduce_scatter_line_kernel<0>,
+                      tpc_line_geometry(args, (uint64_t)args->world - 1), args, stream);
   }
   return tpc_launch(args->out_f32 ? tpc_reduce_scatter_bulk_kernel<1> : tpc_reduce_scatter_bulk_kernel<0>,
                     tpc_geometry_for(args->nbytes / 16, TPC_BLOCK_THREADS, TPC_MAX_BLOCKS), args, stream);

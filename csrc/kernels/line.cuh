@@ -103,6 +103,17 @@ TPC_DEVICE char *tpc_line_at(const tpc_kernel_args *a, const tpc_op *op, const t
          (l->lane % TPC_LINE_LANES) * 16;
 }
 
+/* Step s's line into `owner`'s slot for this sender: one store instruction,
+ * so the line leaves whole. `v` is the lane's data (ignored in flag lanes). */
+TPC_DEVICE void tpc_line_put(const tpc_op *op, const tpc_lines *l, uint64_t s, uint4 v, int owner) {
+  const tpc_kernel_args *a = op->args;
+  if (tpc_line_index(l, s) >= l->lines) return; /* the whole line: its 8 lanes agree */
+  const int flag = tpc_line_flag_lane(l);
+  const uint64_t lo = flag ? tpc_packet_half(op->epoch, op->epoch) : (uint64_t)v.y << 32 | v.x;
+  const uint64_t hi = flag ? tpc_packet_half(op->epoch, op->epoch) : (uint64_t)v.w << 32 | v.z;
+  tpc_store_packet((uint64_t *)tpc_line_at(a, op, l, owner, a->rank, s), lo, hi);
+}
+
 /* Step s's lines into every peer's slot: one store instruction per peer, so
  * each line leaves whole. `v` is the lane's data (ignored in flag lanes). */
 TPC_DEVICE void tpc_line_push(const tpc_op *op, const tpc_lines *l, uint64_t s, uint4 v) {
@@ -150,6 +161,49 @@ TPC_DEVICE uint4 tpc_line_wait(tpc_op *op, const tpc_lines *l, uint64_t s, int p
   }
   if (here && !flag) tpc_load_packet(p, &lo, &hi);
   return make_uint4((uint32_t)lo, (uint32_t)(lo >> 32), (uint32_t)hi, (uint32_t)(hi >> 32));
+}
+
+/* Step s's line summed in rank order, in fp32 and not rounded (acc: 8
+ * values of a 16-bit dtype, 4 of fp32): this rank's values from `own`, each
+ * peer's from its line in this rank's slot, waited for (tpc_line_wait; with
+ * check_header every peer's header is checked too). Flag lanes sum flags:
+ * their result is never used. */
+TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
+                                    float acc[8]) {
+  const tpc_kernel_args *a = op->args;
+  for (int q = 0; q < a->world; ++q) {
+    const uint4 v = q == a->rank ? own : tpc_line_wait(op, l, s, q, check_header);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    tpc_add_rank(acc, words, 4, a->dtype, q);
+  }
+}
+
+/* The same sum rounded once to the dtype; two ranks add in the dtype's
+ * packed arithmetic, which gives the same bits (docs/design.md). */
+TPC_DEVICE uint4 tpc_line_sum(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header) {
+  const tpc_kernel_args *a = op->args;
+  if (a->world == 2) return tpc_sum_pair16(own, tpc_line_wait(op, l, s, 1 - a->rank, check_header), a->dtype);
+  float acc[8];
+  tpc_line_accumulate(op, l, s, own, check_header, acc);
+  uint32_t w[4];
+  tpc_round(acc, w, 4, a->dtype);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* Chunks of the two-phase kernels: chunk j is warp steps
+ * [tpc_line_chunk(steps, j, n), tpc_line_chunk(steps, j + 1, n)); sizes
+ * differ by at most one step. */
+TPC_DEVICE uint64_t tpc_line_chunk(uint64_t steps, int j, int n) { return steps * (uint64_t)j / (uint64_t)n; }
+
+/* The chunk holding step s: the largest j with steps * j / n <= s. */
+TPC_DEVICE int tpc_line_chunk_of(uint64_t steps, uint64_t s, int n) {
+  return (int)(((s + 1) * (uint64_t)n - 1) / steps);
+}
+
+/* Store 16 bytes of a line step's result at unit u of out, unless u is past
+ * the end (flag lanes, the last line's padding); NaN once the op broke. */
+TPC_DEVICE void tpc_line_store(const tpc_op *op, const tpc_lines *l, void *out, uint64_t u, uint4 v) {
+  if (u < l->units) tpc_store16((char *)out + u * 16, tpc_op_broken(op) ? tpc_poison16(op->args) : v);
 }
 
 #endif /* TPCOMM_LINE_CUH */

@@ -7,6 +7,10 @@
  * packet: push chunk j of the input as packets into rank j's slot for this
  *   sender, then wait for the peers' packets of our chunk and sum. No barrier;
  *   each rank sends (n-1)/n of its input, the minimum.
+ * line (line.cuh): the packet kernel's scheme in 128-byte lines: chunk j's
+ *   lines go into rank j's slot, and each rank sums its chunk's lines in rank
+ *   order. Every rank waits for a line from every peer, so a rank is at most
+ *   one op ahead, as with packets.
  * bulk: push chunk j into rank j's bulk slot for this sender, barrier, sum
  *   our chunk from the slots. Peers release the slots at the end
  *   (tpc_bulk_acquire), as for the other bulk kernels.
@@ -18,6 +22,7 @@
 #ifndef TPCOMM_REDUCE_SCATTER_CUH
 #define TPCOMM_REDUCE_SCATTER_CUH
 
+#include "line.cuh"
 #include "reduce.cuh"
 
 /* Stores the fp32 sums of one unit (2 or 4 values for a packet unit, 4 or 8
@@ -54,6 +59,42 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
     } else {
       const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u, folded);
       ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
+    }
+  }
+  tpc_op_end(&a, &op, TPC_NOT_BULK);
+}
+
+/* Lines are laid out over one chunk (a.nbytes); warp w takes steps of the
+ * n-1 other chunks t = w, w + W, ... (chunk me + 1 + t / steps, step t % steps)
+ * and then the steps of its own. */
+template <int OutF32>
+__global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  const tpc_lines l = tpc_lines_of(&a);
+  const int n = a.world, me = a.rank;
+  const uint64_t others = (uint64_t)(n - 1) * l.steps;
+  auto chunk_of = [&](uint64_t t) { return (int)((me + 1 + t / l.steps) % n); };
+  auto chunk_in = [&](int j) { return (const char *)a.in + (uint64_t)j * a.nbytes; };
+  uint4 v0 = make_uint4(0, 0, 0, 0);
+  tpc_op op = tpc_op_begin(&a, [&] {
+    if (l.first < others) v0 = tpc_line_load(&l, chunk_in(chunk_of(l.first)), l.first % l.steps);
+  });
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+
+  for (uint64_t t = l.first; t < others; t += l.stride) {
+    const int j = chunk_of(t);
+    const uint64_t s = t % l.steps;
+    tpc_line_put(&op, &l, s, t == l.first ? v0 : tpc_line_load(&l, chunk_in(j), s), j);
+  }
+  for (uint64_t s = l.first; s < l.steps; s += l.stride) {
+    const uint4 own = tpc_line_load(&l, chunk_in(me), s);
+    const uint64_t u = tpc_line_unit(&l, s);
+    if (OutF32) {
+      float acc[8];
+      tpc_line_accumulate(&op, &l, s, own, s == 0, acc);
+      const int values = a.dtype == TPC_FLOAT32 ? 4 : 8;
+      if (u < l.units) tpc_store_sums_f32(&a, u, acc, values, tpc_op_broken(&op));
+    } else {
+      tpc_line_store(&op, &l, a.out, u, tpc_line_sum(&op, &l, s, own, s == 0));
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

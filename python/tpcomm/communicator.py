@@ -113,7 +113,7 @@ class Communicator:
     @property
     def kernels(self) -> "Kernels | None":
         """tpcomm's kernels for this communicator, called with the algorithm
-        forced ("packet", "line" or "bulk"): what the benchmark and tune
+        forced (a name of tpcomm.routing.KERNELS): what the benchmark and tune
         measure. None when the custom path is off."""
         return self._kernels
 
@@ -199,7 +199,7 @@ class Communicator:
 
     # -------------------------------------------------------------- routing
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "bulk" or "nccl"."""
+        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk" or "nccl"."""
         return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
@@ -208,7 +208,7 @@ class Communicator:
                              routing.row_bytes(x.shape, dim, x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
-        """The backend reduce_scatter(x, dim) uses: "packet", "bulk" or "nccl"."""
+        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
         return routing.route(self._routes, self._caps, "reduce_scatter", x.dtype, x.numel() * x.element_size())
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:

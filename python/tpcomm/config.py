@@ -87,8 +87,8 @@ class Config:
         for op, backend in self.force:
             if op not in policy.OPS or backend not in policy.BACKENDS:
                 raise ValueError(f"tpcomm: force {op}={backend}: ops are {policy.OPS}, backends {policy.BACKENDS}")
-            if backend == "line" and op in policy.NO_LINE:
-                raise ValueError(f"tpcomm: force {op}={backend}: {op} has no line kernel")
+            if op not in policy.KERNEL_OPS.get(backend, policy.OPS):
+                raise ValueError(f"tpcomm: force {op}={backend}: {op} has no {backend} kernel")
         for backend in self.forbid:
             if backend not in policy.KERNELS:
                 raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {policy.KERNELS} can be forbidden")

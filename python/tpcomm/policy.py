@@ -7,8 +7,8 @@ writes one per machine) maps op x world size x dtype to bands of (largest
 input bytes per rank, backend), tried in order; sizes past the last band go
 to NCCL. An op a table has no routes for takes the shipped table's. "*"
 stands for any world size or dtype without a row of its own. Backends:
-"packet", "line" and "bulk" are tpcomm's kernels (csrc/kernels; "line" has no
-reduce_scatter), "nccl" is torch.distributed on the same group.
+"packet", "line", "two_shot" and "bulk" are tpcomm's kernels (csrc/kernels;
+"two_shot" is all_reduce only), "nccl" is torch.distributed on the same group.
 
 The Communicator turns the table and its Config (forced or forbidden
 backends) into the effective bands once, at init (effective_routes); the
@@ -18,7 +18,7 @@ import json
 import os
 
 from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
-from .routing import BACKENDS, KERNELS, NO_LINE, OPS  # noqa: F401 - Config and tune read them here
+from .routing import BACKENDS, KERNEL_OPS, KERNELS, OPS  # noqa: F401 - Config and tune read them here
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "h200x2.json")
@@ -73,8 +73,9 @@ def load_table(source=None):
                     raise TableError(f"routing table {where}: {op}/{world}/{dtype}: dtype must be '*' or one of {DTYPES}")
                 what = f"routing table {where}: {op}/{world}/{dtype}"
                 table[op][world][dtype] = _checked_bands(bands, what)
-                if op in NO_LINE and any(b == "line" for _, b in table[op][world][dtype]):
-                    raise TableError(f"{what}: {op} has no line kernel")
+                for _, b in table[op][world][dtype]:
+                    if b in KERNEL_OPS and op not in KERNEL_OPS[b]:
+                        raise TableError(f"{what}: {op} has no {b} kernel")
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
     return {"about": str(data.get("about", "")), "routes": table}
@@ -132,8 +133,8 @@ def effective_routes(table, world_size, force=None, forbid=()):
 
 
 def packet_cutover(bands):
-    """Largest size the bands send to the packet or line kernels."""
-    return max((limit for limit, backend in bands if backend in ("packet", "line")), default=0)
+    """Largest size the bands send to the kernels that use the packet slots (packet, line, two_shot)."""
+    return max((limit for limit, backend in bands if backend in ("packet", "line", "two_shot")), default=0)
 
 
 def flatten(routes):

@@ -11,8 +11,10 @@ told and checks only what memory safety needs.
 
 Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 128-byte lines, CUDA builds only: it rests on NVLink delivering a warp's
-128-byte store whole), "bulk" (large sizes), "nccl" (torch.distributed on the
-same group). Sizes: `nbytes` is the input bytes per rank; `row` (all_gather)
+128-byte store whole), "two_shot" (all_reduce in lines, in two phases: each
+rank sums one chunk and sends the sums to all; 2(n-1)/n of the input per rank
+where "line" sends (n-1) times it), "bulk" (large sizes), "nccl"
+(torch.distributed on the same group). Sizes: `nbytes` is the input bytes per rank; `row` (all_gather)
 the bytes of one slice along the gathered dim and everything after it."""
 import collections
 import math
@@ -20,14 +22,17 @@ import math
 from . import _constants as C
 from . import _dtypes
 
-KERNELS = ("packet", "line", "bulk")
+KERNELS = ("packet", "line", "two_shot", "bulk")
 BACKENDS = KERNELS + ("nccl",)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-NO_LINE = ("reduce_scatter",)  # ops without a line kernel
-ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "bulk": C.TPC_ALGO_BULK}
+KERNEL_OPS = {"packet": OPS, "line": OPS, "two_shot": ("all_reduce",), "bulk": OPS}  # the ops each kernel serves
+LINE_PROTOCOL = ("line", "two_shot")  # kernels that rest on whole 128-byte stores
+ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
+              "bulk": C.TPC_ALGO_BULK}
 # Where a band's kernel cannot take a call, the next of these that can does;
 # NCCL when none can.
-FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"), "bulk": ("bulk", "packet")}
+FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),
+             "two_shot": ("two_shot", "line", "packet", "bulk"), "bulk": ("bulk", "packet")}
 
 
 class Caps(collections.namedtuple("Caps", "world_size max_bytes packet_max_bytes line_kernels")):
@@ -82,14 +87,17 @@ def _kernel_refusal(op, kernel, caps, nbytes, row):
     """Why `kernel` cannot take a call some kernel takes, or None."""
     part = _part(op, caps, nbytes)
     sixteen = op != "all_gather" or (nbytes % 16 == 0 and row % 16 == 0)
-    if kernel == "line":
-        if op in NO_LINE:
-            return f"{op} has no line kernel"
+    if op not in KERNEL_OPS[kernel]:
+        return f"{op} has no {kernel} kernel"
+    if kernel in LINE_PROTOCOL:
         if not caps.line_kernels:
             return "no line kernels in this build (they rest on NVLink's whole 128-byte stores: CUDA only)"
         if not sixteen:
             return "the line kernel moves 16-byte units: size and row must be multiples of 16 bytes"
-    if kernel in ("packet", "line") and part > caps.packet_max_bytes:
+    if kernel == "two_shot" and nbytes <= C.TPC_LINE_STEP_BYTES * (caps.world_size - 1):
+        return (f"two_shot needs more than {C.TPC_LINE_STEP_BYTES * (caps.world_size - 1)} bytes "
+                f"(a warp step of lines, {C.TPC_LINE_STEP_BYTES} bytes, per rank)")
+    if kernel != "bulk" and part > caps.packet_max_bytes:
         return f"{part} bytes per rank are over packet_max_bytes {caps.packet_max_bytes}"
     if kernel == "bulk" and op == "all_gather":
         if not sixteen:

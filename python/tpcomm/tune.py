@@ -2,7 +2,7 @@
 the Communicator loads (Communicator(table=path) or TPCOMM_TABLE=path).
 
 It runs tpcomm.bench in graph mode for the backends the dispatcher routes to
-(tpcomm's packet, line and bulk kernels, NCCL), every size checked bit for bit,
+(tpcomm's packet, line, two_shot and bulk kernels, NCCL), every size checked bit for bit,
 and keeps, per op, dtype and size, the fastest correct backend; consecutive
 sizes with the same winner become one band. `--from results.json` derives
 the table from an earlier benchmark run instead of measuring (no GPU needed).
@@ -19,9 +19,10 @@ import tempfile
 from . import policy
 
 # Benchmark backend names -> the routing table's backend names.
-ROUTABLE = {"tpcomm_packet": "packet", "tpcomm_line": "line", "tpcomm_bulk": "bulk", "nccl": "nccl"}
+ROUTABLE = {"tpcomm_packet": "packet", "tpcomm_line": "line", "tpcomm_two_shot": "two_shot", "tpcomm_bulk": "bulk",
+            "nccl": "nccl"}
 # On a tie (equal medians) the earlier one wins: tpcomm's kernels first.
-PREFERENCE = ("packet", "line", "bulk", "nccl")
+PREFERENCE = ("packet", "line", "two_shot", "bulk", "nccl")
 
 
 def winners(rows, op, dtype):

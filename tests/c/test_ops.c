@@ -28,8 +28,10 @@ void test_reduce_scatter(void) {
       /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
-      {64, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "reduce_scatter has no line kernel"},
-      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 5 (packet 1, bulk 2 or line 3)"},
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
+      {64, 0, 0, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "reduce_scatter has no two_shot kernel"},
+      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG,
+       "reduce_scatter: unknown algorithm 5 (packet 1, bulk 2, line 3 or two_shot 4)"},
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -47,7 +49,10 @@ void test_reduce_scatter(void) {
   check_args(&w, 1, in, out, 528, 528, TPC_FLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F16);
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, MAX_BYTES / 4, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   check_args(&w, 1, in, out, MAX_BYTES / 4, MAX_BYTES / 4, TPC_FLOAT32, TPC_OP_REDUCE_SCATTER, TPC_ALGO_BULK, NAN_F32);
-  CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 3);
+  /* line: the packet cap on one chunk */
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_LINE, STREAM_A), TPC_OK);
+  check_args(&w, 1, in, out, PACKET_MAX, PACKET_MAX, TPC_FLOAT16, TPC_OP_REDUCE_SCATTER, TPC_ALGO_LINE, NAN_F16);
+  CHECK_EQ(fake.calls[FK_LAUNCH_REDUCE_SCATTER], 4);
   /* a failing launch is reported as such */
   fake_fail_nth(FK_LAUNCH_REDUCE_SCATTER, 1, 77);
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_ERR_RUNTIME);
@@ -198,9 +203,16 @@ void test_all_reduce_validation(void) {
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {40, 0, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 8, 0, TPC_BFLOAT16, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      /* two_shot: the line rules, and a warp step of lines (448 bytes) for each of the 2 ranks */
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
+      {40, 0, 0, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {448, 0, 0, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG,
+       "two_shot all_reduce of 448 bytes: more than 448 bytes (a warp step of lines per rank) are needed"},
+      {64, 0, 0, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "two_shot all_reduce of 64 bytes"},
       /* the caller picks the kernel: 0 (no choice) and unknown values are refused, naming them */
-      {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 0 (packet 1, bulk 2 or line 3)"},
-      {64, 0, 0, TPC_FLOAT32, 4, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 4"},
+      {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG,
+       "all_reduce: unknown algorithm 0 (packet 1, bulk 2, line 3 or two_shot 4)"},
+      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 5"},
       {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm -2"},
       /* the algorithm is checked before the sizes: its message is the one given */
       {24, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG, "unknown algorithm 9"},
@@ -222,7 +234,10 @@ void test_all_reduce_validation(void) {
   CHECK_RC(c, tpc_all_reduce(c, in, in, PACKET_MAX, TPC_BFLOAT16, TPC_ALGO_LINE, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
   CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_LINE, TPC_BFLOAT16, PACKET_MAX));
-  CHECK_EQ(fake.launches, 4);
+  CHECK_RC(c, tpc_all_reduce(c, in, in, 464, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_TWO_SHOT);
+  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_TWO_SHOT, TPC_BFLOAT16, 464));
+  CHECK_EQ(fake.launches, 5);
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_GATHER], 0);
 
   /* a launch the runtime refuses */
@@ -250,6 +265,9 @@ void test_all_reduce_algo_and_args(void) {
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, 512, TPC_FLOAT32, TPC_ALGO_LINE, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
+  /* two_shot needs more than 448 bytes for each of 3 peers: the packet cap of 1024 is too small at 4 ranks */
+  CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "two_shot all_reduce of 1024 bytes: more than 1344 bytes");
   /* past the packet cap the packet kernel is refused, never switched to bulk */
   CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX + 16, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A),
            TPC_ERR_TOO_LARGE);
@@ -322,7 +340,9 @@ void test_all_gather(void) {
       {64, 8, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
       {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {PACKET_MAX + 16, 16, 0, 0, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "1040 bytes per rank is over the packet cap of 1024"},
-      {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 5 (packet 1, bulk 2 or line 3)"},
+      {64, 64, 0, 0, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "all_gather has no two_shot kernel"},
+      {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG,
+       "all_gather: unknown algorithm 5 (packet 1, bulk 2, line 3 or two_shot 4)"},
       {64, 64, 0, 0, 0, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from bitexact import assert_bits_equal
-from tpcomm import _constants
+from tpcomm import _constants, routing
 
 KiB, MiB = 1024, 1024 * 1024
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -17,9 +17,18 @@ CYCLES_PER_US = 1980  # torch.cuda._sleep counts SM cycles; an H200 runs at abou
 
 # The internal ops' `algo` argument for each kernel, from the C header
 # (tpcomm._constants is generated from csrc/tpcomm.h).
-ALGO = {"packet": _constants.TPC_ALGO_PACKET, "bulk": _constants.TPC_ALGO_BULK, "line": _constants.TPC_ALGO_LINE}
-PACKET, BULK, LINE = ALGO["packet"], ALGO["bulk"], ALGO["line"]
+ALGO = {"packet": _constants.TPC_ALGO_PACKET, "bulk": _constants.TPC_ALGO_BULK, "line": _constants.TPC_ALGO_LINE,
+        "two_shot": _constants.TPC_ALGO_TWO_SHOT}
+PACKET, BULK, LINE, TWO_SHOT = ALGO["packet"], ALGO["bulk"], ALGO["line"], ALGO["two_shot"]
 KERNELS = tuple(ALGO)  # tpcomm's own kernels: the backends stats() names besides "nccl" (and "aiter")
+
+
+def takes(comm, op, algo, x):
+    """Whether tpcomm's kernel `algo` can run op on x (a dim-0 all_gather):
+    tpcomm.routing's rules for the communicator's caps."""
+    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    nbytes = x.numel() * x.element_size()
+    return routing.refusal(op, algo, caps, x.dtype, nbytes, nbytes) is None
 
 
 # ------------------------------------------------------------------ inputs

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import multiproc
 import tpcomm
-from gpu_checks import (ALGO, BULK, DTYPES, PACKET, Calls, KiB, MiB, assert_bits_equal, assert_custom_only,
-                        delay_random_rank, int_valued, nccl_all_reduce, overwrite, same_on_all_ranks,
-                        shared_rng)
+from gpu_checks import (ALGO, BULK, DTYPES, KERNELS, PACKET, Calls, KiB, MiB, assert_bits_equal,
+                        assert_custom_only, delay_random_rank, int_valued, nccl_all_reduce, overwrite,
+                        same_on_all_ranks, shared_rng, takes)
 from tpcomm.reference import rank_order_sum
 
 pytestmark = pytest.mark.gpu
@@ -52,8 +52,8 @@ def body_eager_matches_nccl(rank, world):
         for dtype in DTYPES:
             x = int_valued(nbytes // dtype.itemsize, dtype, gen)
             ref = nccl_all_reduce(x)
-            for algo in ("routed", "packet", "line", "bulk"):
-                if algo in ("packet", "line") and nbytes > comm.packet_max_bytes:
+            for algo in ("routed", "packet", "line", "two_shot", "bulk"):
+                if algo != "routed" and not takes(comm, "all_reduce", algo, x):
                     continue
                 xi = x.clone()
                 delay_random_rank(rank, world, rng)
@@ -115,7 +115,7 @@ def body_graph_replays(rank, world):
                 static_out.append(comm.all_reduce(x))
             inplace = static_in[1] * 1
             comm.all_reduce(inplace, out=inplace)
-    assert sum(calls.ran("all_reduce", k) for k in ("packet", "line", "bulk")) == len(shapes) + 1, comm.stats()
+    assert sum(calls.ran("all_reduce", k) for k in KERNELS) == len(shapes) + 1, comm.stats()
     second = torch.cuda.CUDAGraph()  # a second graph, replayed in between
     small_in = torch.zeros(64, dtype=torch.float16, device="cuda")
     with comm.capture():
@@ -261,7 +261,7 @@ def body_errors(rank, world):
         torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle, PACKET)
     with pytest.raises(RuntimeError, match="over the"):
         torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, PACKET)
-    for bad in (0, 4, -1):  # the kernels are 1, 2 and 3; there is no automatic choice in the C core
+    for bad in (0, 5, -1):  # the kernels are 1 to 4; there is no automatic choice in the C core
         with pytest.raises(RuntimeError, match=f"algorithm {bad}"):
             torch.ops._tpcomm.all_reduce(x, comm.handle, bad)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
@@ -324,7 +324,7 @@ def body_eager_fast_path(rank, world):
             x = int_valued(nbytes // dtype.itemsize, dtype, gen)
             kept = x.clone()
             route = comm.route_all_reduce(kept)
-            assert route in ("packet", "line", "bulk"), route
+            assert route in KERNELS, route
             delay_random_rank(rank, world, rng, max_us=100)
             stream = side if i % 2 else torch.cuda.current_stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -381,10 +381,10 @@ def body_sizes_for_any_world(rank, world):
     gen = torch.Generator(device="cuda").manual_seed(90 + rank)
     rng = shared_rng(41)
     for nbytes in (16 * (world + 1), 4 * KiB * world + 16, 1 * MiB + 16 * (world + 1), 3 * MiB + 16):
-        for algo in ("packet", "line", "bulk"):
-            if algo != "bulk" and nbytes > comm.packet_max_bytes:
-                continue
+        for algo in KERNELS:
             x = int_valued(nbytes // 2, torch.bfloat16, gen)
+            if not takes(comm, "all_reduce", algo, x):
+                continue
             kept = x.clone()
             delay_random_rank(rank, world, rng)
             y = torch.ops._tpcomm.all_reduce(x, comm.handle, ALGO[algo])

@@ -12,7 +12,7 @@ import torch
 import multiproc
 import tpcomm
 from gpu_checks import (ALGO, DTYPES, Calls, KiB, MiB, assert_bits_equal, assert_custom_only, chunk_numel,
-                        delay_random_rank, int_valued, nccl_reduce_scatter, overwrite, round16, shared_rng)
+                        delay_random_rank, int_valued, nccl_reduce_scatter, overwrite, round16, shared_rng, takes)
 
 pytestmark = pytest.mark.gpu
 
@@ -43,8 +43,8 @@ def body_sizes_dtypes_algos(rank, world):
             overwrite(xi)
             calls.expect("reduce_scatter", route)
             assert_bits_equal(y, ref, f"routed ({route}) {part} B per part {dtype}")
-            for algo in ("packet", "bulk"):
-                if algo == "packet" and part > comm.packet_max_bytes:
+            for algo in ("packet", "line", "bulk"):
+                if not takes(comm, "reduce_scatter", algo, x):
                     continue
                 xi = x.clone()
                 delay_random_rank(rank, world, rng)

@@ -219,11 +219,14 @@ SOAK_AR = [64, 512, 4 * KiB, 24 * KiB, 160 * KiB, 640 * KiB]        # bf16 eleme
 SOAK_AG = [(1, 256), (16, 512), (300, 1024)]                          # the last one bulk (600 KiB per rank)
 
 
-# A table that sends the soak's middle sizes (8 KiB to 600 KiB a rank) to the
-# line kernels, so that they mix with packet and bulk ops whatever the shipped
-# table routes.
-LINE_TABLE = {"routes": {"all_reduce": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}},
-                         "all_gather": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}}}}
+# A table that sends the soak's and the chain's middle sizes (8 KiB to 600 KiB
+# a rank) to the kernels of 128-byte lines, all_reduce from 64 KiB to the
+# two-phase one, so that they mix with packet and bulk ops whatever the
+# shipped table routes.
+LINE_TABLE = {"routes": {
+    "all_reduce": {"*": {"*": [[1 * KiB, "packet"], [64 * KiB, "line"], [1 * MiB, "two_shot"], [16 * MiB, "bulk"]]}},
+    "all_gather": {"*": {"*": [[1 * KiB, "packet"], [1 * MiB, "line"], [16 * MiB, "bulk"]]}}}}
+LINE_KERNELS = ("packet", "line", "two_shot", "bulk")
 
 
 def body_soak(rank, world):
@@ -231,7 +234,7 @@ def body_soak(rank, world):
 
 
 def body_soak_line(rank, world):
-    _soak(rank, world, LINE_TABLE, ("packet", "line", "bulk"))
+    _soak(rank, world, LINE_TABLE, LINE_KERNELS)
 
 
 def _soak(rank, world, table, want):
@@ -302,7 +305,7 @@ def body_back_to_back_chain_line(rank, world):
     """The same through the line kernels, whose readers poll while the lines
     land (a reader that took a line's data from the load that found its flag
     would pass stale data down this chain)."""
-    _chain(rank, world, LINE_TABLE, ("packet", "line", "bulk"))
+    _chain(rank, world, LINE_TABLE, LINE_KERNELS)
 
 
 def _chain(rank, world, table, want):

@@ -1,10 +1,10 @@
 """tpcomm's own kernels (csrc/kernels) for one communicator id, through the
 internal torch ops torch.ops._tpcomm.* and, for an eager all_reduce, the C
 core directly (tpcomm._fastpath): "packet" (barrier-free, small and medium
-sizes), "line" (the same scheme in 128-byte lines of data and flag: all_reduce
-and all_gather, CUDA builds only), "bulk" (large sizes: streamed, or the
-two-shot all-reduce of more than two ranks), and the fused all-reduce + add +
-RMSNorm. The caller picks the kernel (tpcomm.routing says which can take a
+sizes), "line" (the same scheme in 128-byte lines of data and flag, CUDA
+builds only), "two_shot" (all_reduce in lines, in two phases), "bulk" (large
+sizes: streamed, or the two-shot all-reduce of more than two ranks), and the
+fused all-reduce + add + RMSNorm. The caller picks the kernel (tpcomm.routing says which can take a
 call). They read only their input and the buffers registered at init, so
 graph capture needs nothing more. Errors come back as tpcomm's exception
 classes."""

@@ -21,7 +21,7 @@ symm_one_shot / symm_two_shot (torch.ops.symm_mem.one_shot_all_reduce /
 two_shot_all_reduce_, all_reduce only, input already in the buffer),
 symm_two_shot_copied (the two-shot with the copies in and out a dispatcher
 would add), tpcomm (the dispatcher's choice),
-tpcomm_packet, tpcomm_line, tpcomm_bulk (kernels forced). A backend that cannot run a case
+tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk (kernels forced). A backend that cannot run a case
 is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.
 

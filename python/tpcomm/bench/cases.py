@@ -13,7 +13,7 @@ exchange of verdicts, so that no rank waits in a collective the others
 skipped):
 
 * nccl: tpcomm.backends.nccl.Nccl on the world group, all_reduce in place.
-* tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_line, tpcomm_bulk
+* tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk
   (tpcomm.backends.kernels.Kernels of that communicator, kernel forced): one
   Communicator whose max_bytes covers the largest all-gather output.
 * nccl_window: tpcomm.backends.nccl_window.NcclWindow (its doc says how the
@@ -41,7 +41,7 @@ from ..backends.nccl import Nccl
 from ..backends.nccl_window import NcclWindow
 from ..backends.symm_mem import SymmMem
 
-TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_bulk")
+TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk")
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
 SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot", "symm_two_shot_copied")
 WINDOW_BACKENDS = ("nccl_window", "nccl_window_nomix")

@@ -31,6 +31,7 @@ STYLE = {
     "tpcomm": dict(color="tab:red", marker="D", linewidth=2.2),
     "tpcomm_packet": dict(color="tab:orange", marker="x", linestyle=":"),
     "tpcomm_line": dict(color="tab:brown", marker="*", linestyle=":"),
+    "tpcomm_two_shot": dict(color="tab:olive", marker="1", linestyle=":"),
     "tpcomm_bulk": dict(color="tab:blue", marker="+", linestyle=":"),
 }
 

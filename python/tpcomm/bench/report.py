@@ -25,7 +25,8 @@ MiB = 1024 * KiB
 OPS = ("all_reduce", "all_gather", "reduce_scatter")  # reduce_scatter's size: its input per rank
 # Column order of the tables and plots.
 BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot",
-            "symm_two_shot_copied", "tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_bulk")
+            "symm_two_shot_copied", "tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot",
+            "tpcomm_bulk")
 # NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process, at its first
 # communicator: these run in a second set of processes with it set to 0 (NCCL
 # at its fastest under CUDA graphs), graph mode only.
@@ -43,6 +44,7 @@ BACKEND_HELP = {
     "tpcomm": "tpcomm.Communicator (the dispatcher's choice of kernel)",
     "tpcomm_packet": "tpcomm's packet kernel, forced",
     "tpcomm_line": "tpcomm's line kernel (128-byte lines of data and flag), forced",
+    "tpcomm_two_shot": "tpcomm's two-phase all-reduce in lines (each rank sums one chunk), forced",
     "tpcomm_bulk": "tpcomm's bulk kernel, forced",
 }
 MODES = ("graph", "eager")
