@@ -18,10 +18,17 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+# No NVLink multicast, in this process and whatever it starts: set before
+# torch and tpcomm are imported.
+for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_var] = _value
 
-PACKET, BULK, LINE = 1, 2, 3  # tpc_algo (csrc/tpcomm.h)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tpcomm import _constants as C  # noqa: E402
+
+PACKET, BULK, LINE, TWO_SHOT = C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE, C.TPC_ALGO_TWO_SHOT
 EPS = 1e-6
 
 
@@ -100,6 +107,9 @@ class Cases:
             ("all_reduce packet 64 B", lambda: self.all_reduce((32,), bf16, PACKET)),
             ("all_reduce packet 16 KiB f32", lambda: self.all_reduce((4096,), f32, PACKET)),
             ("all_reduce line 16 KiB", lambda: self.all_reduce((8192,), bf16, LINE)),
+            # two_shot: chunks of unequal steps (an odd number of them), and one step a rank
+            ("all_reduce two_shot 16 KiB + 16", lambda: self.all_reduce((8200,), bf16, TWO_SHOT)),
+            ("all_reduce two_shot a step a rank f32", lambda: self.all_reduce((112 * n,), f32, TWO_SHOT)),
             ("all_reduce bulk 64 KiB f16", lambda: self.all_reduce((32768,), f16, BULK)),
             # packet all_gather: the flat kernel (dim 0, 8-byte multiple), the
             # general one with whole 8-byte units and with 4-byte ones
@@ -112,6 +122,8 @@ class Cases:
             ("all_gather bulk dim 1", lambda: self.all_gather((64, 1024), 1, bf16, BULK)),
             ("reduce_scatter packet", lambda: self.reduce_scatter((n * 1024,), bf16, PACKET, False)),
             ("reduce_scatter packet f32 out", lambda: self.reduce_scatter((n * 1024,), bf16, PACKET, True)),
+            ("reduce_scatter line", lambda: self.reduce_scatter((n * 8200,), bf16, LINE, False)),
+            ("reduce_scatter line f32 out", lambda: self.reduce_scatter((n * 8200,), bf16, LINE, True)),
             ("reduce_scatter bulk", lambda: self.reduce_scatter((n * 32768,), bf16, BULK, False)),
             ("reduce_scatter bulk f32 out", lambda: self.reduce_scatter((n * 16384,), f32, BULK, True)),
             # the fused norm: out of place with few rows ("spread": every block
@@ -142,8 +154,6 @@ def main():
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="tpcomm's bound on device waits: the rank under the tool runs far slower than its peers")
     args = p.parse_args()
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"
 
     import tpcomm
     import tpcomm._testing
