@@ -113,6 +113,41 @@ def test_command_writes_a_table_the_communicator_loads(tmp_path):
     assert policy.load_table(str(out))["routes"]["all_gather"]["2"]["*"][0][1] == "packet"
 
 
+def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
+    """A run at another world size keeps the rows already in --out and
+    replaces only its own; without --out the file is named for the GPU model."""
+    out = tmp_path / "h200.json"
+    mine = {"about": "test", "routes": {op: {"*": {"*": [[16, "nccl"]]}, "2": {"*": [[32, "packet"]]},
+                                            "8": {"*": [[48, "bulk"]]}} for op in policy.OPS}}
+    out.write_text(json.dumps(mine))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    run4 = os.path.join(ROOT, "benchmarks", "results", "h200x4.json")
+    proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--from", run4, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"extended {out} (world size 4)" in proc.stdout
+    routes = policy.load_table(str(out))["routes"]
+    for op in policy.OPS:
+        assert routes[op]["2"]["*"] == [(32, "packet")] and routes[op]["8"]["*"] == [(48, "bulk")], op
+        assert routes[op]["4"] == policy.load_table()["routes"][op]["4"], op  # as derived from that run
+    proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--from", COMMITTED], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "tpcomm_table_h200.json").exists(), proc.stdout
+
+
+def test_tables_are_named_for_the_gpu_model():
+    assert [policy.gpu_model(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                                          "AMD Instinct MI300X", "NVIDIA H200 NVL")] == \
+        ["h200", "h100", "a100", "mi300x", "h200"]
+    assert policy.table_for_device("NVIDIA H200") == os.path.join(policy.TABLES, "h200.json") == policy.DEFAULT_TABLE
+    assert policy.table_for_device("NVIDIA H200 NVL") == policy.DEFAULT_TABLE
+    assert policy.table_for_device("NVIDIA A100-SXM4-80GB") == policy.DEFAULT_TABLE  # none shipped: the H200 one
+    assert policy.table_for_device(None) == policy.DEFAULT_TABLE
+    shipped = {os.path.splitext(f)[0] for f in os.listdir(policy.TABLES) if f.endswith(".json")}
+    assert shipped == {"h200"}, "a table file per GPU model, named by policy.gpu_model"
+
+
 def test_live_mode_without_gpus_measures_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--out", str(tmp_path / "t.json")],
                           capture_output=True, text=True, timeout=300,

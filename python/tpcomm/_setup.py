@@ -43,6 +43,15 @@ def resolve_device(device):
     return device
 
 
+def table_source(table, device):
+    """What a Communicator loads its routing table from: `table` (a path or
+    a parsed dict) when given, else the shipped table of the device's GPU
+    model (tpcomm.policy.table_for_device)."""
+    if table is not None:
+        return table
+    return policy.table_for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+
+
 def open_group(group, rank, world_size, device, serial, config, routes, max_bytes, packet_max_bytes):
     """Collective: (the loaded C library or None, the C communicator or None,
     the group's verdict). The communicator is open on every rank, or the

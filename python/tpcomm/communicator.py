@@ -72,7 +72,8 @@ class Communicator:
         self.max_bytes = self.config.max_bytes
         self.packet_max_bytes = min(self.config.packet_max_bytes, self.max_bytes)
         self.timeout_s = float(self.config.timeout_s)
-        self.table = policy.load_table(table if isinstance(table, dict) else self.config.table)
+        self.table = policy.load_table(_setup.table_source(table if isinstance(table, dict) else self.config.table,
+                                                           self.device))
         self._routes = policy.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                self.config.forbid)
         self.handle = self._id = 0  # the id the internal ops take (0: off or closed); _id outlives close

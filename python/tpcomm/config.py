@@ -9,8 +9,8 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
     TPCOMM_MAX_BYTES         16777216         cap on the output bytes of one op on tpcomm's kernels
     TPCOMM_PACKET_MAX_BYTES  1048576          cap on the input bytes per rank of the packet and
                                               line kernels (reduce_scatter: of one rank's part)
-    TPCOMM_TABLE             the shipped one  routing table file (tpcomm/tables/h200x2.json;
-                                              python -m tpcomm.tune writes one)
+    TPCOMM_TABLE             the shipped one  routing table file (default: tpcomm/tables/<GPU model>.json,
+                                              else h200.json; python -m tpcomm.tune writes one)
     TPCOMM_FORCE             none             op=backend pairs, e.g. all_reduce=nccl: one backend
                                               for every size of that op
     TPCOMM_FORBID            none             kernels never used, e.g. bulk,line (their sizes go to NCCL)

@@ -258,20 +258,24 @@ def _extension_facts(report):
 
 def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
-    from . import policy as routing
+    import torch
+
+    from . import policy
     source = getattr(config, "table", None) if config is not None else None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    path = source or policy.table_for_device(gpu)
     try:
-        table = routing.load_table(source)
+        table = policy.load_table(path)
     except Exception as e:  # noqa: BLE001 - a bad table is a finding
         report.problem("table", str(e))
         return
-    report.line("table", source or f"{routing.DEFAULT_TABLE} (shipped)")
+    report.line("table", source or f"{path} (shipped, for {policy.gpu_model(gpu) if gpu else 'no GPU'})")
     about = table.get("about", "")
     if about:
         report.line("measured on", about.split(":", 1)[1].split(",", 2)[0].strip() if ":" in about else about[:120])
     force = dict(getattr(config, "force", ()) or ())
     forbid = getattr(config, "forbid", ()) or ()
-    routes = routing.effective_routes(table, world_size, force, forbid)
+    routes = policy.effective_routes(table, world_size, force, forbid)
     for op, by_dtype in routes.items():
         row = "own row" if str(world_size) in table["routes"][op] else "'*' row"
         bands = ", ".join(f"<= {_size(limit)} {backend}" for limit, backend in by_dtype["*"])

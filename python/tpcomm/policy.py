@@ -2,10 +2,12 @@
 the effective bands once a Config is applied. tpcomm.routing decides each call
 from those bands.
 
-A table file (tables/h200x2.json is shipped; `python -m tpcomm.tune`
-writes one per machine) maps op x world size x dtype to bands of (largest
-input bytes per rank, backend), tried in order; sizes past the last band go
-to NCCL. An op a table has no routes for takes the shipped table's. "*"
+A table file maps op x world size x dtype to bands of (largest input bytes
+per rank, backend), tried in order; sizes past the last band go to NCCL. One
+file per GPU model, with rows per world size: tables/<model>.json is shipped
+for the models measured (tables/h200.json), and a Communicator without a table
+of its own loads the one of its GPU's model, else h200.json (table_for_device).
+`python -m tpcomm.tune` writes or extends such a file for a machine. An op a table has no routes for takes the shipped table's. "*"
 stands for any world size or dtype without a row of its own. Backends:
 "packet", "line", "two_shot" and "bulk" are tpcomm's kernels (csrc/kernels;
 "two_shot" is all_reduce only), "nccl" is torch.distributed on the same group.
@@ -16,12 +18,14 @@ ranks compare them before any op runs, since ranks that route differently
 deadlock."""
 import json
 import os
+import re
 
 from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
 from .routing import BACKENDS, KERNEL_OPS, KERNELS, OPS  # noqa: F401 - Config and tune read them here
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
-DEFAULT_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "h200x2.json")
+TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
+DEFAULT_TABLE = os.path.join(TABLES, "h200.json")  # for GPU models without a table of their own
 
 
 class TableError(ValueError):
@@ -79,6 +83,24 @@ def load_table(source=None):
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
     return {"about": str(data.get("about", "")), "routes": table}
+
+
+def gpu_model(device_name):
+    """The table file stem for a GPU: its first word with a digit, lower case
+    ("NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100", "AMD Instinct
+    MI300X" -> "mi300x")."""
+    words = re.split(r"[\s_-]+", device_name.strip().lower())
+    return next((w for w in words if any(c.isdigit() for c in w)), "-".join(w for w in words if w) or "gpu")
+
+
+def table_for_device(device_name):
+    """The shipped table for this GPU model, or DEFAULT_TABLE when there is
+    none; device_name None (no GPU): DEFAULT_TABLE."""
+    if device_name:
+        path = os.path.join(TABLES, gpu_model(device_name) + ".json")
+        if os.path.exists(path):
+            return path
+    return DEFAULT_TABLE
 
 
 def path_is_default(source):

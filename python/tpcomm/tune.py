@@ -1,5 +1,8 @@
 """python -m tpcomm.tune: measure this machine and write the routing table
-the Communicator loads (Communicator(table=path) or TPCOMM_TABLE=path).
+the Communicator loads (Communicator(table=path) or TPCOMM_TABLE=path): one
+file per GPU model with a row per world size. Run it once per world size with
+the same --out: each run replaces its own world size's rows and keeps the
+others' (a new file starts from the shipped table of the GPU model).
 
 It runs tpcomm.bench in graph mode for the backends the dispatcher routes to
 (tpcomm's packet, line, two_shot and bulk kernels, NCCL), every size checked bit for bit,
@@ -7,8 +10,8 @@ and keeps, per op, dtype and size, the fastest correct backend; consecutive
 sizes with the same winner become one band. `--from results.json` derives
 the table from an earlier benchmark run instead of measuring (no GPU needed).
 
-    python -m tpcomm.tune --out my_table.json
-    python -m tpcomm.tune --from benchmarks/results/h200x2.json --out h200x2.json
+    torchrun --nproc-per-node=4 -m tpcomm.tune --out h200.json   # then 8, with the same --out
+    python -m tpcomm.tune --from benchmarks/results/h200x2.json --out h200.json
 """
 import argparse
 import json
@@ -88,7 +91,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m tpcomm.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", help="derive from this benchmark results JSON instead of measuring")
-    p.add_argument("--out", help="where to write the table (default: tpcomm_table_<gpu>x<n>.json here)")
+    p.add_argument("--out", help="the table to write or extend (default: tpcomm_table_<gpu model>.json here)")
     p.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes to measure")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest size per rank to measure")
     return p.parse_args(argv)
@@ -111,10 +114,10 @@ def main(argv=None):
                 return 1
             with open(path) as f:
                 results = json.load(f)
-    table = derive_table(results)
     env = results.get("env", {})
-    gpu = str(env.get("gpu", "gpu")).split()[-1].lower()
-    out = args.out or f"tpcomm_table_{gpu}x{env.get('world_size', 'n')}.json"
+    out = args.out or f"tpcomm_table_{policy.gpu_model(str(env.get('gpu', 'gpu')))}.json"
+    extended = os.path.exists(out)
+    table = derive_table(results, out if extended else policy.table_for_device(env.get("gpu")))
     with open(out, "w") as f:
         json.dump(table, f, indent=2)
         f.write("\n")
@@ -122,7 +125,8 @@ def main(argv=None):
         for world, by_dtype in sorted(table["routes"][op].items()):
             for dtype, bs in sorted(by_dtype.items()):
                 print(f"{op:11s} world {world:2s} {dtype:9s} " + ", ".join(f"{b} to {n} B" for n, b in bs))
-    print(f"wrote {out}: use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
+    print(f"{'extended' if extended else 'wrote'} {out} (world size {env.get('world_size')}): "
+          f"use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
     return 0
 
 
