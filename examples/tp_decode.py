@@ -19,7 +19,15 @@ floor), "nccl" is torch.distributed, "tpcomm" is tpcomm.Communicator, and
 "tpcomm_fused" (asked for with --backends) runs the residual add and the
 RMSNorm that follow each row-parallel matmul inside the all-reduce
 (Communicator.all_reduce_add_rms_norm on the fused kernel; its sums stay in
-fp32 up to the norm, so its logits are close to NCCL's, not equal). Each
+fp32 up to the norm, so its logits are close to NCCL's, not equal).
+"none_fused" is the floor of the fused step: no collective, and the add and
+the norm in one kernel (torch.compile fuses them; on --cpu they run
+unfused), so the fused step's communication is measured against a step
+with the same fusion ("none" keeps the add and the norm apart, which the
+fused step does not pay). The summary gives each backend's time over
+"none", and each *_fused backend's over "none_fused" when it ran:
+
+    python examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused Each
 (batch size, backend) step is captured once as a CUDA graph; then in every
 round each backend replays its graph --replays times, the order rotating from
 round to round, so no backend profits from running first or last. The figure
@@ -137,11 +145,27 @@ def unfused_add_norm(all_reduce):
     return add_norm
 
 
-def collectives(backend, comm):
-    if backend == "none":
+def local_fused_add_norm():
+    """add_norm with no communication, the add and the norm in one kernel:
+    torch.compile fuses them (one Triton kernel on CUDA)."""
+    @torch.compile(fullgraph=True, dynamic=False)
+    def add_norm(y, x, weight):
+        x = x + y
+        return rms_norm(x, weight), x
+    return add_norm
+
+
+FLOORS = ("none", "none_fused")
+
+
+def collectives(backend, comm, fused_floor=None):
+    """(all_reduce, all_gather_last_dim, add_norm) of a backend; fused_floor:
+    none_fused's add_norm (local_fused_add_norm, made once per process)."""
+    if backend in FLOORS:
         def identity(t):
             return t
-        return identity, lambda t: torch.cat([t] * dist.get_world_size(), dim=-1), unfused_add_norm(identity)
+        add_norm = fused_floor if backend == "none_fused" and fused_floor else unfused_add_norm(identity)
+        return identity, lambda t: torch.cat([t] * dist.get_world_size(), dim=-1), add_norm
     if backend.startswith("nccl"):
         def all_reduce(t):
             t = t.contiguous()
@@ -195,12 +219,13 @@ def rank_main(rank, world, init_method, args, backends, result_path):
         comm = tpcomm.Communicator(device=device)
     if comm is not None and not cpu and not comm.enabled:
         raise RuntimeError(f"tpcomm's custom path is off: {comm.disabled_reason}")
+    fused_floor = None if cpu else local_fused_add_norm()
     results = {}
     for batch in batches:
         tokens = torch.randint(0, cfg["vocab"], (batch,), generator=torch.Generator().manual_seed(batch)).to(device)
         outs, graphs = {}, {}
         for backend in backends:
-            step = (lambda be=backend: decode_step(model, tokens, collectives(be, comm)))
+            step = (lambda be=backend: decode_step(model, tokens, collectives(be, comm, fused_floor)))
             outs[backend] = [t.clone() for t in step()]  # eager, also the warm-up
             if not cpu:
                 s = torch.cuda.Stream()
@@ -309,19 +334,23 @@ def _join(ctx, result_path, grace_s=60.0):
 
 def summarize(runs):
     """Per batch: ms per step of every backend, each one's overhead over the
-    floor of its own process set, and tpcomm's speed-up over each NCCL."""
+    floor of its own process set ("none"), each *_fused backend's over
+    "none_fused" where that ran, and tpcomm's speed-up over each NCCL."""
     out = {}
     for label, res in runs.items():
         for batch, entry in res.items():
             if not batch.isdigit():
                 continue
             row = out.setdefault(batch, {"ms_per_step": {}, "over_floor_pct": {}})
-            floor = entry.get("ms_per_step", {}).get("none")
-            for b, ms in entry.get("ms_per_step", {}).items():
-                name = f"none ({label})" if b == "none" else b
-                row["ms_per_step"][name] = ms
-                if b != "none" and floor:
-                    row["over_floor_pct"][b] = round(100.0 * (ms / floor - 1.0), 1)
+            times = entry.get("ms_per_step", {})
+            for b, ms in times.items():
+                row["ms_per_step"][f"{b} ({label})" if b in FLOORS else b] = ms
+                if b in FLOORS:
+                    continue
+                if times.get("none"):
+                    row["over_floor_pct"][b] = round(100.0 * (ms / times["none"] - 1.0), 1)
+                if b.endswith("_fused") and times.get("none_fused"):
+                    row.setdefault("over_fused_floor_pct", {})[b] = round(100.0 * (ms / times["none_fused"] - 1.0), 1)
             for k in ("tokens_agree", "logits_bit_equal", "logits_max_abs_diff", "fused_tokens_agree",
                       "fused_logits_max_abs_diff"):
                 if k in entry:

@@ -213,7 +213,8 @@ def tp_decode():
     """examples/tp_decode.py's steps: ms per step by backend and batch."""
     data = _read("tp_decode_h200x2.json")
     env, model, summary = data["env"], data["model"], data["summary"]
-    cols = ["none (mixing default)", "nccl", "nccl_nomix", "tpcomm", "tpcomm_fused"]
+    cols = ["none (mixing default)", "none_fused (mixing default)", "nccl", "nccl_nomix", "tpcomm", "tpcomm_fused"]
+    cols = [c for c in cols if any(c in row["ms_per_step"] for row in summary.values())]  # the backends run
     lines = [f"{_gpu_label(env)}, {env['date']}: {model['layers']} layers, hidden {model['hidden']}, "
              f"vocabulary {model['vocab']}, context {model['context']}, {model['dtype']}, TP={model['ranks']}; "
              f"{data['method']}", "",

@@ -44,7 +44,7 @@ fi
 gpus=h200x$(nvidia-smi -L | wc -l)
 if [ "$what" = decode ] || [ "$what" = all ]; then
   # tpcomm_fused: the fused all-reduce + add + RMSNorm kernel beside the rest
-  timeout 200 python3 examples/tp_decode.py --backends none,nccl,tpcomm,tpcomm_fused \
+  timeout 200 python3 examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused \
     --out "$OUT/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
   echo "decode done: $(( $(date +%s) - start )) s"
 fi

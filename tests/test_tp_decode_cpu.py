@@ -13,6 +13,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+import torch  # noqa: E402
+
 import tp_decode  # noqa: E402
 
 
@@ -60,6 +62,45 @@ def test_summary_arithmetic():
     assert row["ms_per_step"]["none (mixing off)"] == 10.2
     assert row["tpcomm_faster_than_pct"] == {"nccl": 10.7, "nccl_nomix": 6.8}
     assert row["tokens_agree (mixing default)"] is True
+
+
+def test_fused_steps_are_measured_against_the_fused_floor():
+    """*_fused backends over none_fused (the step without communication,
+    add and norm fused), every backend over none; floors named per process set."""
+    runs = {"mixing default": {"8": {"ms_per_step": {"none": 10.0, "none_fused": 9.5, "tpcomm": 10.5,
+                                                     "tpcomm_fused": 9.69, "nccl": 12.0}}}}
+    row = tp_decode.summarize(runs)["8"]
+    assert row["over_floor_pct"] == {"tpcomm": 5.0, "tpcomm_fused": -3.1, "nccl": 20.0}
+    assert row["over_fused_floor_pct"] == {"tpcomm_fused": 2.0}
+    assert row["ms_per_step"]["none_fused (mixing default)"] == 9.5
+    no_fused_floor = tp_decode.summarize({"mixing default": {"8": {"ms_per_step": {"none": 10.0, "tpcomm_fused": 9.0}}}})
+    assert "over_fused_floor_pct" not in no_fused_floor["8"]
+
+
+def test_fused_floor_computes_the_unfused_add_and_norm():
+    """none_fused's add_norm (torch.compile'd: one kernel) gives what the
+    unfused add and norm give, up to the order of the norm's sum."""
+    g = torch.Generator().manual_seed(5)
+    y, x, w = (torch.randn(3, 64, generator=g) for _ in range(3))
+    normed, summed = tp_decode.local_fused_add_norm()(y, x, w[0])
+    want_normed, want_summed = tp_decode.unfused_add_norm(lambda t: t)(y, x, w[0])
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(normed, want_normed, rtol=2e-6, atol=1e-6)
+
+
+def test_fused_floor_on_two_gloo_ranks(tmp_path):
+    """none_fused runs (no collective: its tokens are not NCCL's) beside
+    tpcomm_fused, and tpcomm's calls are only tpcomm_fused's."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
+                           "--batches", "2", "--context", "16", "--backends", "none_fused,nccl,tpcomm_fused",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"]["mixing default"]
+    assert run["2"]["fused_tokens_agree"] is True
+    layers = tp_decode.TINY["layers"]
+    assert run["tpcomm_calls"] == {"all_reduce/nccl": 1 + 2 * layers, "all_gather/nccl": 1,
+                                   "all_reduce_add_rms_norm/unfused": 2 * layers}
 
 
 def test_needs_two_gpus_without_cpu_flag(monkeypatch, capsys):
