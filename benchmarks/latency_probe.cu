@@ -1,10 +1,9 @@
 /*
  * Where the time of a small collective goes: tpcomm's real kernels
- * (launch.cu, included) beside stripped variants, each timed the way the
- * benchmark times them: a CUDA graph of OPS launches per GPU, both GPUs
- * replayed together, median over replays of the slower GPU, per op.
+ * (launch.cu, included) beside stripped variants, on two ranks of one GPU
+ * each, timed as probe_ranks.h times them (as the benchmark does).
  *
- * One process drives every GPU (peer access, no IPC), so no torch is needed:
+ * One process drives both GPUs (peer access, no IPC), so no torch is needed:
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/latency_probe.cu -o /tmp/probe && /tmp/probe
  * `/tmp/probe quick` leaves out 256 KiB; `/tmp/probe bulk` times only the
  * two-rank bulk all_reduce at 4 and 16 MiB over other grids than launch.cu's;
@@ -15,33 +14,10 @@
  * Stages are placed by difference (variants that leave one stage out), not by
  * in-kernel clocks, which would perturb what they measure.
  */
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
 #include <string>
-#include <vector>
 
-#include "../csrc/kernels/launch.cu"
-#include "probe_check.h"
-
-
-static const int OPS = 50, REPLAYS = 40, WARMUP = 5;
-static int world = 2;
-
-struct Rank {
-  char *buf;
-  tpc_control *control;
-  tpc_async_error *err;
-  char *in, *out;
-  cudaStream_t stream;
-  tpc_kernel_args args;
-};
-static Rank ranks[TPC_MAX_RANKS];
-static tpc_layout layout;
+#include "probe_ranks.h"
 
 /* ------------------------------------------------------------ variants */
 
@@ -214,85 +190,7 @@ __global__ void probe_gather(const __grid_constant__ tpc_kernel_args a) {
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
-/* ------------------------------------------------------------ harness */
-
-typedef std::function<void(int rank)> Launcher;
-
-static void launch_pdl(tpc_kernel k, tpc_geometry g, int r, int pdl) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(g.blocks);
-  cfg.blockDim = dim3(g.threads);
-  cfg.stream = ranks[r].stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, k, ranks[r].args));
-}
-
-static void set_size(uint64_t nbytes, int op) {
-  for (int r = 0; r < world; ++r) {
-    tpc_kernel_args &a = ranks[r].args;
-    a.nbytes = nbytes;
-    a.out_bytes = op == TPC_OP_ALL_GATHER ? nbytes * world : nbytes;
-    a.row_bytes = nbytes;
-    a.op = op;
-    a.kind = tpc_kind_word(op, TPC_ALGO_PACKET, TPC_BFLOAT16, nbytes);
-  }
-}
-
-/* Median over replays of the slower rank, microseconds per op. */
-static double time_us(const Launcher &launch) {
-  cudaGraphExec_t exec[TPC_MAX_RANKS];
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    cudaGraph_t graph;
-    CHECK(cudaStreamBeginCapture(ranks[r].stream, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < OPS; ++i) launch(r);
-    CHECK(cudaStreamEndCapture(ranks[r].stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec[r], graph, 0));
-    CHECK(cudaGraphDestroy(graph));
-  }
-  cudaEvent_t start[TPC_MAX_RANKS], stop[TPC_MAX_RANKS];
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    CHECK(cudaEventCreate(&start[r]));
-    CHECK(cudaEventCreate(&stop[r]));
-  }
-  std::vector<double> per_op;
-  for (int rep = 0; rep < WARMUP + REPLAYS; ++rep) {
-    for (int r = 0; r < world; ++r) {
-      CHECK(cudaSetDevice(r));
-      CHECK(cudaEventRecord(start[r], ranks[r].stream));
-      CHECK(cudaGraphLaunch(exec[r], ranks[r].stream));
-      CHECK(cudaEventRecord(stop[r], ranks[r].stream));
-    }
-    double worst = 0;
-    for (int r = 0; r < world; ++r) {
-      CHECK(cudaSetDevice(r));
-      CHECK(cudaEventSynchronize(stop[r]));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, start[r], stop[r]));
-      worst = std::max(worst, (double)ms * 1000.0 / OPS);
-    }
-    if (rep >= WARMUP) per_op.push_back(worst);
-  }
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    CHECK(cudaGraphExecDestroy(exec[r]));
-    CHECK(cudaEventDestroy(start[r]));
-    CHECK(cudaEventDestroy(stop[r]));
-    tpc_control c;
-    CHECK(cudaMemcpy(&c, ranks[r].control, sizeof c, cudaMemcpyDeviceToHost));
-    if (c.failed) {
-      fprintf(stderr, "rank %d recorded error %u\n", r, c.failed);
-      exit(1);
-    }
-  }
-  std::sort(per_op.begin(), per_op.end());
-  return per_op[per_op.size() / 2];
-}
+/* ------------------------------------------------------------ host cost */
 
 /* Host microseconds per eager launch on rank 0's stream: median over rounds
  * of 500 launches, the stream drained between rounds (500 launches fit in
@@ -313,120 +211,13 @@ static void report_host(const char *name, const std::function<void()> &launch) {
   fflush(stdout);
 }
 
-/* `list` mode: rows are named, nothing is launched or checked. */
-static bool listing = false;
-
-static void report(const char *name, uint64_t nbytes, const Launcher &launch) {
-  if (listing) {
-    printf("%-34s %8llu B\n", name, (unsigned long long)nbytes);
-    return;
-  }
-  printf("%-34s %8llu B  %7.3f us\n", name, (unsigned long long)nbytes, time_us(launch));
-  fflush(stdout);
-}
-
-static void check_all_reduce(uint64_t nbytes) {
-  if (listing) return;
-  /* inputs are bf16 1.0 (rank 0) and 2.0 (rank 1): every output word 3.0 | 3.0 << 16 */
-  std::vector<uint32_t> host(nbytes / 4);
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    CHECK(cudaMemcpy(host.data(), ranks[r].out, nbytes, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < host.size(); ++i)
-      if (host[i] != 0x40404040u) {
-        fprintf(stderr, "all_reduce %llu B: rank %d word %zu is %08x\n", (unsigned long long)nbytes, r, i, host[i]);
-        exit(1);
-      }
-  }
-}
-
-static void check_all_gather(uint64_t nbytes) {
-  if (listing) return;
-  /* rank 0's bf16 1.0s, then rank 1's 2.0s, on both ranks */
-  std::vector<uint32_t> host(nbytes * world / 4);
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    CHECK(cudaMemcpy(host.data(), ranks[r].out, nbytes * world, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < host.size(); ++i)
-      if (host[i] != (i < nbytes / 4 ? 0x3f803f80u : 0x40004000u)) {
-        fprintf(stderr, "all_gather %llu B: rank %d word %zu is %08x\n", (unsigned long long)nbytes, r, i, host[i]);
-        exit(1);
-      }
-  }
-}
-
-static void check(int op, uint64_t nbytes) {
-  if (op == TPC_OP_ALL_REDUCE) check_all_reduce(nbytes);
-  else check_all_gather(nbytes);
-}
-
-/* Both GPUs' buffers, control slots and inputs, as two ranks' communicators
- * would hold them, with inputs for max_bytes a rank. */
-static void open_ranks(size_t max_bytes) {
-  int count = 0;
-  CHECK(cudaGetDeviceCount(&count));
-  if (count < 2) {
-    fprintf(stderr, "needs 2 GPUs\n");
-    exit(1);
-  }
-  layout = tpc_layout_for(world, max_bytes, max_bytes);
-  for (int r = 0; r < world; ++r) {
-    CHECK(cudaSetDevice(r));
-    for (int p = 0; p < world; ++p)
-      if (p != r) CHECK(cudaDeviceEnablePeerAccess(p, 0));
-    Rank &k = ranks[r];
-    CHECK(cudaMalloc(&k.buf, layout.total_bytes));
-    CHECK(cudaMemset(k.buf, 0, layout.total_bytes));
-    CHECK(cudaMalloc(&k.control, sizeof(tpc_control)));
-    tpc_control c = {1u, 0u, 0u, 0u};
-    CHECK(cudaMemcpy(k.control, &c, sizeof c, cudaMemcpyHostToDevice));
-    CHECK(cudaMalloc(&k.err, sizeof(tpc_async_error)));
-    CHECK(cudaMemset(k.err, 0, sizeof(tpc_async_error)));
-    CHECK(cudaMalloc(&k.in, max_bytes));
-    CHECK(cudaMalloc(&k.out, max_bytes * world));
-    /* bf16 1.0 = 0x3f80, 2.0 = 0x4000 */
-    std::vector<uint16_t> v(max_bytes / 2, r == 0 ? 0x3f80 : 0x4000);
-    CHECK(cudaMemcpy(k.in, v.data(), max_bytes, cudaMemcpyHostToDevice));
-    CHECK(cudaStreamCreateWithFlags(&k.stream, cudaStreamNonBlocking));
-  }
-  for (int r = 0; r < world; ++r) {
-    tpc_kernel_args &a = ranks[r].args;
-    memset(&a, 0, sizeof a);
-    for (int p = 0; p < world; ++p) {
-      a.bufs[p] = ranks[p].buf;
-      a.peer_control[p] = ranks[p].control;
-    }
-    a.control = ranks[r].control;
-    a.err = ranks[r].err;
-    a.in = ranks[r].in;
-    a.out = ranks[r].out;
-    a.timeout_ns = 2000000000ull;
-    a.packet_off = layout.packet_off;
-    a.packet_slot_bytes = layout.packet_slot_bytes;
-    a.data_off = layout.data_off;
-    a.data_bytes = layout.data_bytes;
-    a.poison = 0x7fc000007fc00000ull;
-    a.alive_id = 1;
-    a.rank = r;
-    a.world = world;
-    a.dtype = TPC_BFLOAT16;
-    a.poison_out = 1;
-    CHECK(cudaDeviceGetAttribute(&a.max_blocks, cudaDevAttrMultiProcessorCount, r));
-  }
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("%s x%d, %d graph nodes per replay, median of %d replays, slower GPU, us per op\n", prop.name, world,
-         OPS, REPLAYS);
-
-}
-
 int main(int argc, char **argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   listing = mode == "list";
   const int quick = mode == "quick" || (listing && argc > 2 && std::string(argv[2]) == "quick");
   const int bulk_sweep = mode == "bulk";
   const int geom_sweep = mode == "geom";
-  if (!listing) open_ranks(bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20);
+  if (!listing) open_ranks(2, bulk_sweep ? (size_t)16 << 20 : (size_t)1 << 20, true);
 
   if (mode == "host") {
     const tpc_geometry one = {1, 64};

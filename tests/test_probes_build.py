@@ -1,7 +1,8 @@
 """The standalone CUDA probes under benchmarks/: latency_probe.cu (the stage
-timings behind docs/design.md's "where the time goes") is compiled against
-the current kernels, so it cannot drift from the code it measures, and its
-`list` mode (no GPU needed) must name every row the device run times;
+timings behind docs/design.md's "where the time goes") and scale_probe.cu
+(the kernels at 2..8 ranks) are compiled against the current kernels, so
+they cannot drift from the code they measure, and their `list` modes (no
+GPU needed) must name every row the device run times;
 bandwidth_probe.cu (the NVLink transfer rates behind the bulk kernels'
 design) must compile warning-free. Timing itself needs the device machine
 (2 GPUs)."""
@@ -95,6 +96,33 @@ def test_probe_packet_variants_start_as_the_kernels_do():
         assert "PROBE_PACKET_START(" in bodies[k], k
     assert {k for k, body in bodies.items() if "tpc_op_begin" in body} == {"probe_epoch", "probe_ping",
                                                                            "probe_ping_load"}
+
+
+@pytest.fixture(scope="module")
+def scale_probe(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("probe") / "scale_probe"
+    _compile("scale_probe.cu", exe)
+    return exe
+
+
+@needs_nvcc
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_scale_probe_lists_every_kernel_at_every_world_size(scale_probe, world):
+    """scale_probe.cu times the packet exchange with one peer and with every
+    peer, then every op's kernels at each size they take: two_shot only from
+    one warp step of lines per rank (more than 448 * (world - 1) bytes)."""
+    exe = scale_probe
+    rows = _rows(exe, str(world))
+    assert rows[:2] == [("one packet, one peer (ring)", 0), ("one packet, every peer", 0)]
+    sizes = (64, 2048, 16384, 65536, 262144, 524288)
+    for op, kernels in (("all_reduce", ("packet", "line", "two_shot", "bulk")),
+                        ("reduce_scatter", ("packet", "line", "bulk")), ("all_gather", ("packet", "line", "bulk"))):
+        for kernel in kernels:
+            want = [n for n in sizes if kernel != "two_shot" or n > 448 * (world - 1)]
+            assert [n for name, n in rows if name == f"{op} {kernel}"] == want, (op, kernel)
+    assert len(rows) == 2 + 10 * len(sizes) - sum(n <= 448 * (world - 1) for n in sizes)
+    bad = subprocess.run([str(exe), "list", "9"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "2..8" in bad.stderr
 
 
 @needs_nvcc
