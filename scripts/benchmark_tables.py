@@ -27,17 +27,18 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DOCUMENTS = ("README.md", os.path.join("docs", "benchmarks.md"))
 
 
-def _load_report():
-    """tpcomm/bench/report.py by path: the package's __init__ would import
+def _load(name):
+    """tpcomm/bench/<name>.py by path: the package's __init__ would import
     torch and the extension, which tables do not need."""
-    path = os.path.join(ROOT, "python", "tpcomm", "bench", "report.py")
-    spec = importlib.util.spec_from_file_location("_tpcomm_bench_report", path)
+    path = os.path.join(ROOT, "python", "tpcomm", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_tpcomm_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-report = _load_report()
+report = _load("report")
+scaling = _load("scaling")
 human_bytes = report.human_bytes
 SMALL_MAX = 64 * 1024  # "decode sizes": the headline's summary covers 64 B up to this many bytes per rank
 TWO_SHOT = "symm_two_shot"
@@ -248,7 +249,33 @@ def add_rms_norm_routes():
     return "\n".join(lines)
 
 
-BLOCKS = {"headline": headline, "decode-headline": decode_headline, "host-cost": host_cost, "tp-decode": tp_decode,
+ASSUMED_HOP_US = 1.0  # two_shot's second crossing: not measured yet (benchmarks/scale_probe.cu will)
+
+
+def scaling_model():
+    """tpcomm.bench.scaling fitted to each committed run's all_reduce rows
+    (bf16, CUDA graphs), and where two_shot would start to pay."""
+    lines = ["| ranks | kernel | latency at 64 B, µs | GB/s sent per rank, at its largest size | "
+             "worst model error, 64 KiB and up |", "|---:|---|---:|---:|---:|"]
+    fitted = []
+    for world in WORLDS:
+        rows = _run(world)["rows"]
+        for kernel in ("packet", "line", "bulk"):
+            measured = scaling.times(rows, kernel)
+            latency, gbps = scaling.fit(measured, kernel, world)
+            fitted.append(gbps)
+            error = scaling.worst_error(measured, kernel, world, 64 * 1024)
+            lines.append(f"| {world} | {kernel} | {latency:.2f} | {gbps:.0f} (at {human_bytes(max(measured))}) | "
+                         f"{100 * error:.0f} % |")
+    gbps = sorted(fitted)[len(fitted) // 2]
+    pays = ", ".join(f"{human_bytes(int(scaling.two_shot_pays_from(w, gbps, ASSUMED_HOP_US)))} at {w} ranks"
+                     for w in (4, 8))
+    lines += ["", f"With the median fitted rate ({gbps:.0f} GB/s) and a second hop of {ASSUMED_HOP_US:.0f} µs "
+                  f"(assumed), two_shot sends enough less than line to pay for the hop from about {pays}."]
+    return "\n".join(lines)
+
+
+BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline, "host-cost": host_cost, "tp-decode": tp_decode,
           "add-rms-norm-routes": add_rms_norm_routes}
 for _w in WORLDS:
     BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
