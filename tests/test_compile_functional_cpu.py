@@ -19,16 +19,19 @@ from multiproc import run_ranks
 _F = torch.ops._c10d_functional
 
 
+def _targets_of(node):
+    """A call_function node's op name, or None."""
+    if node.op == "call_function" and hasattr(node.target, "name"):
+        return node.target.name().split(".")[0]
+    return None
+
+
 def _targets(gm):
     """call_function targets of gm's graph, by their op's name."""
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and hasattr(node.target, "name"):
-            names.append(node.target.name().split(".")[0])
-    return names
+    return [name for name in map(_targets_of, gm.graph.nodes) if name]
 
 
-def _compile(fn, *args, fuse=True):
+def _compile(fn, *args, fuse=True, dynamic=False):
     """fn compiled (fullgraph) with tpcomm's backend whose inner backend
     keeps the graph it receives; (result of the second call, the graph,
     the pass's counts)."""
@@ -40,7 +43,7 @@ def _compile(fn, *args, fuse=True):
 
     torch._dynamo.reset()
     backend = tpcomm.compile_backend(keep, fuse=fuse)
-    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
     fresh = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
     compiled(*fresh())
     out = compiled(*fresh())
@@ -126,12 +129,13 @@ class _Layer(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) / hidden ** 0.5)
         self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden, generator=g))
         self.llama_style = llama_style
+        self.eps = 1e-5  # an attribute, as models keep it: a tensor read by .item() under dynamic=True
 
     def norm(self, h):
         if not self.llama_style:
-            return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.norm_weight, 1e-5)
+            return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.norm_weight, self.eps)
         h32 = h.to(torch.float32)
-        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)
+        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.norm_weight * h32.to(h.dtype)
 
     def forward(self, x, residual):
@@ -157,15 +161,19 @@ def _body_fusion(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     x = exact_values(rank, (4, 8), torch.float32, seed=5)
     residual = exact_values(0, (4, 8), torch.float32, seed=6)
-    for llama_style in (False, True):
+    for llama_style, dynamic in ((False, False), (True, False), (False, True), (True, True)):
         layer = _Layer(8, llama_style)
         with torch.no_grad():
             expected = layer(x, residual)
-            got, gm, counts = _compile(layer, x, residual)
-            unfused, _, unfused_counts = _compile(layer, x, residual, fuse=False)
-        assert counts == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0, "all_reduce_add_rms_norm": 1}
+            got, gm, counts = _compile(layer, x, residual, dynamic=dynamic)
+            unfused, _, unfused_counts = _compile(layer, x, residual, fuse=False, dynamic=dynamic)
+        assert counts == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0, "all_reduce_add_rms_norm": 1}, \
+            (llama_style, dynamic)
         assert unfused_counts["all_reduce_add_rms_norm"] == 0
         assert "tpcomm::all_reduce_add_rms_norm" in _targets(gm)
+        eps = next(n for n in gm.graph.nodes if _targets_of(n) == "tpcomm::all_reduce_add_rms_norm").args[3]
+        # a constant, or under dynamic=True the .item() of the tensor Dynamo passes the attribute as
+        assert eps == 1e-5 if not dynamic else (isinstance(eps, torch.fx.Node) and eps.target == "item")
         for a, b in zip(unfused, expected):
             assert torch.equal(a, b), "the collective alone changed the model's arithmetic"
         # fused: the sum and the residual add are the model's (exact here), the norm in another order
@@ -194,6 +202,38 @@ def _body_fusion(rank, world_size):
 
 def test_dist_all_reduce_then_add_rms_norm_fuses():
     run_ranks(2, _body_fusion, timeout=240)
+
+
+def _body_fusion_inductor_dynamic(rank, world_size):
+    """Under dynamic=True inductor cannot make a tensor of the symbolic eps
+    the fused op takes, so it restarts the frame with eps a constant: the
+    graph it then compiles holds the fused op with eps written in."""
+    from torch._inductor.compile_fx import compile_fx
+
+    comm = tpcomm.Communicator(device="cpu")
+    x = exact_values(rank, (4, 8), torch.float32, seed=5)
+    residual = exact_values(0, (4, 8), torch.float32, seed=6)
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    layer = _Layer(8, llama_style=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = layer(x, residual)
+        got = torch.compile(layer, backend=tpcomm.compile_backend(inductor), fullgraph=True, dynamic=True)(x, residual)
+    fused = [n for n in graphs[-1].graph.nodes if _targets_of(n) == "tpcomm::all_reduce_add_rms_norm"]
+    assert len(fused) == 1 and fused[0].args[3] == 1e-5, graphs[-1].graph
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], rtol=1.3e-6, atol=1e-5)
+    assert comm.stats()[("all_reduce_add_rms_norm", "unfused")]["calls"] == 1  # the CPU's path of the fused op
+    comm.close()
+
+
+def test_fusion_under_dynamic_shapes_reaches_inductor():
+    run_ranks(2, _body_fusion_inductor_dynamic, timeout=300)
 
 
 def _body_inductor_pass(rank, world_size):

@@ -41,9 +41,8 @@ they are: Dynamo and AOT write the functional forms, and inductor makes them
 in-place only after its custom passes (reinplace_inplaceable_ops). Which
 groups go to tpcomm is decided when a graph is compiled: the graph then
 calls the group-name ops, which raise once that group has no open
-Communicator. Under torch.compile(dynamic=True) Dynamo passes a module's
-float eps as a tensor: the fusion then does not match (the collectives are
-still rewritten).
+Communicator. Under torch.compile(dynamic=True) the fusion matches too
+(tpcomm.fusion says how it takes the eps Dynamo then passes).
 """
 import operator
 

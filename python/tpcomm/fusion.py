@@ -19,6 +19,14 @@ dimension's length, an explicit weight and eps, and the all-reduce used only
 by the add (its result is not kept). Other users of z take the fused op's z.
 What does not match is left as it is (other spellings of a norm included:
 write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+
+eps: a float, or under torch.compile(dynamic=True), where Dynamo passes a
+module's float as a 0-dim tensor and reads it with .item(), that item (a
+symbolic float), which the fused op takes as its eps. Inductor then cannot
+turn that float into a tensor and restarts the frame with the float a
+constant (TensorifyScalarRestartAnalysis), so the graph it compiles holds the
+fused op with eps written in; other inner backends call the op with the
+float .item() returns.
 The fused op computes in fp32 from the sum to the norm and rounds once, where
 the unfused model rounds z first (and the Llama-style norm rounds again
 before the weight): the normed values can differ from the model's in the
@@ -50,6 +58,18 @@ def _norm_args(norm):
     return tuple(values[n] for n in names)
 
 
+def _eps(value):
+    """value as the fused op's eps: a float, or the node of a 0-dim float
+    tensor's .item() (see the module's doc); else None."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, torch.fx.Node) and _is_method(value, "item"):
+        source = _example(value.args[0]) if isinstance(value.args[0], torch.fx.Node) else None
+        if source is not None and source.dim() == 0 and source.dtype.is_floating_point:
+            return value
+    return None
+
+
 def _functional_norm(z, hidden):
     """z's F.rms_norm(z, (hidden,), weight, eps) user: (weight, eps, the
     node to replace, the nodes to erase), or None."""
@@ -60,7 +80,7 @@ def _functional_norm(z, hidden):
         if args is None:
             continue
         source, shape, weight, eps = args
-        if source is z and isinstance(weight, torch.fx.Node) and isinstance(eps, float) and tuple(shape) == (hidden,):
+        if source is z and isinstance(weight, torch.fx.Node) and _eps(eps) is not None and tuple(shape) == (hidden,):
             return weight, eps, norm, [norm]
     return None
 
@@ -94,7 +114,7 @@ def _written_norm(z, dtype):
             continue
         plus = _only_user(mean)
         if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
-                or not isinstance(plus.args[1], float) or plus.kwargs:
+                or _eps(plus.args[1]) is None or plus.kwargs:
             continue
         root = _only_user(plus)
         if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
@@ -138,6 +158,10 @@ def _match(ar, order):
         return None
     if order[weight] > order[add]:  # the fused op goes where the add is: its inputs must exist there
         return None
+    # Dynamo reads a symbolic eps (.item()) where the norm uses it, after the add: the read moves
+    # before the add (fuse_all_reduce_add_rms_norm), which its tensor must precede
+    if isinstance(eps, torch.fx.Node) and order[eps.args[0]] > order[add]:
+        return None
     return y, residual, weight, eps, group, add, out, erased
 
 
@@ -154,6 +178,8 @@ def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
         if found is None:
             continue
         y, residual, weight, eps, group, add, out, erased = found
+        if isinstance(eps, torch.fx.Node) and order[eps] > order[add]:
+            add.prepend(eps)
         with graph.inserting_after(add):
             call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
                                        (y, residual, weight, eps, group))
