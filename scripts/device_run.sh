@@ -6,6 +6,9 @@
 # add_rms_norm_routes_<gpu>.json and host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
 # Usage (on the device machine, repo root):
 #   bash scripts/device_run.sh [tests|bench|tune|decode|routes|host|all] [pytest args...]
+#   bash scripts/device_run.sh scale
+#     benchmarks/scale_probe.cu: every kernel at 2..8 ranks, results checked
+#     (ranks share the GPUs where there are fewer; timed at one GPU a rank)
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
 #     the GPU suite with every rank on GPU 0 (tests/multiproc.py: kernel
 #     results at that world size on any machine; one log per world size)
@@ -31,17 +34,25 @@ if [ "$what" = shared ]; then
     | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
   echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
 fi
+gpus=h200x$(nvidia-smi -L | wc -l)
+if [ "$what" = scale ]; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/scale_probe.cu -o /tmp/scale_probe || exit 1
+  for n in 2 3 4 5 6 7 8; do
+    timeout 120 /tmp/scale_probe "$n" 2>&1 | tee -a "$OUT/scale_probe_$gpus.txt" | tail -3 || echo "scale_probe $n failed"
+  done
+  echo "scale probe done: $(( $(date +%s) - start )) s"
+fi
 if [ "$what" = tune ]; then
-  timeout 330 python3 -m tpcomm.tune --out "$OUT/tpcomm_table_h200x$(nvidia-smi -L | wc -l).json" 2>&1 | tail -40
+  # one file per GPU model: a run at another world size extends it (copy the file in first)
+  timeout 330 python3 -m tpcomm.tune --out "$OUT/h200.json" 2>&1 | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   bench=/tmp/tpcomm-bench; mkdir -p "$bench"
-  timeout 330 python3 -m tpcomm.bench --out "$bench/h200x2.json" --deadline-s 250 2>&1 | tee "$OUT/h200x2.txt" | tail -120
-  cp "$bench/h200x2.json" "$OUT/" 2>/dev/null
+  timeout 330 python3 -m tpcomm.bench --out "$bench/$gpus.json" --deadline-s 250 2>&1 | tee "$OUT/$gpus.txt" | tail -120
+  cp "$bench/$gpus.json" "$OUT/" 2>/dev/null
   (cd "$bench" && tar -cf "$OUT/plots.tar" *.png) 2>/dev/null
   echo "bench done: $(( $(date +%s) - start )) s"
 fi
-gpus=h200x$(nvidia-smi -L | wc -l)
 if [ "$what" = decode ] || [ "$what" = all ]; then
   # tpcomm_fused: the fused all-reduce + add + RMSNorm kernel beside the rest
   timeout 200 python3 examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused \
