@@ -7,8 +7,9 @@
  *
  * Rank r runs on GPU r % (GPUs present). Where ranks share a GPU (more ranks
  * than GPUs) their kernels run side by side in one context, so each rank is
- * given a share of the multiprocessors (max_blocks): every rank's blocks fit
- * at once, which kernels that wait for each other need. Results are checked
+ * given a share of the multiprocessors (max_blocks, halved again for the
+ * blocks of the kernel that starts early): every rank's blocks fit at once,
+ * which kernels that wait for each other need. Results are checked
  * then, times mean nothing; the bulk kernels, whose grid is fixed, are for one
  * GPU a rank only (probe_ranks_share_gpus()).
  *
@@ -118,7 +119,9 @@ static void open_ranks(int n, size_t max_bytes, bool require_gpus) {
     a.dtype = TPC_BFLOAT16;
     a.poison_out = 1;
     CHECK(cudaDeviceGetAttribute(&a.max_blocks, cudaDevAttrMultiProcessorCount, device_of(r)));
-    a.max_blocks /= per_gpu; /* every rank of a shared GPU resident at once */
+    /* every rank of a shared GPU resident at once, each with room for the
+     * next kernel's blocks, which programmatic dependent launch starts early */
+    if (per_gpu > 1) a.max_blocks /= 2 * per_gpu;
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
