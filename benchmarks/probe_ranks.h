@@ -156,6 +156,17 @@ static void set_size(uint64_t nbytes, int op) {
   }
 }
 
+/* Stops the probe when rank r's kernels recorded an error (a timeout, a
+ * mismatch): its results would be NaN. */
+static void exit_on_recorded_error(int r) {
+  tpc_control c;
+  CHECK(cudaMemcpy(&c, ranks[r].control, sizeof c, cudaMemcpyDeviceToHost));
+  if (c.failed) {
+    fprintf(stderr, "rank %d recorded error %u\n", r, c.failed);
+    exit(1);
+  }
+}
+
 /* Median over replays of the slowest rank, microseconds per op. */
 static double time_us(const Launcher &launch) {
   cudaGraphExec_t exec[TPC_MAX_RANKS];
@@ -197,12 +208,7 @@ static double time_us(const Launcher &launch) {
     CHECK(cudaGraphExecDestroy(exec[r]));
     CHECK(cudaEventDestroy(start[r]));
     CHECK(cudaEventDestroy(stop[r]));
-    tpc_control c;
-    CHECK(cudaMemcpy(&c, ranks[r].control, sizeof c, cudaMemcpyDeviceToHost));
-    if (c.failed) {
-      fprintf(stderr, "rank %d recorded error %u\n", r, c.failed);
-      exit(1);
-    }
+    exit_on_recorded_error(r);
   }
   std::sort(per_op.begin(), per_op.end());
   return per_op[per_op.size() / 2];
@@ -220,12 +226,7 @@ static void run_untimed(const Launcher &launch) {
   for (int r = 0; r < world; ++r) {
     CHECK(cudaSetDevice(device_of(r)));
     CHECK(cudaStreamSynchronize(ranks[r].stream));
-    tpc_control c;
-    CHECK(cudaMemcpy(&c, ranks[r].control, sizeof c, cudaMemcpyDeviceToHost));
-    if (c.failed) {
-      fprintf(stderr, "rank %d recorded error %u\n", r, c.failed);
-      exit(1);
-    }
+    exit_on_recorded_error(r);
   }
 }
 
