@@ -6,6 +6,7 @@
 # add_rms_norm_routes_<gpu>.json and host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
 # Usage (on the device machine, repo root):
 #   bash scripts/device_run.sh [tests|bench|tune|decode|routes|host|all] [pytest args...]
+#   bash scripts/device_run.sh hf      (examples/hf_llama_tp.py over every GPU)
 #   bash scripts/device_run.sh scale
 #     benchmarks/scale_probe.cu: every kernel at 2..8 ranks, results checked
 #     (ranks share the GPUs where there are fewer; timed at one GPU a rank)
@@ -58,6 +59,11 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
   timeout 200 python3 examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused \
     --out "$OUT/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
   echo "decode done: $(( $(date +%s) - start )) s"
+fi
+if [ "$what" = hf ]; then
+  # transformers' Llama with its TP plan over every GPU: nccl / tpcomm, eager and compiled
+  timeout 400 torchrun --standalone --nproc-per-node="$(nvidia-smi -L | wc -l)" examples/hf_llama_tp.py \
+    --out "$OUT/hf_llama_tp_$gpus.json" 2>&1 | grep -E "s_per_forward|agree|wrote|Error|error" | tail -20
 fi
 if [ "$what" = routes ] || [ "$what" = all ]; then
   timeout 120 python3 benchmarks/add_rms_norm_routes.py --out "$OUT/add_rms_norm_routes_$gpus.json" 2>&1 \

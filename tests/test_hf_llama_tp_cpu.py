@@ -1,0 +1,43 @@
+"""examples/hf_llama_tp.py on 2 gloo ranks (torchrun, a tiny random Llama
+with transformers' own TP plan): every mode gives nccl's next tokens, the
+eager tpcomm mode bit for bit (its fallback is gloo's all_reduce on the CPU),
+and the compiled tpcomm mode runs every row-parallel all-reduce as the fused
+op. The timed run is the device machine's (several GPUs)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS, REPS, BATCHES = 2, 2, (1, 3)
+
+
+def test_every_mode_agrees_on_two_gloo_ranks(tmp_path):
+    out = tmp_path / "hf.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(ROOT, "examples", "hf_llama_tp.py"), "--tiny", "--cpu", "--layers", str(LAYERS),
+         "--reps", str(REPS), "--batches", ",".join(map(str, BATCHES)), "--model-dir", str(tmp_path / "model"),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"]["ranks"] == 2 and data["model"]["layers"] == LAYERS
+    results = data["results"]
+    for batch in map(str, BATCHES):
+        entry = results[batch]
+        assert set(entry["s_per_forward"]) == {"nccl", "tpcomm", "nccl_compiled", "tpcomm_compiled"}
+        for mode in entry["s_per_forward"]:
+            assert entry[f"{mode}_tokens_agree"] is True, (batch, mode)
+        assert entry["tpcomm_logits_max_abs_diff"] == 0.0
+        assert entry["tpcomm_compiled_logits_max_abs_diff"] < 1e-5
+    forwards = (1 + 3 + REPS) * len(BATCHES)  # the compared one, the warm-ups, the timed ones
+    # two row-parallel all-reduces a layer, each fused with the add and norm after it when compiled
+    assert results["tpcomm_calls"]["all_reduce_add_rms_norm/unfused"] == 2 * LAYERS * forwards
+    assert results["tpcomm_calls"]["all_reduce/nccl"] >= 2 * LAYERS * forwards  # the eager mode's, at least
