@@ -394,9 +394,38 @@ def body_sizes_for_any_world(rank, world):
     comm.close()
 
 
+def body_line_kernels_in_place_and_mismatch(rank, world):
+    """The kernels of 128-byte lines in place (in == out: two_shot writes a
+    chunk's sums over the input it still sends from), and ranks that disagree
+    on the size: an error on every rank, never a hang or a result."""
+    comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(95 + rank)
+    rng = shared_rng(96)
+    for nbytes in (448 * world + 16, 64 * KiB + 16 * world, 1 * MiB):  # one step a rank, uneven chunks, the cap
+        for algo in ("line", "two_shot"):
+            x = int_valued(nbytes // 2, torch.bfloat16, gen)
+            if not takes(comm, "all_reduce", algo, x):
+                continue
+            ref = nccl_all_reduce(x)
+            delay_random_rank(rank, world, rng)
+            torch.ops._tpcomm.all_reduce_out(x, x, comm.handle, ALGO[algo])
+            assert_bits_equal(x, ref, f"{nbytes} B on {algo} in place at {world} ranks")
+    comm.check()
+    comm.close()
+    for algo in ("line", "two_shot"):
+        bad = tpcomm.Communicator(max_bytes=CAP, timeout_s=2.0)
+        x = torch.ones((32 * KiB if rank == 0 else 64 * KiB) // 2, dtype=torch.bfloat16, device="cuda")
+        torch.ops._tpcomm.all_reduce(x, bad.handle, ALGO[algo])
+        torch.cuda.synchronize()  # returns: every wait is bounded
+        with pytest.raises(tpcomm.TpcommError):
+            bad.check()
+        bad.close()
+
+
 @pytest.mark.parametrize("body", [body_eager_matches_nccl, body_graph_replays, body_back_to_back_and_overwrite,
                                   body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path,
-                                  body_sizes_for_any_world],
+                                  body_sizes_for_any_world, body_line_kernels_in_place_and_mismatch],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
     multiproc.run_gpu(body)
