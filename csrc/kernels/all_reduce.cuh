@@ -99,7 +99,7 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
     tpc_line_put(&op, &l, s, t == l.first ? v0 : tpc_line_load(&l, a.in, s), tpc_line_chunk_of(l.steps, s, n));
   }
   for (uint64_t s = cb + l.first; s < ce; s += l.stride) {
-    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
+    const uint4 sum = tpc_line_sum<true>(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
     if (!tpc_op_broken(&op)) tpc_line_push(&op, &l, s, sum);
     tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), sum);
   }

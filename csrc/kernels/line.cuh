@@ -178,13 +178,64 @@ TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, 
   }
 }
 
+/* tpc_line_accumulate with the peers' lines polled together: each round
+ * loads the line of every peer not yet in, so the loads of all peers are in
+ * flight at once, where one wait after another pays a load's latency per
+ * peer; once every flag is in, the data is loaded again (tpc_line_wait says
+ * why), all peers at once, and summed in rank order. Bounded like every
+ * wait, naming the first peer still missing; with check_header the first
+ * lane also checks every peer's header before any data is used. */
+TPC_DEVICE void tpc_line_accumulate_together(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
+                                             float acc[8]) {
+  const tpc_kernel_args *a = op->args;
+  const int here = tpc_line_index(l, s) < l->lines;
+  const int flag = tpc_line_flag_lane(l);
+  uint32_t missing = ((1u << a->world) - 1u) & ~(1u << a->rank); /* warp-uniform */
+  uint32_t headers = check_header && l->lane == 0 ? missing : 0u;
+  uint32_t spins = 0;
+  while (missing) {
+#pragma unroll
+    for (int q = 0; q < TPC_MAX_RANKS; ++q) {
+      if (!(missing >> q & 1u)) continue;
+      uint64_t lo = 0, hi = 0;
+      if (here) tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo, &hi);
+      if (headers >> q & 1u && tpc_header_poll(op, q)) headers &= ~(1u << q);
+      const int ready = !(headers >> q & 1u) && (!here || !flag || tpc_packet_ready(lo, hi, op->epoch));
+      if (tpc_warp_all(ready)) missing &= ~(1u << q);
+    }
+    if (missing && tpc_warp_any(tpc_wait_gives_up(op, __ffs(missing) - 1, &spins))) {
+      op->failed = 1;
+      break;
+    }
+  }
+  uint4 v[TPC_MAX_RANKS];
+#pragma unroll
+  for (int q = 0; q < TPC_MAX_RANKS; ++q) {
+    uint64_t lo = 0, hi = 0;
+    if (q < a->world && q != a->rank && here && !flag && !op->failed)
+      tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo, &hi);
+    v[q] = q == a->rank ? own : make_uint4((uint32_t)lo, (uint32_t)(lo >> 32), (uint32_t)hi, (uint32_t)(hi >> 32));
+  }
+#pragma unroll
+  for (int q = 0; q < TPC_MAX_RANKS; ++q) {
+    if (q >= a->world) break;
+    const uint32_t words[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+    tpc_add_rank(acc, words, 4, a->dtype, q);
+  }
+}
+
 /* The same sum rounded once to the dtype; two ranks add in the dtype's
- * packed arithmetic, which gives the same bits (docs/design.md). */
+ * packed arithmetic, which gives the same bits (docs/design.md). Together:
+ * the peers' lines polled together (tpc_line_accumulate_together). */
+template <bool Together = false>
 TPC_DEVICE uint4 tpc_line_sum(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header) {
   const tpc_kernel_args *a = op->args;
   if (a->world == 2) return tpc_sum_pair16(own, tpc_line_wait(op, l, s, 1 - a->rank, check_header), a->dtype);
   float acc[8];
-  tpc_line_accumulate(op, l, s, own, check_header, acc);
+  if (Together)
+    tpc_line_accumulate_together(op, l, s, own, check_header, acc);
+  else
+    tpc_line_accumulate(op, l, s, own, check_header, acc);
   uint32_t w[4];
   tpc_round(acc, w, 4, a->dtype);
   return make_uint4(w[0], w[1], w[2], w[3]);
