@@ -7,8 +7,9 @@ per rank, backend), tried in order; sizes past the last band go to NCCL. One
 file per GPU model, with rows per world size: tables/<model>.json is shipped
 for the models measured (tables/h200.json), and a Communicator without a table
 of its own loads the one of its GPU's model, else h200.json (table_for_device).
-`python -m tpcomm.tune` writes or extends such a file for a machine. An op a table has no routes for takes the shipped table's. "*"
-stands for any world size or dtype without a row of its own. Backends:
+`python -m tpcomm.tune` writes or extends such a file for a machine. An op a
+table has no routes for takes the shipped table's. "*" stands for any world
+size or dtype without a row of its own. Backends:
 "packet", "line", "two_shot" and "bulk" are tpcomm's kernels (csrc/kernels;
 "two_shot" is all_reduce only), "nccl" is torch.distributed on the same group.
 

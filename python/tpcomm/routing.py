@@ -14,8 +14,9 @@ Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 128-byte store whole), "two_shot" (all_reduce in lines, in two phases: each
 rank sums one chunk and sends the sums to all; 2(n-1)/n of the input per rank
 where "line" sends (n-1) times it), "bulk" (large sizes), "nccl"
-(torch.distributed on the same group). Sizes: `nbytes` is the input bytes per rank; `row` (all_gather)
-the bytes of one slice along the gathered dim and everything after it."""
+(torch.distributed on the same group). Sizes: `nbytes` is the input bytes
+per rank; `row` (all_gather) the bytes of one slice along the gathered dim
+and everything after it."""
 import collections
 import math
 
