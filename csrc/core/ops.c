@@ -115,12 +115,6 @@ static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
                   name, (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE, TPC_ALGO_TWO_SHOT);
 }
 
-/* Warp steps of lines (line.cuh) an input of nbytes takes. */
-static size_t line_steps(size_t nbytes) {
-  const size_t lines = (nbytes / 16 + 6) / 7; /* 7 units of 16 bytes a line */
-  return (lines + 3) / 4;                     /* 4 lines a step */
-}
-
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
  * chunk, the input holds `parts` of them (all_reduce 1, reduce_scatter one
  * per rank); out_f32: out takes the fp32 sums (reduce_scatter only). Checks
@@ -140,9 +134,11 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
   if (algo == TPC_ALGO_TWO_SHOT && op != TPC_OP_ALL_REDUCE)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s has no two_shot kernel", name);
-  /* every rank owns a non-empty chunk: otherwise a rank could finish an op
-   * without a line from every peer and run two ops ahead of one (all_reduce.cuh) */
-  if (algo == TPC_ALGO_TWO_SHOT && line_steps(nbytes) < (size_t)comm->cfg.world_size)
+  /* every rank owns a non-empty chunk, a warp step of lines (world steps of
+   * TPC_LINE_STEP_BYTES, the last one partly filled): otherwise a rank could
+   * finish an op without a line from every peer and run two ops ahead of one
+   * (all_reduce.cuh) */
+  if (algo == TPC_ALGO_TWO_SHOT && nbytes <= (size_t)TPC_LINE_STEP_BYTES * (size_t)(comm->cfg.world_size - 1))
     return tpc_fail(comm, TPC_ERR_INVALID_ARG,
                     "two_shot all_reduce of %zu bytes: more than %d bytes (a warp step of lines per rank) are needed",
                     nbytes, TPC_LINE_STEP_BYTES * (comm->cfg.world_size - 1));

@@ -35,6 +35,12 @@
 #define TPC_LINE_LANES 8       /* 16 bytes each */
 #define TPC_LINE_UNITS 7       /* 16-byte data units of a line; the last lane holds the flag */
 #define TPC_LINE_DATA_BYTES (TPC_LINE_UNITS * 16)
+#ifndef TPC_HIP /* line kernels run on CUDA only, where a warp is 32 lanes (a compile-time constant) */
+/* A warp step is TPC_WARP_LANES / TPC_LINE_LANES lines: the data bytes the
+ * core's and routing's two_shot rule counts in (tpcomm.h). */
+static_assert(TPC_LINE_STEP_BYTES == TPC_LINE_DATA_BYTES * (TPC_WARP_LANES / TPC_LINE_LANES),
+              "TPC_LINE_STEP_BYTES must be a warp step's data bytes");
+#endif
 
 typedef struct {
   uint64_t units;   /* 16-byte units of one rank's input */

@@ -260,10 +260,10 @@ def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
     import torch
 
-    from . import policy
+    from . import _setup, policy
     source = getattr(config, "table", None) if config is not None else None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    path = source or policy.table_for_device(gpu)
+    path = _setup.table_source(source, torch.device("cuda", 0) if gpu else torch.device("cpu"))
     try:
         table = policy.load_table(path)
     except Exception as e:  # noqa: BLE001 - a bad table is a finding
