@@ -27,8 +27,9 @@ with the same fusion ("none" keeps the add and the norm apart, which the
 fused step does not pay). The summary gives each backend's time over
 "none", and each *_fused backend's over "none_fused" when it ran:
 
-    python examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused Each
-(batch size, backend) step is captured once as a CUDA graph; then in every
+    python examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused
+
+Each (batch size, backend) step is captured once as a CUDA graph; then in every
 round each backend replays its graph --replays times, the order rotating from
 round to round, so no backend profits from running first or last. The figure
 is the median over rounds of the time per step. NCCL reads

@@ -19,6 +19,10 @@ dimension's length, an explicit weight and eps, and the all-reduce used only
 by the add (its result is not kept). Other users of z take the fused op's z.
 What does not match is left as it is (other spellings of a norm included:
 write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+The fused op computes in fp32 from the sum to the norm and rounds once, where
+the unfused model rounds z first (and the Llama-style norm rounds again
+before the weight): the normed values can differ from the model's in the
+last bit or two.
 
 eps: a float, or under torch.compile(dynamic=True), where Dynamo passes a
 module's float as a 0-dim tensor and reads it with .item(), that item (a
@@ -27,10 +31,6 @@ turn that float into a tensor and restarts the frame with the float a
 constant (TensorifyScalarRestartAnalysis), so the graph it compiles holds the
 fused op with eps written in; other inner backends call the op with the
 float .item() returns.
-The fused op computes in fp32 from the sum to the norm and rounds once, where
-the unfused model rounds z first (and the Llama-style norm rounds again
-before the weight): the normed values can differ from the model's in the
-last bit or two.
 """
 import operator
 

@@ -5,10 +5,11 @@ the same --out: each run replaces its own world size's rows and keeps the
 others' (a new file starts from the shipped table of the GPU model).
 
 It runs tpcomm.bench in graph mode for the backends the dispatcher routes to
-(tpcomm's packet, line, two_shot and bulk kernels, NCCL), every size checked bit for bit,
-and keeps, per op, dtype and size, the fastest correct backend; consecutive
-sizes with the same winner become one band. `--from results.json` derives
-the table from an earlier benchmark run instead of measuring (no GPU needed).
+(tpcomm's packet, line, two_shot and bulk kernels, NCCL), every size checked
+bit for bit, and keeps, per op, dtype and size, the fastest correct backend;
+consecutive sizes with the same winner become one band. `--from
+results.json` derives the table from an earlier benchmark run instead of
+measuring (no GPU needed).
 
     torchrun --nproc-per-node=4 -m tpcomm.tune --out h200.json   # then 8, with the same --out
     python -m tpcomm.tune --from benchmarks/results/h200x2.json --out h200.json
