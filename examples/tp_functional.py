@@ -3,25 +3,25 @@ written, run with and without tpcomm, with no change to the model:
 
     torchrun --nproc-per-node 2 examples/tp_functional.py     # one rank per GPU, NCCL
     python examples/tp_functional.py --cpu                     # 2 gloo processes on the CPU (spawned here)
-    python examples/tp_functional.py --cpu --no-sequence-parallel   # the tail summed by an all-reduce
+    python examples/tp_functional.py --cpu --all-reduce-only   # every collective an all-reduce
 
 The model issues its collectives as such code does: per block, a
 row-parallel output summed with dist.all_reduce(y, group=...) in place (as
 Hugging Face transformers' RowwiseParallel does at inference) and one with
-the functional funcol.all_reduce (torchtitan, DTensor's Partial); then a
-tail MLP whose partial sum is either sequence parallel (the default:
-dist.reduce_scatter_tensor over the tokens, the residual added to this
-rank's part, dist.all_gather_into_tensor back) or summed with
-dist.all_reduce(y, group=...) in place as the blocks do
-(--no-sequence-parallel, build(..., sequence_parallel=False)); then a
-vocabulary-parallel LM head whose slices funcol.all_gather_tensor stacks
-(dim 0) and torch.cat puts side by side. Each RMSNorm after an all-reduce is
+the functional funcol.all_reduce (torchtitan, DTensor's Partial); then, by
+default, a sequence-parallel tail MLP (dist.reduce_scatter_tensor over the
+tokens, the residual added to this rank's part, dist.all_gather_into_tensor
+back) and a vocabulary-parallel LM head whose slices funcol.all_gather_tensor
+stacks (dim 0) and torch.cat puts side by side. With --all-reduce-only
+(build(..., all_reduce_only=True)) every collective is an all-reduce: the
+tail's sum one more dist.all_reduce in place, as the blocks', and the LM head
+row-parallel (each rank its slice of the hidden size) with its partial
+logits summed by funcol.all_reduce. Each RMSNorm after an all-reduce is
 written either as torch.nn.RMSNorm or as Llama's model code writes it.
 
-Without sequence parallelism the model's torch path calls only all-reduce
-(dist and funcol) and funcol's all-gather, no reduce-scatter: the form to
-run where ranks share one GPU over gloo, whose reduce_scatter_tensor on
-CUDA tensors crashes the process.
+The all-reduce-only form is the one to run where ranks share one GPU over
+gloo: gloo's all-gather into one tensor, which functional collectives use,
+copies CUDA memory as host memory and crashes the process (pytorch#152645).
 
 Ways it runs (every rank builds the same weights from one seed and keeps
 its part):
@@ -106,10 +106,10 @@ class Block(torch.nn.Module):
 
 
 class TPModel(torch.nn.Module):
-    def __init__(self, parts, group, rank, world, eps, sequence_parallel=True):
+    def __init__(self, parts, group, rank, world, eps, all_reduce_only=False):
         super().__init__()
         self.group, self.rank, self.world = group, rank, world
-        self.sequence_parallel = sequence_parallel
+        self.all_reduce_only = all_reduce_only
         self.blocks = torch.nn.ModuleList(Block(p, group, eps) for p in parts["blocks"])
         self.tail_norm = _rms_norm(parts["tail_norm"], eps)
         self.tail = _Parallel(parts["tail_in"], parts["tail_out"])
@@ -120,30 +120,31 @@ class TPModel(torch.nn.Module):
         for block in self.blocks:
             h = block(h)
         y = self.tail(self.tail_norm(h))
-        if self.sequence_parallel:
-            part = torch.empty((h.shape[0] // self.world,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)
-            dist.reduce_scatter_tensor(part, y, group=self.group)  # this rank's tokens
-            part = part + h.chunk(self.world)[self.rank]
-            h = torch.empty_like(h)
-            dist.all_gather_into_tensor(h, part, group=self.group)
-        else:
+        if self.all_reduce_only:
             dist.all_reduce(y, group=self.group)  # in place, as the blocks' first sum
-            h = h + y
+            mine = self.final_norm(h + y).chunk(self.world, -1)[self.rank]  # this rank's slice of the hidden size
+            return funcol.all_reduce(F.linear(mine, self.head), "sum", self.group)
+        part = torch.empty((h.shape[0] // self.world,) + tuple(h.shape[1:]), dtype=h.dtype, device=h.device)
+        dist.reduce_scatter_tensor(part, y, group=self.group)  # this rank's tokens
+        part = part + h.chunk(self.world)[self.rank]
+        h = torch.empty_like(h)
+        dist.all_gather_into_tensor(h, part, group=self.group)
         local = F.linear(self.final_norm(h), self.head)        # this rank's slice of the vocabulary
         stacked = funcol.all_gather_tensor(local, 0, self.group)  # every rank's slice, one after the other
         return torch.cat(stacked.chunk(self.world), dim=1)
 
 
-def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0, sequence_parallel=True):
+def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0, all_reduce_only=False):
     """The model's part on `rank`: every rank draws the full weights from
     `seed` (in fp32, then cast) and keeps its columns and rows.
-    `sequence_parallel`: the tail's sum reduce-scattered over the tokens and
-    gathered back (True) or all-reduced in place (False); the same logits
-    up to rounding either way."""
+    `all_reduce_only`: the tail's sum all-reduced in place and the LM head
+    split over the hidden size (True), or the tail sequence parallel and the
+    head split over the vocabulary (False); the same logits up to rounding
+    either way."""
     g = torch.Generator().manual_seed(seed)
     hidden, mlp, vocab = dims["hidden"], dims["mlp"], dims["vocab"]
-    if mlp % world or vocab % world:
-        raise ValueError(f"mlp {mlp} and vocab {vocab} must divide among {world} ranks")
+    if mlp % world or vocab % world or hidden % world:
+        raise ValueError(f"mlp {mlp}, vocab {vocab} and hidden {hidden} must divide among {world} ranks")
 
     def full(*shape, scale=None):
         return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
@@ -164,14 +165,14 @@ def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", see
         blocks.append(dict(norm1=norm_weight(), in1=in1, out1=out1, norm2=norm_weight(), in2=in2, out2=out2))
     tail_in, tail_out = mlp_parts()
     parts = dict(blocks=blocks, tail_norm=norm_weight(), tail_in=tail_in, tail_out=tail_out,
-                 final_norm=norm_weight(), head=mine(full(vocab, hidden), 0))
+                 final_norm=norm_weight(), head=mine(full(vocab, hidden), 1 if all_reduce_only else 0))
     cast = lambda d: {k: (v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     parts = cast(parts)
     parts["blocks"] = [cast(b) for b in blocks]
-    return TPModel(parts, group, rank, world, dims["eps"], sequence_parallel).eval()
+    return TPModel(parts, group, rank, world, dims["eps"], all_reduce_only).eval()
 
 
-def collectives(sequence_parallel=True, layers=SMALL["layers"]):
+def collectives(all_reduce_only=False, layers=SMALL["layers"]):
     """What one forward issues, by tpcomm's op names:
     "dist": the torch.distributed calls (what tpcomm.install routes; funcol's
             are C++ and bypass it): per block one dist.all_reduce, and the
@@ -179,16 +180,17 @@ def collectives(sequence_parallel=True, layers=SMALL["layers"]):
             dist.all_reduce;
     "rewrites": what tpcomm.compile_backend rewrites (Dynamo traces dist.* and
             funcol alike): per block two all-reduces, the tail's collectives,
-            and the head's funcol all-gather;
+            and the head's funcol all-gather or all-reduce;
     "fused": the all-reduces whose sum the residual add and an RMSNorm follow
-            (every block's two; the tail's all-reduce, which final_norm follows)."""
-    if sequence_parallel:
-        return {"dist": {"all_reduce": layers, "reduce_scatter": 1, "all_gather": 1},
-                "rewrites": {"all_reduce": 2 * layers, "all_gather": 2, "reduce_scatter": 1},
-                "fused": 2 * layers}
-    return {"dist": {"all_reduce": layers + 1},
-            "rewrites": {"all_reduce": 2 * layers + 1, "all_gather": 1, "reduce_scatter": 0},
-            "fused": 2 * layers + 1}
+            (every block's two; the tail's all-reduce, which final_norm follows;
+            never the head's)."""
+    if all_reduce_only:
+        return {"dist": {"all_reduce": layers + 1},
+                "rewrites": {"all_reduce": 2 * layers + 2, "all_gather": 0, "reduce_scatter": 0},
+                "fused": 2 * layers + 1}
+    return {"dist": {"all_reduce": layers, "reduce_scatter": 1, "all_gather": 1},
+            "rewrites": {"all_reduce": 2 * layers, "all_gather": 2, "reduce_scatter": 1},
+            "fused": 2 * layers}
 
 
 def example_input(world, dims=SMALL, dtype=torch.float32, device="cpu", seed=1):
@@ -250,12 +252,12 @@ def main(rank, world, args):
     dtype = getattr(torch, args.dtype)
     group = dist.group.WORLD
     comm = tpcomm.Communicator(group, device=device)
-    model = build(rank, world, group, dtype=dtype, device=device, sequence_parallel=args.sequence_parallel)
+    model = build(rank, world, group, dtype=dtype, device=device, all_reduce_only=args.all_reduce_only)
     x = example_input(world, dtype=dtype, device=device)
     rows = summary(run_modes(model, x, comm, group, inner=args.inner))
     if rank == 0:
-        tail = "sequence parallel" if args.sequence_parallel else "all-reduce"
-        print(f"{world} ranks on {device.type}, {dtype}, tail: {tail}, tpcomm custom path: "
+        form = "all-reduce only" if args.all_reduce_only else "sequence-parallel tail, vocabulary-parallel head"
+        print(f"{world} ranks on {device.type}, {dtype}, {form}, tpcomm custom path: "
               f"{'on' if comm.enabled else 'off (' + str(comm.disabled_reason) + ')'}")
         for mode, row in rows.items():
             print(f"{mode:16s} bit_equal={row['bit_equal']!s:5s} max_abs_diff={row['max_abs_diff']:.3g} "
@@ -279,8 +281,9 @@ def parse(argv=None):
     p.add_argument("--ranks", type=int, default=2, help="with --cpu: how many processes")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--inner", default="aot_eager", help="the backend after tpcomm's pass: aot_eager or inductor")
-    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="the tail's sum reduce-scattered and gathered back (default), or all-reduced in place")
+    p.add_argument("--all-reduce-only", action="store_true",
+                   help="every collective an all-reduce: the tail's sum in place, the LM head split over the hidden "
+                        "size (default: a sequence-parallel tail and a vocabulary-parallel head)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
     return args

@@ -17,6 +17,8 @@ set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
+# the suite, or the test files named first among the pytest args
+suite=tests/gpu; case "${1:-}" in tests/*) suite=;; esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -3
 start=$(date +%s)
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
@@ -24,14 +26,14 @@ TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation
 echo "build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -s: the trust tests print the time to each error ("TIMING" lines)
-  timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+  timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s $suite "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "TIMING|passed|failed|Error|error|assert|FAIL|SKIP|^E " | tail -80
   echo "tests done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = shared ]; then
   world=${TPCOMM_TEST_WORLD:-2}
   CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
-    timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs tests/gpu "$@" 2>&1 \
+    timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs $suite "$@" 2>&1 \
     | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
   echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
 fi

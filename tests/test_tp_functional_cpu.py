@@ -1,9 +1,10 @@
-"""examples/tp_functional.py's model on 2 gloo ranks, in both variants of
-its tail (sequence parallel, or one more in-place dist.all_reduce): every
-way it runs with tpcomm gives the torch path's logits (bit for bit unless
-fused), issues the collectives tp_functional.collectives lists (the calls
-tpcomm.install sees, the compile pass's rewrites, the fused add + RMSNorm
-count), and the two variants give the same logits."""
+"""examples/tp_functional.py's model on 2 gloo ranks, in both of its forms
+(a sequence-parallel tail and a vocabulary-parallel head, or every
+collective an all-reduce): every way it runs with tpcomm gives the torch
+path's logits (bit for bit unless fused), issues the collectives
+tp_functional.collectives lists (the calls tpcomm.install sees, the compile
+pass's rewrites, the fused add + RMSNorm count), and the two forms compute
+the same model."""
 import os
 import sys
 
@@ -20,8 +21,8 @@ import tp_functional  # noqa: E402
 LAYERS = tp_functional.SMALL["layers"]
 
 
-def _run(rank, world_size, comm, sequence_parallel):
-    model = tp_functional.build(rank, world_size, dist.group.WORLD, sequence_parallel=sequence_parallel)
+def _run(rank, world_size, comm, all_reduce_only):
+    model = tp_functional.build(rank, world_size, dist.group.WORLD, all_reduce_only=all_reduce_only)
     x = tp_functional.example_input(world_size)
     results = tp_functional.run_modes(model, x, comm, dist.group.WORLD)
     return results, tp_functional.summary(results)
@@ -35,10 +36,10 @@ def _fallback(counts):
 def _body_example(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     logits = {}
-    for sequence_parallel in (True, False):
-        results, rows = _run(rank, world_size, comm, sequence_parallel)
-        issued = tp_functional.collectives(sequence_parallel, LAYERS)
-        what = f"sequence_parallel={sequence_parallel}"
+    for all_reduce_only in (False, True):
+        results, rows = _run(rank, world_size, comm, all_reduce_only)
+        issued = tp_functional.collectives(all_reduce_only, LAYERS)
+        what = f"all_reduce_only={all_reduce_only}"
         assert rows["install"]["bit_equal"] and rows["compiled_tpcomm"]["bit_equal"], (what, rows)
         assert rows["install"]["calls"] == _fallback(issued["dist"]), (what, rows["install"])
         assert rows["compiled_tpcomm"]["rewrites"] == dict(issued["rewrites"], all_reduce_add_rms_norm=0), \
@@ -48,9 +49,13 @@ def _body_example(rank, world_size):
         assert fused["rewrites"]["all_reduce_add_rms_norm"] == issued["fused"], (what, fused)
         assert fused["calls"]["all_reduce_add_rms_norm/unfused"] == issued["fused"], (what, fused)
         assert fused["max_abs_diff"] <= 1e-5, (what, fused)  # fp32: the fused norm sums its squares in another order
-        logits[sequence_parallel] = results["torch"]["out"]
-    # on 2 ranks each sum is a + b, and the residual is added to it after the sum in both tails
-    assert torch.equal(logits[True], logits[False])
+        # the same model in fp64: the forms differ only in the order of the head's sums
+        model64 = tp_functional.build(rank, world_size, dist.group.WORLD, dtype=torch.float64,
+                                      all_reduce_only=all_reduce_only)
+        with torch.no_grad():
+            logits[all_reduce_only] = model64(tp_functional.example_input(world_size, dtype=torch.float64))
+    # each logit is a sum of 128 products of magnitude < 1: fp64 orders differ by far less than 1e-12
+    assert (logits[True] - logits[False]).abs().max().item() < 1e-12
     comm.close()
 
 
@@ -58,7 +63,6 @@ def test_example_tp_functional():
     run_ranks(2, _body_example, timeout=300)
 
 
-@pytest.mark.parametrize("argv, sequence_parallel", [(["--cpu"], True), (["--cpu", "--no-sequence-parallel"], False),
-                                                     (["--cpu", "--sequence-parallel"], True)])
-def test_cli_chooses_the_tail(argv, sequence_parallel):
-    assert tp_functional.parse(argv).sequence_parallel is sequence_parallel
+@pytest.mark.parametrize("argv, all_reduce_only", [(["--cpu"], False), (["--cpu", "--all-reduce-only"], True)])
+def test_cli_chooses_the_form(argv, all_reduce_only):
+    assert tp_functional.parse(argv).all_reduce_only is all_reduce_only
