@@ -7,6 +7,7 @@ import random
 import torch
 import torch.distributed as dist
 
+import multiproc
 from bitexact import assert_bits_equal
 from tpcomm import _constants, routing
 
@@ -21,6 +22,15 @@ ALGO = {"packet": _constants.TPC_ALGO_PACKET, "bulk": _constants.TPC_ALGO_BULK, 
         "two_shot": _constants.TPC_ALGO_TWO_SHOT}
 PACKET, BULK, LINE, TWO_SHOT = ALGO["packet"], ALGO["bulk"], ALGO["line"], ALGO["two_shot"]
 KERNELS = tuple(ALGO)  # tpcomm's own kernels: the backends stats() names besides "nccl" (and "aiter")
+
+
+def rounds(full, world):
+    """How many replays a long run makes: `full` with a GPU per rank, a tenth
+    where ranks share a GPU. There the ranks' processes take turns on it, so
+    every wait for a peer costs a time slice and the full count takes tens of
+    minutes at 8 ranks; a tenth still checks every op's result at that world
+    size (the early-launch overlaps these runs probe need a GPU per rank)."""
+    return max(1, full // 10) if multiproc.gpus_shared(world) else full
 
 
 def takes(comm, op, algo, x):

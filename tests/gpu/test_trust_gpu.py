@@ -18,7 +18,7 @@ import torch.distributed as dist
 import multiproc
 import tpcomm
 from gpu_checks import (BULK, LINE, PACKET, KiB, MiB, assert_bits_equal, assert_custom_only, delay_random_rank,
-                        int_valued, nccl_all_gather, nccl_all_reduce, overwrite, sleep_us)
+                        int_valued, nccl_all_gather, nccl_all_reduce, overwrite, rounds, sleep_us)
 
 pytestmark = pytest.mark.gpu
 
@@ -238,7 +238,8 @@ def body_soak_line(rank, world):
 
 
 def _soak(rank, world, table, want):
-    """>= 100,000 mixed ops with skew, inside CUDA graphs: each op's input is
+    """100,000 mixed ops (a tenth where ranks share a GPU: rounds()) with
+    skew, inside CUDA graphs: each op's input is
     computed on the GPU from a replay counter (so it changes every replay),
     compared in the graph with an exact reference every rank computes for
     itself, and overwritten right after the op. The mismatch count must be 0."""
@@ -247,7 +248,7 @@ def _soak(rank, world, table, want):
     rng = random.Random(4242)
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
     mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
-    ops_per_graph, replays_per_graph = 50, 1000
+    ops_per_graph, replays_per_graph = 50, rounds(1000, world)
     graphs = []
     static = []  # keeps every tensor the graphs use alive
     for g in range(2):  # two graphs with different skew patterns, alternated
@@ -313,7 +314,8 @@ def _chain(rank, world, table, want):
     previous op's output, so a kernel launched early (programmatic dependent
     launch) reads its epoch while its predecessor still runs. Five chains of
     different sizes and kernels are interleaved for 40 steps inside one graph,
-    replayed 200 times with inputs that change every replay; after k steps a
+    replayed 200 times (a tenth where ranks share a GPU: rounds()) with inputs
+    that change every replay; after k steps a
     chain holds the sum of the inputs multiplied by world k-1 times, each
     product rounded to bf16 as the kernels round their fp32 sums. One stale
     epoch would pair an op with its predecessor's packets. A random rank is
@@ -341,12 +343,13 @@ def _chain(rank, world, table, want):
             for _ in range(steps - 1):
                 ref = (ref.float() * world).to(torch.bfloat16)
             mismatches.add_((y.view(torch.int16) != ref.view(torch.int16)).sum())
+    replays = rounds(200, world)
     start = time.monotonic()
-    for _ in range(200):
+    for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
-    _timing(f"back-to-back chain of {200 * steps * len(CHAIN_SIZES)} ops", time.monotonic() - start)
-    assert int(counter) == 200
+    _timing(f"back-to-back chain of {replays * steps * len(CHAIN_SIZES)} ops", time.monotonic() - start)
+    assert int(counter) == replays
     assert int(mismatches) == 0, f"{int(mismatches)} elements differ from the exact reference"
     comm.check()
     assert_custom_only(comm, want)
