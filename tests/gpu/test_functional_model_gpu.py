@@ -33,7 +33,7 @@ import torch.distributed as dist
 import multiproc
 from multiproc import run_gpu
 import tpcomm
-from tpcomm import routing
+from gpu_checks import KERNELS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
@@ -54,7 +54,6 @@ def _all_reduce_only():
     return _ranks_share_a_gpu()
 
 
-KERNELS = routing.KERNELS
 LAYERS = tp_functional.SMALL["layers"]
 
 

@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from tpcomm.integrations import vllm as plugin
 
+from gpu_checks import KERNELS
 from multiproc import run_gpu
 
 pytestmark = pytest.mark.gpu
 
 STAND_IN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "vllm_stand_in")
-KERNELS = ("packet", "line", "bulk")
 
 
 def _values(rank, shape, dtype, seed):
