@@ -52,8 +52,18 @@ def _body_sees_its_environment(rank, world_size, expected_world):
 
 
 def _body_rank_1_killed(rank, world_size, die):
-    if rank == 1 and die:
-        os.kill(os.getpid(), signal.SIGKILL)
+    import torch.distributed as dist
+
+    # Rank 0 leaves only once rank 1 has joined: gloo's connections may still
+    # be completing on rank 1 when rank 0's join returns, and rank 0's exit
+    # would then fail rank 1's join instead of letting rank 1 die as meant.
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.set("rank 1 joined", "1")
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        store.wait(["rank 1 joined"])
     os._exit(0)  # the closing barrier would wait for the dead rank (as tests/gpu's SIGKILL test does)
 
 
