@@ -275,8 +275,8 @@ def scaling_model():
     return "\n".join(lines)
 
 
-BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline, "host-cost": host_cost, "tp-decode": tp_decode,
-          "add-rms-norm-routes": add_rms_norm_routes}
+BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline,
+          "host-cost": host_cost, "tp-decode": tp_decode, "add-rms-norm-routes": add_rms_norm_routes}
 for _w in WORLDS:
     BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
     BLOCKS[f"backends-h200x{_w}"] = lambda w=_w: backends(w)

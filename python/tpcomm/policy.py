@@ -22,7 +22,8 @@ import os
 import re
 
 from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
-from .routing import BACKENDS, KERNEL_OPS, KERNELS, OPS  # noqa: F401 - Config and tune read them here
+# Config and tune read some of these here
+from .routing import BACKENDS, KERNEL_OPS, KERNELS, OPS, PACKET_SLOT_KERNELS  # noqa: F401
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
@@ -156,8 +157,8 @@ def effective_routes(table, world_size, force=None, forbid=()):
 
 
 def packet_cutover(bands):
-    """Largest size the bands send to the kernels that use the packet slots (packet, line, two_shot)."""
-    return max((limit for limit, backend in bands if backend in ("packet", "line", "two_shot")), default=0)
+    """Largest size the bands send to the kernels that use the packet slots."""
+    return max((limit for limit, backend in bands if backend in PACKET_SLOT_KERNELS), default=0)
 
 
 def flatten(routes):

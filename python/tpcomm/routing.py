@@ -28,6 +28,7 @@ BACKENDS = KERNELS + ("nccl",)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 KERNEL_OPS = {"packet": OPS, "line": OPS, "two_shot": ("all_reduce",), "bulk": OPS}  # the ops each kernel serves
 LINE_PROTOCOL = ("line", "two_shot")  # kernels that rest on whole 128-byte stores
+PACKET_SLOT_KERNELS = ("packet",) + LINE_PROTOCOL  # kernels whose data lives in the packet slots (packet_max_bytes)
 ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
               "bulk": C.TPC_ALGO_BULK}
 # Where a band's kernel cannot take a call, the next of these that can does;
@@ -98,7 +99,7 @@ def _kernel_refusal(op, kernel, caps, nbytes, row):
     if kernel == "two_shot" and nbytes <= C.TPC_LINE_STEP_BYTES * (caps.world_size - 1):
         return (f"two_shot needs more than {C.TPC_LINE_STEP_BYTES * (caps.world_size - 1)} bytes "
                 f"(a warp step of lines, {C.TPC_LINE_STEP_BYTES} bytes, per rank)")
-    if kernel != "bulk" and part > caps.packet_max_bytes:
+    if kernel in PACKET_SLOT_KERNELS and part > caps.packet_max_bytes:
         return f"{part} bytes per rank are over packet_max_bytes {caps.packet_max_bytes}"
     if kernel == "bulk" and op == "all_gather":
         if not sixteen:

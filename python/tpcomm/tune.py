@@ -23,10 +23,9 @@ import tempfile
 from . import policy
 
 # Benchmark backend names -> the routing table's backend names.
-ROUTABLE = {"tpcomm_packet": "packet", "tpcomm_line": "line", "tpcomm_two_shot": "two_shot", "tpcomm_bulk": "bulk",
-            "nccl": "nccl"}
+ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in policy.KERNELS}, "nccl": "nccl"}
 # On a tie (equal medians) the earlier one wins: tpcomm's kernels first.
-PREFERENCE = ("packet", "line", "two_shot", "bulk", "nccl")
+PREFERENCE = policy.BACKENDS
 
 
 def winners(rows, op, dtype):
