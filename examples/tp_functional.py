@@ -50,6 +50,16 @@ import torch.nn.functional as F
 import tpcomm
 
 SMALL = dict(layers=2, hidden=128, mlp=256, vocab=192, tokens_per_rank=4, eps=1e-5)
+
+
+def small(world):
+    """SMALL with hidden, mlp and vocab rounded up to multiples of 8 * world:
+    every rank's slice a whole number of 16-byte bf16 units at any world
+    size (SMALL itself at 2, 4 and 8 ranks)."""
+    unit = 8 * world
+    return dict(SMALL, **{k: -(-SMALL[k] // unit) * unit for k in ("hidden", "mlp", "vocab")})
+
+
 MODES = ("torch", "install", "compiled", "compiled_tpcomm", "compiled_fused")
 
 
@@ -134,13 +144,14 @@ class TPModel(torch.nn.Module):
         return torch.cat(stacked.chunk(self.world), dim=1)
 
 
-def build(rank, world, group, dims=SMALL, dtype=torch.float32, device="cpu", seed=0, all_reduce_only=False):
+def build(rank, world, group, dims=None, dtype=torch.float32, device="cpu", seed=0, all_reduce_only=False):
     """The model's part on `rank`: every rank draws the full weights from
     `seed` (in fp32, then cast) and keeps its columns and rows.
     `all_reduce_only`: the tail's sum all-reduced in place and the LM head
     split over the hidden size (True), or the tail sequence parallel and the
     head split over the vocabulary (False); the same logits up to rounding
     either way."""
+    dims = dims or small(world)
     g = torch.Generator().manual_seed(seed)
     hidden, mlp, vocab = dims["hidden"], dims["mlp"], dims["vocab"]
     if mlp % world or vocab % world or hidden % world:
@@ -193,8 +204,9 @@ def collectives(all_reduce_only=False, layers=SMALL["layers"]):
             "fused": 2 * layers}
 
 
-def example_input(world, dims=SMALL, dtype=torch.float32, device="cpu", seed=1):
+def example_input(world, dims=None, dtype=torch.float32, device="cpu", seed=1):
     """Hidden states of world * tokens_per_rank tokens, the same on every rank."""
+    dims = dims or small(world)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(world * dims["tokens_per_rank"], dims["hidden"], generator=g).to(dtype=dtype, device=device)
 

@@ -63,6 +63,31 @@ def test_example_tp_functional():
     run_ranks(2, _body_example, timeout=300)
 
 
+def _body_three_ranks(rank, world_size):
+    """Both forms at a world size SMALL does not divide: the same logits."""
+    x = tp_functional.example_input(world_size, dtype=torch.float64)
+    logits = []
+    for all_reduce_only in (False, True):
+        model = tp_functional.build(rank, world_size, dist.group.WORLD, dtype=torch.float64,
+                                    all_reduce_only=all_reduce_only)
+        with torch.no_grad():
+            logits.append(model(x))
+    assert logits[0].shape == (x.shape[0], tp_functional.small(world_size)["vocab"])
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-12
+
+
+def test_example_at_three_ranks():
+    run_ranks(3, _body_three_ranks, timeout=120)
+
+
+@pytest.mark.parametrize("world", range(2, 9))
+def test_small_dims_divide_among_any_world(world):
+    dims = tp_functional.small(world)
+    assert all(dims[k] % (8 * world) == 0 and dims[k] >= tp_functional.SMALL[k] for k in ("hidden", "mlp", "vocab"))
+    if world in (2, 4, 8):
+        assert dims == tp_functional.SMALL
+
+
 @pytest.mark.parametrize("argv, all_reduce_only", [(["--cpu"], False), (["--cpu", "--all-reduce-only"], True)])
 def test_cli_chooses_the_form(argv, all_reduce_only):
     assert tp_functional.parse(argv).all_reduce_only is all_reduce_only

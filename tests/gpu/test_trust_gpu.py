@@ -260,6 +260,7 @@ def _soak(rank, world, table, want):
             bases = [torch.randint(0, 17, shape, generator=cpu).cuda() for _ in range(world)]
             steps = [rng.randrange(1, 17) for _ in range(world)]
             slots.append((kind, shape, bases, steps, rng.randrange(world), rng.uniform(0, 60)))
+        static.append(slots)  # the graph reads the bases on every replay: they must outlive the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with comm.capture(), torch.cuda.graph(graph):
