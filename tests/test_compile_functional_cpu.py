@@ -31,14 +31,18 @@ def _targets(gm):
     return [name for name in map(_targets_of, gm.graph.nodes) if name]
 
 
+tags = []  # torch.compiler.config.cache_key_tag as each graph was compiled
+
+
 def _compile(fn, *args, fuse=True, dynamic=False):
     """fn compiled (fullgraph) with tpcomm's backend whose inner backend
-    keeps the graph it receives; (result of the second call, the graph,
-    the pass's counts)."""
+    keeps the graph it receives (and the cache-key tag in `tags`); (result
+    of the second call, the graph, the pass's counts)."""
     graphs = []
 
     def keep(gm, example_inputs):
         graphs.append(gm)
+        tags.append(torch.compiler.config.cache_key_tag)
         return gm.forward
 
     torch._dynamo.reset()
@@ -72,6 +76,9 @@ def _body_rewrites(rank, world_size):
     for i, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"output {i}"
     assert counts == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, "all_reduce_add_rms_norm": 0}
+    # the group's size is in the key of torch's compile caches while the graph compiles, and only then
+    assert tags[-1] == f";tpcomm:{comm.group_name}=2", tags
+    assert torch.compiler.config.cache_key_tag == ""
     targets = _targets(gm)
     assert not [t for t in targets if t.startswith("_c10d_functional::")], targets
     assert targets.count("tpcomm::all_reduce") == 2 and targets.count("tpcomm::all_gather") == 2 \

@@ -252,8 +252,25 @@ class compile_backend:
 
     def __call__(self, gm, example_inputs):
         apply(gm.graph, self.counts, self.fuse)
-        if self.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + world_tag(gm.graph)):
+            if self.inner == "inductor":
+                from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+                return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+            return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+def world_tag(graph: torch.fx.Graph) -> str:
+    """";tpcomm:<group>=<world size>" for each group the graph's tpcomm ops
+    name, sorted. torch.compile's on-disk caches key a graph by its code and
+    its inputs' shapes, where a group name says nothing of the group's size:
+    without the tag, a graph compiled at one world size whose inputs do not
+    depend on it would be served at another (docs/design.md, Limits)."""
+    sizes = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "tpcomm":
+            name = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+            comm = _registry.find(name) if isinstance(name, str) else None
+            if comm is not None:
+                sizes[name] = comm.world_size
+    return "".join(f";tpcomm:{name}={size}" for name, size in sorted(sizes.items()))
