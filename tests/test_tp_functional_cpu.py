@@ -49,14 +49,23 @@ def _body_example(rank, world_size):
         assert fused["rewrites"]["all_reduce_add_rms_norm"] == issued["fused"], (what, fused)
         assert fused["calls"]["all_reduce_add_rms_norm/unfused"] == issued["fused"], (what, fused)
         assert fused["max_abs_diff"] <= 1e-5, (what, fused)  # fp32: the fused norm sums its squares in another order
-        # the same model in fp64: the forms differ only in the order of the head's sums
-        model64 = tp_functional.build(rank, world_size, dist.group.WORLD, dtype=torch.float64,
-                                      all_reduce_only=all_reduce_only)
-        with torch.no_grad():
-            logits[all_reduce_only] = model64(tp_functional.example_input(world_size, dtype=torch.float64))
-    # each logit is a sum of 128 products of magnitude < 1: fp64 orders differ by far less than 1e-12
-    assert (logits[True] - logits[False]).abs().max().item() < 1e-12
+        logits[all_reduce_only] = _fp64_logits(rank, world_size, all_reduce_only)
+    _assert_same_model(logits[False], logits[True])
     comm.close()
+
+
+def _fp64_logits(rank, world_size, all_reduce_only):
+    """The model in fp64 on the example input: the forms differ only in the
+    order of the head's sums."""
+    model = tp_functional.build(rank, world_size, dist.group.WORLD, dtype=torch.float64,
+                                all_reduce_only=all_reduce_only)
+    with torch.no_grad():
+        return model(tp_functional.example_input(world_size, dtype=torch.float64))
+
+
+def _assert_same_model(a, b):
+    # each logit is a sum of ~128 products of magnitude < 1: fp64 orders differ by far less than 1e-12
+    assert (a - b).abs().max().item() < 1e-12
 
 
 def test_example_tp_functional():
@@ -65,15 +74,10 @@ def test_example_tp_functional():
 
 def _body_three_ranks(rank, world_size):
     """Both forms at a world size SMALL does not divide: the same logits."""
-    x = tp_functional.example_input(world_size, dtype=torch.float64)
-    logits = []
-    for all_reduce_only in (False, True):
-        model = tp_functional.build(rank, world_size, dist.group.WORLD, dtype=torch.float64,
-                                    all_reduce_only=all_reduce_only)
-        with torch.no_grad():
-            logits.append(model(x))
-    assert logits[0].shape == (x.shape[0], tp_functional.small(world_size)["vocab"])
-    assert (logits[0] - logits[1]).abs().max().item() < 1e-12
+    sequence_parallel, all_reduce_only = (_fp64_logits(rank, world_size, form) for form in (False, True))
+    dims = tp_functional.small(world_size)
+    assert sequence_parallel.shape == (world_size * dims["tokens_per_rank"], dims["vocab"])
+    _assert_same_model(sequence_parallel, all_reduce_only)
 
 
 def test_example_at_three_ranks():

@@ -2,6 +2,7 @@
 comparison, the proof that tpcomm's own kernels ran, a random rank made late,
 the kernels' algorithm numbers, and sizes valid at any world size 2..8.
 A helper module, not a test module."""
+import contextlib
 import random
 
 import torch
@@ -31,6 +32,19 @@ def rounds(full, world):
     minutes at 8 ranks; a tenth still checks every op's result at that world
     size (the early-launch overlaps these runs probe need a GPU per rank)."""
     return max(1, full // 10) if multiproc.gpus_shared(world) else full
+
+
+@contextlib.contextmanager
+def no_compile_caches(**inductor):
+    """torch.compile without its on-disk caches (inductor's FX graph cache,
+    AOTAutograd's), with `inductor` as further inductor config patches: a
+    graph an earlier run left on this machine's disk would skip the passes a
+    test counts, and the caches key a graph without the world size of the
+    group its tpcomm ops name (docs/design.md, Limits). Compilation happens
+    at the first call, so that call goes inside."""
+    with torch._inductor.config.patch(fx_graph_cache=False, **inductor), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 def takes(comm, op, algo, x):

@@ -9,7 +9,7 @@ import torch
 import multiproc
 import tpcomm
 from gpu_checks import (assert_bits_equal, delay_random_rank, int_valued, kernel_calls, nccl_all_gather,
-                        nccl_all_reduce, overwrite, shared_rng)
+                        nccl_all_reduce, no_compile_caches, overwrite, shared_rng)
 
 pytestmark = pytest.mark.gpu
 
@@ -36,16 +36,12 @@ def body_compiled_model(rank, world):
     block = _Block(comm.group_name)
     for kwargs in ({"fullgraph": True}, {"fullgraph": True, "mode": "reduce-overhead"}):
         torch._dynamo.reset()
-        # the caches on disk key this graph without the world size: one machine
-        # running this test at several world sizes would get another's code
-        # (docs/design.md, Limits)
         compiled = torch.compile(block, **kwargs)
         for step in range(6):  # new inputs every step; reduce-overhead records, then replays
             x = int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            with torch._inductor.config.patch(fx_graph_cache=False), \
-                    torch._functorch.config.patch(enable_autograd_cache=False):  # compiles at the first call
+            with no_compile_caches():  # the disk caches would serve another world size's graph
                 y = compiled(x).clone()
             overwrite(x)
             assert_bits_equal(y, _reference(kept), f"{kwargs} step {step}")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import multiproc
 from multiproc import run_gpu
 import tpcomm
-from gpu_checks import KERNELS
+from gpu_checks import KERNELS, no_compile_caches
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
@@ -143,10 +143,8 @@ def _body_inductor(rank, world, all_reduce_only):
 
         torch._dynamo.reset()
         tpcomm_pass = TpcommPass()
-        # no cached graph (an earlier run's, on this machine's disk): the pass
-        # must run here for its counts to prove it
-        with torch._inductor.config.patch(post_grad_custom_post_pass=tpcomm_pass, fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+        # no cached graph: the pass must run here for its counts to prove it
+        with no_compile_caches(post_grad_custom_post_pass=tpcomm_pass):
             compiled = torch.compile(model, fullgraph=True)
             compiled(x)
             before = comm.stats()
