@@ -57,7 +57,7 @@ extern "C" {
 /* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
 #define TPC_MAX_BLOCKS 128
 /* Data threads of the largest block a kernel is launched with (the packet
- * kernels' wide blocks, the two-shot bulk kernels, the fused norm kernel);
+ * kernels' wide blocks, the bulk reduce-scatter, the fused norm kernel);
  * one control warp of 32 threads comes on top. */
 #define TPC_BLOCK_THREADS 512
 /* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:

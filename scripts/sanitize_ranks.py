@@ -97,10 +97,12 @@ class Cases:
         sizes, and the layout variants that take other code paths."""
         bf16, f32, f16 = torch.bfloat16, torch.float32, torch.float16
         n = self.world
-        # Two ranks run the streamed kernel, where 4 MiB gives a block several
-        # steps (the push-ahead path); more run the two-shot kernel, whose
-        # paths 64 KiB already takes.
-        streamed = [("all_reduce bulk 4 MiB", lambda: self.all_reduce((2 * 1024 * 1024,), bf16, BULK))] if n == 2 else []
+        # Two ranks run the one-shot, where 4 MiB gives a block several steps
+        # (the push-ahead path); more run the two-shot, laid over one chunk,
+        # where 13 MiB gives a block several steps and its slots outgrow a
+        # half of the 16 MiB communicator's region (they take the whole).
+        streamed = ([("all_reduce bulk 4 MiB", lambda: self.all_reduce((2 * 1024 * 1024,), bf16, BULK))] if n == 2
+                    else [("all_reduce bulk 13 MiB", lambda: self.all_reduce((13 * 512 * 1024,), bf16, BULK))])
         return streamed + [
             # packet: one block (the control lanes check the headers), several
             # blocks (thread 0 checks them in its first wait)

@@ -7,9 +7,10 @@
  *   [TPC_SIGNALS_BYTES, +TPC_STREAM_FLAGS_BYTES)
  *                              stream flags, [parity][block][sender], written by peers
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
- *   [data_off, +data_bytes)    bulk slots, written by peers: the whole region
- *                              (two-shot, reduce-scatter) or one half of it
- *                              by the op's parity (streamed kernels)
+ *   [data_off, +data_bytes)    bulk slots, written by peers: one half of the
+ *                              region by the op's parity (streamed kernels) or
+ *                              the whole (reduce-scatter, and the streamed
+ *                              two-shot all-reduce where a half is too small)
  *
  * The words a kernel must read before it may touch that buffer (is the
  * communicator still open, has it or a peer failed, which op is next) live
@@ -150,9 +151,11 @@ static inline tpc_layout tpc_layout_for(int world, size_t max_bytes, size_t pack
   l.packet_off = TPC_SIGNALS_BYTES + TPC_STREAM_FLAGS_BYTES;
   l.packet_slot_bytes = tpc_round_up(packet_max_bytes * 2, 4096);
   l.data_off = l.packet_off + 2 * (size_t)world * l.packet_slot_bytes;
-  /* all-reduce two-shot: n scatter slots of ceil(units/n) 16-byte units,
-   * then the gathered result; streamed all-reduce (two ranks) and all-gather:
-   * n-1 slots of one rank's input in either half. */
+  /* streamed all-reduce of two ranks and all-gather: n-1 slots of one
+   * rank's input in either half; all-reduce of more ranks (the streamed
+   * two-shot): 2(n-1) slots of ceil(units/n) 16-byte units, in one half
+   * where they fit, else in the whole (all_reduce.cuh shows they always fit
+   * there); reduce-scatter: n slots of one chunk in the whole. */
   l.data_bytes = tpc_round_up(2 * max_bytes + 16 * (size_t)world, 4096);
   l.total_bytes = l.data_off + l.data_bytes;
   return l;

@@ -9,7 +9,7 @@
  *   sums a step as soon as the peers have signalled it. On two ranks this
  *   moves what the two-shot moves (the input's size each way) in one phase
  *   instead of two, with no barrier and no copy-out; with n ranks it would
- *   send (n-1) times the input, so larger worlds keep the two-shot.
+ *   send (n-1) times the input, so larger worlds take the bulk two-shot.
  * line (line.cuh): the packet kernel's scheme with 128-byte lines that carry
  *   112 data bytes and one flag, where packets carry 8 of 16: for the sizes
  *   where the link, not the latency, sets the time.
@@ -20,13 +20,20 @@
  *   rank gathers the other chunks' sums. Each rank sends 2(n-1)/n of the
  *   input where the one-shot line kernel sends (n-1) times it, for a second
  *   hop; no barrier, no flag but the lines' own.
- * bulk (two-shot): rank j owns chunk j. Scatter chunk j of the input into
- *   rank j's scatter slot, barrier, rank j sums its chunk and pushes the result
- *   into everyone's gather area, barrier, everyone copies out. Each rank sends
- *   2(n-1)/n of the input: the minimum for an all-reduce.
- * Both read only the input and registered buffers, so captured graphs need no
- * registration after capture; a block touches the same indices in every phase,
- * so in == out is safe.
+ * bulk (streamed two-shot, the bulk kernel of three or more ranks): rank j
+ *   owns chunk j, and the stream's steps (stream.cuh) are laid over one
+ *   chunk, so a warp's step covers the same units of every chunk. A warp
+ *   pushes its input of a step of chunk j into rank j's scatter slot, for
+ *   every peer j; as soon as the peers have signalled that step, it sums its
+ *   own chunk's units in rank order and pushes the sums into every peer's
+ *   gather slot; as soon as the peers have signalled their sums, it copies
+ *   them out. Step i+1 is scattered before step i is summed, and step i-1
+ *   gathered after it: no barrier, and every link carries the same load in
+ *   both phases. Each rank sends 2(n-1)/n of the input: the minimum for an
+ *   all-reduce.
+ * The stream and bulk kernels read only the input and registered buffers, so
+ * captured graphs need no registration after capture; a lane touches the same
+ * units in every phase, so in == out is safe.
  */
 #ifndef TPCOMM_ALL_REDUCE_CUH
 #define TPCOMM_ALL_REDUCE_CUH
@@ -123,13 +130,35 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
-/* The sum of step t in rank order (own values from `own`, the peers' from
- * this rank's slots, already waited for), or NaN once the op broke, into out.
- * Ranks are the outer loop so that a peer's TPC_STREAM_UNITS loads are in
- * flight together (summing unit by unit, with the rank loop inside, leaves
- * one load in flight, and the large ops wait on each). The slots are read
- * after tpc_stream_wait's acquire of the peer's flag, which the peer's
- * control warp released after these units landed (stream.cuh). */
+/* The fp32 sums of step t's units below `limit` into acc, not rounded, in
+ * rank order from -0.0 (reduce.cuh): this rank's values from `own`, peer
+ * q's from its slot `slot_of(q)` of this rank, already waited for (units
+ * from `limit` on add 0). Ranks are the outer loop so that a peer's
+ * TPC_STREAM_UNITS loads are in flight together (summing unit by unit, with
+ * the rank loop inside, leaves one load in flight, and the large ops wait on
+ * each). The slots are read after tpc_stream_wait's acquire of the peer's
+ * flag, which the peer's control warp released after these units landed
+ * (stream.cuh). */
+template <typename SlotOf>
+TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, uint64_t limit,
+                                      const uint4 own[TPC_STREAM_UNITS], SlotOf slot_of,
+                                      float acc[TPC_STREAM_UNITS][8]) {
+  for (int q = 0; q < a->world; ++q) {
+    const char *slot = q == a->rank ? NULL : slot_of(q);
+    uint4 v[TPC_STREAM_UNITS];
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      v[k] = !slot ? own[k] : u < limit ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+    }
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+      tpc_add_rank(acc[k], words, 4, a->dtype, q);
+    }
+  }
+}
+
+/* The one-shot's sum of step t (own values from `own`, the peers' from this
+ * rank's slots, already waited for), or NaN once the op broke, into out. */
 TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;
@@ -148,18 +177,7 @@ TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t
     return;
   }
   float acc[TPC_STREAM_UNITS][8];
-  for (int q = 0; q < a->world; ++q) {
-    const char *slot = q == a->rank ? NULL : tpc_stream_slot(a, s, a->rank, q);
-    uint4 v[TPC_STREAM_UNITS];
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      v[k] = !slot ? own[k] : u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
-    }
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-      tpc_add_rank(acc[k], words, 4, a->dtype, q);
-    }
-  }
+  tpc_stream_accumulate(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
   const int broken = tpc_op_broken(op);
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t u = tpc_stream_unit(s, t, k);
@@ -200,55 +218,195 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
   tpc_op_end(&a, &op, TPC_BULK_HALF);
 }
 
-/* First 16-byte unit of rank j's chunk: chunks differ by at most one unit. */
-static __device__ __forceinline__ uint64_t tpc_chunk_begin(uint64_t units, int j, int world) {
-  return units * (uint64_t)j / (uint64_t)world;
+/* The streamed two-shot (tpc_all_reduce_bulk_kernel), three or more ranks.
+ *
+ * Chunks: of the input's `units` 16-byte units, rank o owns chunk o, global
+ * units [o*C, (o+1)*C) with C = ceil(units / n), clipped to `units` (the last
+ * chunks may be short or empty). The stream's steps (stream.cuh) are laid
+ * over one chunk: chunk-local units x in [0, C), so the grid
+ * (tpc_stream_geometry(C)) depends on the size and the world only. A warp's
+ * step covers the same x of every chunk, and every step pushes one piece to
+ * every peer, so every link carries the same load in both phases.
+ *
+ * Slots, in rank p's part of the bulk region, for each sender q != p (packed
+ * as q - (q > p), as tpc_stream_slot): a scatter slot, q's input of chunk p,
+ * and a gather slot, q's sums of chunk q, C units each at offset x:
+ * 2 (n-1) C 16 bytes. They take the op's half of the region where that fits
+ * (TPC_BULK_HALF: the next op may start while a peer still reads this one),
+ * else the whole region (TPC_BULK_WHOLE: tpc_bulk_acquire waits until the
+ * peers released the previous op); the choice is made from the kernel's
+ * arguments alone, so every rank makes the same one.
+ * It always fits in the whole region: the core caps nbytes at max_bytes
+ * (ops.c) and data_bytes = round_up(2 max_bytes + 16 n, 4096) (layout.h).
+ * With nC <= units + n - 1, 2 (n-1) C 16 = 32 (nC - C) <= 32 (units + n - 1
+ * - C) = 2 nbytes + 32 (n - 1 - C). Where C >= (n - 2) / 2 that is at most
+ * 2 nbytes + 16 n <= data_bytes; else C < 3 (n <= 8), so C <= 2 and it is at
+ * most 32 * 7 * 2 = 448 < 4096 <= data_bytes. */
+typedef struct {
+  uint64_t units;  /* 16-byte units of the input */
+  uint64_t chunk;  /* C: units of a chunk */
+  int use;         /* TPC_BULK_HALF or TPC_BULK_WHOLE */
+} tpc_two_shot;
+
+TPC_DEVICE tpc_two_shot tpc_two_shot_of(const tpc_kernel_args *a) {
+  tpc_two_shot c;
+  c.units = a->nbytes / 16;
+  c.chunk = (c.units + a->world - 1) / a->world;
+  const uint64_t slots_bytes = 2 * (uint64_t)(a->world - 1) * c.chunk * 16;
+  c.use = slots_bytes <= tpc_stream_half_bytes(a) ? TPC_BULK_HALF : TPC_BULK_WHOLE;
+  return c;
 }
 
-__global__ void tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+/* Units of chunk o: chunk-local x exists only below this. */
+TPC_DEVICE uint64_t tpc_two_shot_units(const tpc_two_shot *c, int o) {
+  const uint64_t begin = (uint64_t)o * c->chunk;
+  if (begin >= c->units) return 0;
+  return c->units - begin < c->chunk ? c->units - begin : c->chunk;
+}
+
+/* Sender's scatter slot (gather = 0) or gather slot (gather = 1) in rank
+ * owner's part of the region: the n-1 scatter slots, then the n-1 gather
+ * slots. */
+TPC_DEVICE char *tpc_two_shot_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_two_shot *c, int owner,
+                                   int sender, int gather) {
+  const char *region = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, c->use);
+  const uint64_t index = (uint64_t)gather * (uint64_t)(a->world - 1) + (uint64_t)(sender - (sender > owner));
+  return (char *)region + index * c->chunk * 16;
+}
+
+/* Phase one of step t: this rank's input of every peer o's chunk into o's
+ * scatter slot for this sender, starting at a different peer on every rank.
+ * Nothing is written once the op failed (tpc_stream_push says why). */
+TPC_DEVICE void tpc_two_shot_scatter(const tpc_op *op, const tpc_steps *s, const tpc_two_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  if (op->failed) return;
+  for (int i = 1; i < a->world; ++i) {
+    const int o = (a->rank + i) % a->world;
+    const uint64_t limit = tpc_two_shot_units(c, o);
+    uint4 v[TPC_STREAM_UNITS];
+    tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
+    tpc_stream_store(s, tpc_two_shot_slot(a, s, c, o, a->rank, 0), t, limit, v);
+  }
+}
+
+/* Phase two of step t, once every peer signalled its phase one of it: the
+ * sums of this rank's chunk in rank order (tpc_stream_accumulate: this
+ * rank's input, the peers' scatter slots), rounded once, pushed into every
+ * peer's gather slot for this sender (unless the op broke) and written to
+ * out (NaN once broken). */
+TPC_DEVICE void tpc_two_shot_reduce(const tpc_op *op, const tpc_steps *s, const tpc_two_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  const int me = a->rank;
+  const uint64_t limit = tpc_two_shot_units(c, me), offset = (uint64_t)me * c->chunk * 16;
+  uint4 own[TPC_STREAM_UNITS], sum[TPC_STREAM_UNITS];
+  float acc[TPC_STREAM_UNITS][8];
+  tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
+  tpc_stream_accumulate(a, s, t, limit, own, [&](int q) { return tpc_two_shot_slot(a, s, c, me, q, 0); }, acc);
+  const int broken = tpc_op_broken(op);
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    uint32_t w[4];
+    tpc_round(acc[k], w, 4, a->dtype);
+    sum[k] = broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if (!broken) {
+    for (int i = 1; i < a->world; ++i)
+      tpc_stream_store(s, tpc_two_shot_slot(a, s, c, (me + i) % a->world, me, 1), t, limit, sum);
+  }
+  tpc_stream_store(s, (char *)a->out + offset, t, limit, sum);
+}
+
+/* The gather of step t, once every peer signalled its phase two of it:
+ * every peer o's sums from this rank's gather slot of o to o's chunk of out
+ * (NaN once broken). */
+TPC_DEVICE void tpc_two_shot_gather(const tpc_op *op, const tpc_steps *s, const tpc_two_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  const int broken = tpc_op_broken(op);
+  for (int i = 1; i < a->world; ++i) {
+    const int o = (a->rank + i) % a->world;
+    const uint64_t limit = tpc_two_shot_units(c, o);
+    uint4 v[TPC_STREAM_UNITS];
+    if (broken) {
+      for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = tpc_poison16(a);
+    } else {
+      tpc_stream_load_slot(s, tpc_two_shot_slot(a, s, c, a->rank, o, 1), t, limit, v);
+    }
+    tpc_stream_store(s, (char *)a->out + (uint64_t)o * c->chunk * 16, t, limit, v);
+  }
+}
+
+/* It starts as tpc_stream_start does, with the steps over one chunk, its
+ * part of the region, and 2S+1 as the control warp's last count (below).
+ * Each data warp, over its block steps i = 0 .. S-1: scatters step 0, then
+ * for each i scatters step i+1 (if any), sums step i and gathers step i-1;
+ * after the loop it gathers step S-1. No barrier: each phase waits only for
+ * the peers' counts of the steps it reads.
+ *
+ * Counts (tpc_stream_mark; one per warp, so the flags and the control warp
+ * are the one-shot's): 1 after the scatter of step 0; in iteration i, 2i+2
+ * after the scatter of step i+1 (also where there is none) and 2i+3 after
+ * the sums of step i; the last is 2S+1. So the scatter of step j is covered
+ * by a count of (j == 0 ? 1 : 2j) and the sums of step j by 2j+3, and the
+ * sums of step i wait for the first, the gather of step i for the second.
+ * The count only grows: each warp marks 1, 2, 3, ... in program order, and
+ * the control warp sends the smallest over the block's warps, which only
+ * grows too (tpc_stream_signal_all sends a larger one only).
+ * No deadlock: every rank's warps run the same sequence of events, and each
+ * wait needs only events of the peers that come strictly earlier in that
+ * sequence than the wait itself (the sums of step i wait for a scatter of
+ * step i, marked one event or more before it; the gather of step i-1 for
+ * the sums of step i-1, marked before the scatter of step i+1). So by
+ * induction over the sequence every warp of every rank passes every event:
+ * the earliest event no warp passes would wait only for counts every warp
+ * has marked, which the control warps send.
+ *
+ * Memory order: both phases are stream.cuh's chain. A warp's stores into a
+ * peer's slots (scatter or sums) -> __syncwarp and the block-scope release
+ * of its count -> the control warp's acquire of it and its system-scope
+ * release of the peer's flag -> the peer warp's system-scope acquire of the
+ * flag (tpc_stream_wait) -> its loads of the slot. Every slot unit is
+ * written once per op, so within an op nothing is written after it was
+ * read; across ops, tpc_bulk_acquire orders the peers' reads of the part of
+ * the region an op takes before its writes.
+ *
+ * Results: only the owner sums its chunk, in rank order in fp32 from -0.0,
+ * rounded once (tpc_add_rank, tpc_round: what every reducing kernel does,
+ * reduce.cuh), and the other ranks copy its bits, so every rank has the same
+ * bits.
+ *
+ * in == out is safe: a unit (o, x) is touched by one lane only, in every
+ * phase: for a peer's chunk it reads in[o*C+x] (scatter of step j) before it
+ * writes out[o*C+x] (gather of step j, later), for its own chunk it reads
+ * in[me*C+x] before it writes out[me*C+x] (both in the sums of the step).
+ *
+ * At least one block a multiprocessor is all the launch needs; said outright,
+ * since without it ptxas aims at two (96 registers) and spills. */
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
+    tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_bulk_acquire(&a, &op, TPC_BULK_WHOLE);
-  const int n = a.world, me = a.rank;
-  const uint64_t units = a.nbytes / 16;
-  const uint64_t slot_units = (units + n - 1) / n;
-  const tpc_span span = tpc_data_span();
-  const uint64_t first = span.first, stride = span.stride;
-  const char *in = (const char *)a.in;
-  char *out = (char *)a.out;
-  /* scatter slot of `sender` in `owner`'s buffer, then the gathered result */
-#define SCATTER_SLOT(owner, sender) (a.bufs[owner] + a.data_off + (uint64_t)(sender) * slot_units * 16)
-#define GATHERED(owner) (a.bufs[owner] + a.data_off + (uint64_t)n * slot_units * 16)
-
-  /* After a failed acquire a peer may still read its slots: write nothing. */
-  for (int i = 1; i < n && !op.failed; ++i) {
-    const int j = (me + i) % n;
-    const uint64_t b = tpc_chunk_begin(units, j, n), e = tpc_chunk_begin(units, j + 1, n);
-    for (uint64_t k = b + first; k < e; k += stride)
-      tpc_store16(SCATTER_SLOT(j, me) + (k - b) * 16, tpc_load16(in + k * 16));
+  const tpc_two_shot c = tpc_two_shot_of(&a);
+  tpc_stream_reset();
+  const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
+  if (s.warp == s.data_warps) {
+    tpc_stream_signal_all(&op, &s, s.block_steps ? 2 * s.block_steps + 1 : 0);
+  } else if (s.block_steps != 0) {
+    tpc_two_shot_scatter(&op, &s, &c, 0);
+    tpc_stream_mark(&op, &s, 1);
+    for (uint32_t i = 0; i < s.block_steps; ++i) {
+      if (i + 1 < s.block_steps) tpc_two_shot_scatter(&op, &s, &c, i + 1);
+      tpc_stream_mark(&op, &s, 2 * i + 2);
+      tpc_stream_wait(&op, &s, i == 0 ? 1 : 2 * i, i == 0);
+      tpc_two_shot_reduce(&op, &s, &c, i);
+      tpc_stream_mark(&op, &s, 2 * i + 3);
+      if (i > 0) {
+        tpc_stream_wait(&op, &s, 2 * i + 1, 0);
+        tpc_two_shot_gather(&op, &s, &c, i - 1);
+      }
+    }
+    tpc_stream_wait(&op, &s, 2 * s.block_steps + 1, 0);
+    tpc_two_shot_gather(&op, &s, &c, s.block_steps - 1);
   }
-  tpc_header_check(&a, &op, 0);
-  tpc_block_barrier(&a, &op, 0);
-
-  const uint64_t b = tpc_chunk_begin(units, me, n), e = tpc_chunk_begin(units, me + 1, n);
-  for (uint64_t k = b + first; k < e; k += stride) {
-    const uint4 s = tpc_sum16(&a, tpc_load16(in + k * 16), SCATTER_SLOT(me, 0) + (k - b) * 16, slot_units * 16);
-    const uint4 sum = tpc_op_broken(&op) ? tpc_poison16(&a) : s;
-    tpc_store16(out + k * 16, sum);
-    for (int i = 1; i < n; ++i) tpc_store16(GATHERED((me + i) % n) + k * 16, sum);
-  }
-  tpc_block_barrier(&a, &op, 1);
-
-  const int broken = tpc_op_broken(&op);
-  for (int i = 1; i < n; ++i) {
-    const int j = (me + i) % n;
-    const uint64_t cb = tpc_chunk_begin(units, j, n), ce = tpc_chunk_begin(units, j + 1, n);
-    for (uint64_t k = cb + first; k < ce; k += stride)
-      tpc_store16(out + k * 16, broken ? tpc_poison16(&a) : tpc_load16_from_peer(GATHERED(me) + k * 16));
-  }
-#undef SCATTER_SLOT
-#undef GATHERED
-  tpc_op_end(&a, &op, TPC_BULK_WHOLE);
+  tpc_op_end(&a, &op, c.use);
 }
 
 #endif /* TPCOMM_ALL_REDUCE_CUH */

@@ -83,10 +83,11 @@ static tpc_geometry tpc_line_geometry(const tpc_kernel_args *args, uint64_t chun
 #define TPC_LINE_UNSUPPORTED() (void)0
 #endif
 
-/* Streamed kernels (stream.cuh): as many blocks as there are block steps, up
+/* Streamed kernels (stream.cuh), over `units` (one rank's input; the
+ * two-shot all-reduce's chunk): as many blocks as there are block steps, up
  * to TPC_MAX_BLOCKS, of 4 data warps; 8 once 4-warp blocks would take more
- * than one step each (above 1 MiB a rank), so that a multiprocessor keeps
- * more in flight. */
+ * than one step each (above 1 MiB), so that a multiprocessor keeps more in
+ * flight. */
 static tpc_geometry tpc_stream_geometry(uint64_t units) {
   const uint64_t steps = (units + TPC_STREAM_STEP_UNITS - 1) / TPC_STREAM_STEP_UNITS;
   const uint64_t warps_per_block = steps > TPC_MAX_BLOCKS * 4ull ? TPC_STREAM_WARPS_PER_BLOCK : TPC_STREAM_WARPS_PER_BLOCK / 2;
@@ -137,9 +138,10 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
   /* two ranks: the one-shot stream moves as much and needs one phase */
   if (args->world == 2)
     return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
-  /* two-shot: the busiest phase handles one rank's chunk */
+  /* more ranks: the streamed two-shot, its steps laid over one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
-                    tpc_geometry_for(args->nbytes / 16 / args->world, TPC_BLOCK_THREADS, TPC_MAX_BLOCKS), args, stream);
+                    tpc_stream_geometry((args->nbytes / 16 + (uint64_t)args->world - 1) / (uint64_t)args->world), args,
+                    stream);
 }
 
 extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {

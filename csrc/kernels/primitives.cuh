@@ -402,7 +402,7 @@ TPC_DEVICE uint2 tpc_packet_from(tpc_op *op, uint64_t u, int q, int folded) {
  * header of op e-4, the last one this slot held.
  * Where they are checked depends on the op (each the faster of the two
  * places in latency_probe.cu):
- *  - one-block packet ops and the two-shot bulk ops: the same control lanes
+ *  - one-block packet ops and the bulk reduce-scatter: the same control lanes
  *    wait for the peers' beside the data threads (tpc_header_check);
  *  - packet ops of several blocks (tpc_header_folded): thread 0 of block 0
  *    checks them inside its first data wait (tpc_packet_wait: header and
@@ -528,8 +528,8 @@ enum { TPC_NOT_BULK = 0, TPC_BULK_WHOLE = 1, TPC_BULK_HALF = 2 };
 
 /* Bulk slots are reused by later bulk ops. Before writing into a peer's slots
  * we wait until that peer released the last bulk op that wrote the same
- * memory (it finished reading it). An op that uses one half (the streamed
- * kernels, by the parity of the bulk sequence number, returned here) need
+ * memory (it finished reading it). An op that uses one half (a streamed
+ * kernel, by the parity of the bulk sequence number, returned here) need
  * not wait for the previous op when that one used only the other half: the
  * peer may still be reading it while this op already pushes, which takes the
  * release's round trip off the path from one op to the next.

@@ -2,7 +2,8 @@
  * Streamed bulk transfers: data warps push without ever waiting for their
  * own stores, and a peer reads each step as soon as it has landed.
  *
- * The op's 16-byte units are cut into warp steps of TPC_STREAM_STEP_UNITS
+ * The op's 16-byte units (the two-shot all-reduce: one rank's chunk of
+ * them, all_reduce.cuh) are cut into warp steps of TPC_STREAM_STEP_UNITS
  * (each lane moves TPC_STREAM_UNITS of them, 512 contiguous bytes a warp per
  * store) and block steps of one warp step per data warp; block b takes block
  * steps b, b + B, b + 2B, ... (B blocks). The grid is a function of the size
@@ -10,11 +11,13 @@
  *
  * Signalling. A data warp pushes a step into every peer's slot and tells its
  * block's control warp (a release at block scope in shared memory), then
- * goes on. The control warp takes the smallest count all data warps have
- * reached and stores it in each peer's flag for this block: one 64-bit word
- * per [block][sender], (epoch << 32 | steps done), a release at system scope,
- * which is cumulative over the data warps' stores it acquired. That release
- * is the only system fence, and it stalls only the control warp: a system
+ * goes on: it marks a count that only grows, the steps it pushed (the
+ * two-shot all-reduce pushes twice a step and counts both: all_reduce.cuh).
+ * The control warp takes the smallest count all data warps have reached and
+ * stores it in each peer's flag for this block: one 64-bit word per
+ * [block][sender], (epoch << 32 | count), a release at system scope, which
+ * is cumulative over the data warps' stores it acquired. That release is
+ * the only system fence, and it stalls only the control warp: a system
  * fence waits for all of its multiprocessor's stores in flight, so one per
  * data warp and step would stall every warp after each step and leave the
  * link idle for a round trip (docs/design.md). A peer's warp acquires the
@@ -49,7 +52,11 @@
  * number: a peer may start the next streamed op while this rank still reads
  * the current one (tpc_bulk_acquire waits only for the op before that), so
  * the next op writes the other half, and within one half the counts only
- * grow. Each half holds n-1 slots of one rank's input (none for the owner).
+ * grow. A half holds n-1 slots of one rank's input (one per peer, none for
+ * the owner); the two-shot all-reduce holds there, per peer, a scatter slot
+ * and a gather slot of one rank's chunk, and where those do not fit in a
+ * half it takes the whole region (its flags still by parity), for which
+ * tpc_bulk_acquire waits until the peers released every earlier op.
  *
  * Headers: block 0's control warp sends them; each data warp checks them in
  * its first wait (tpc_header_poll), before it reads any data, so a peer that
@@ -67,24 +74,30 @@
 #define TPC_STREAM_MAX_THREADS (TPC_STREAM_WARPS_PER_BLOCK * TPC_STREAM_LANES + TPC_CONTROL_THREADS)
 
 typedef struct {
-  char *slots;           /* this op's half of this rank's bulk region */
-  uint32_t parity;       /* which half of the slots and flags this op uses */
+  char *slots;           /* the part of this rank's bulk region this op uses (tpc_stream_region) */
+  uint32_t parity;       /* which half of the flags (and of the slots, for a half) this op uses */
   uint32_t block_steps;  /* block steps this block takes */
-  uint64_t units;        /* 16-byte units of one rank's input */
+  uint64_t units;        /* 16-byte units the steps cover: one rank's input, or one rank's chunk (two-shot) */
   uint32_t warp;         /* data warp index in the block; data_warps for the control warp */
   uint32_t data_warps;
   uint32_t lane;
 } tpc_steps;
 
-/* Bulk slot half `parity` of rank `owner`'s buffer. */
-TPC_DEVICE char *tpc_stream_half(const tpc_kernel_args *a, int owner, uint32_t parity) {
-  return a->bufs[owner] + a->data_off + (uint64_t)parity * (a->data_bytes / 32 * 16);
+/* Bytes of one half of the bulk region (16-byte aligned). */
+TPC_DEVICE uint64_t tpc_stream_half_bytes(const tpc_kernel_args *a) { return a->data_bytes / 32 * 16; }
+
+/* The part of rank `owner`'s bulk region an op uses: half `parity`
+ * (TPC_BULK_HALF) or all of it (TPC_BULK_WHOLE). */
+TPC_DEVICE char *tpc_stream_region(const tpc_kernel_args *a, int owner, uint32_t parity, int use) {
+  return a->bufs[owner] + a->data_off + (use == TPC_BULK_HALF ? (uint64_t)parity * tpc_stream_half_bytes(a) : 0);
 }
 
-/* `seq`: the bulk ops completed before this one (tpc_bulk_acquire). */
-TPC_DEVICE tpc_steps tpc_stream_of(const tpc_kernel_args *a, uint32_t seq) {
+/* `seq`: the bulk ops completed before this one (tpc_bulk_acquire); `units`:
+ * the 16-byte units the steps cover; `use`: the part of the region the op
+ * takes (tpc_stream_region). */
+TPC_DEVICE tpc_steps tpc_stream_of(const tpc_kernel_args *a, uint32_t seq, uint64_t units, int use) {
   tpc_steps s;
-  s.units = a->nbytes / 16;
+  s.units = units;
   s.data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_STREAM_LANES;
   const uint64_t step_units = (uint64_t)s.data_warps * TPC_STREAM_STEP_UNITS;
   const uint64_t all = (s.units + step_units - 1) / step_units;
@@ -93,7 +106,7 @@ TPC_DEVICE tpc_steps tpc_stream_of(const tpc_kernel_args *a, uint32_t seq) {
   s.warp = w < s.data_warps ? w : s.data_warps;
   s.lane = threadIdx.x % TPC_STREAM_LANES;
   s.parity = seq & 1u;
-  s.slots = tpc_stream_half(a, a->rank, s.parity);
+  s.slots = tpc_stream_region(a, a->rank, s.parity, use);
   return s;
 }
 
@@ -113,14 +126,14 @@ TPC_DEVICE uint64_t *tpc_stream_flag(const tpc_kernel_args *a, int owner, const 
 /* Sender q's slot in this op's half of rank `owner`'s buffer: one rank's
  * input, packed (the owner has none). */
 TPC_DEVICE char *tpc_stream_slot(const tpc_kernel_args *a, const tpc_steps *s, int owner, int sender) {
-  const char *half = owner == a->rank ? s->slots : tpc_stream_half(a, owner, s->parity);
+  const char *half = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, TPC_BULK_HALF);
   return (char *)half + (uint64_t)(sender - (sender > owner)) * a->nbytes;
 }
 
-/* Steps each data warp of the block has pushed: lane 0 of data warp w alone
- * writes word w (tpc_stream_mark), the control warp reads them all. Zeroed
- * before the block barrier in tpc_bulk_acquire, which orders the zeroing
- * before every other access (the racecheck note above). */
+/* The count each data warp of the block has marked: lane 0 of data warp w
+ * alone writes word w (tpc_stream_mark), the control warp reads them all.
+ * Zeroed before the block barrier in tpc_bulk_acquire, which orders the
+ * zeroing before every other access (the racecheck note above). */
 TPC_DEVICE uint32_t *tpc_stream_pushed(void) {
   __shared__ uint32_t pushed[TPC_STREAM_WARPS_PER_BLOCK];
   return pushed;
@@ -130,11 +143,37 @@ TPC_DEVICE void tpc_stream_reset(void) {
   if (threadIdx.x < TPC_STREAM_WARPS_PER_BLOCK) tpc_stream_pushed()[threadIdx.x] = 0;
 }
 
-/* Step t of this rank's input into registers (units past the end read as 0). */
-TPC_DEVICE void tpc_stream_load(const tpc_steps *s, const char *in, uint32_t t, uint4 v[TPC_STREAM_UNITS]) {
+/* Step t of the 16-byte units at `in` (this rank's input, or a part of it)
+ * into registers; units from `limit` on read as 0. */
+TPC_DEVICE void tpc_stream_load_below(const tpc_steps *s, const char *in, uint32_t t, uint64_t limit,
+                                      uint4 v[TPC_STREAM_UNITS]) {
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t u = tpc_stream_unit(s, t, k);
-    v[k] = u < s->units ? tpc_load16(in + u * 16) : make_uint4(0, 0, 0, 0);
+    v[k] = u < limit ? tpc_load16(in + u * 16) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/* Step t of this rank's input into registers (units past the end read as 0). */
+TPC_DEVICE void tpc_stream_load(const tpc_steps *s, const char *in, uint32_t t, uint4 v[TPC_STREAM_UNITS]) {
+  tpc_stream_load_below(s, in, t, s->units, v);
+}
+
+/* The same from a slot of this rank's that peers wrote: read after the
+ * acquire of their flag, past the L1 (tpc_load16_from_peer). */
+TPC_DEVICE void tpc_stream_load_slot(const tpc_steps *s, const char *slot, uint32_t t, uint64_t limit,
+                                     uint4 v[TPC_STREAM_UNITS]) {
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    v[k] = u < limit ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/* Step t's units below `limit` from registers to the 16-byte units at `to`. */
+TPC_DEVICE void tpc_stream_store(const tpc_steps *s, char *to, uint32_t t, uint64_t limit,
+                                 const uint4 v[TPC_STREAM_UNITS]) {
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    if (u < limit) tpc_store16(to + u * 16, v[k]);
   }
 }
 
@@ -144,39 +183,37 @@ TPC_DEVICE void tpc_stream_load(const tpc_steps *s, const char *in, uint32_t t, 
 TPC_DEVICE void tpc_stream_push(const tpc_op *op, const tpc_steps *s, uint32_t t, const uint4 v[TPC_STREAM_UNITS]) {
   const tpc_kernel_args *a = op->args;
   if (op->failed) return;
-  for (int i = 1; i < a->world; ++i) {
-    char *slot = tpc_stream_slot(a, s, (a->rank + i) % a->world, a->rank);
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      if (u < s->units) tpc_store16(slot + u * 16, v[k]);
-    }
-  }
+  for (int i = 1; i < a->world; ++i)
+    tpc_stream_store(s, tpc_stream_slot(a, s, (a->rank + i) % a->world, a->rank), t, s->units, v);
 }
 
 TPC_DEVICE uint64_t tpc_stream_tag(uint32_t epoch, uint32_t done) { return (uint64_t)epoch << 32 | done; }
 
-/* A data warp has pushed `done` of its block's steps. Once any of its lanes
- * failed (and so skipped its pushes) the warp stops counting, so the control
- * warp never signals data that was not pushed. The release (block scope)
- * publishes the whole warp's pushes: __syncwarp first orders the other
- * lanes' stores before lane 0's release, which is cumulative over them. */
+/* A data warp has pushed all that count `done` covers (`done` of its
+ * block's steps; the two-shot's counts: all_reduce.cuh). Once any of its
+ * lanes failed (and so skipped its pushes) the warp stops counting, so the
+ * control warp never signals data that was not pushed. The release (block
+ * scope) publishes the whole warp's pushes: __syncwarp first orders the
+ * other lanes' stores before lane 0's release, which is cumulative over
+ * them. */
 TPC_DEVICE void tpc_stream_mark(const tpc_op *op, const tpc_steps *s, uint32_t done) {
   tpc_warp_sync(); /* orders the lanes' stores before lane 0's release */
   if (!tpc_warp_any(op->failed) && s->lane == 0) tpc_store_release_block(&tpc_stream_pushed()[s->warp], done);
 }
 
-/* The control warp: until the block's last step is signalled, tell every
- * peer (one lane per peer) how many steps all data warps have pushed. It
- * gives up only once the op failed (a data warp's bounded wait records
- * why), checked every TPC_WAIT_CHECK_SPINS spins like every wait. Each lane
+/* The control warp: until the data warps' last count, `last`, is signalled
+ * (the block steps, for a kernel that marks once a step), tell every peer
+ * (one lane per peer) the count all data warps have reached. It gives up
+ * only once the op failed (a data warp's bounded wait records why),
+ * checked every TPC_WAIT_CHECK_SPINS spins like every wait. Each lane
  * acquires every count itself, so its own system-scope release is
  * cumulative over all the data warps' pushes it signals. */
-TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
+TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s, uint32_t last) {
   const tpc_kernel_args *a = op->args;
   const int peer = (int)s->lane;
   const uint32_t *pushed = tpc_stream_pushed();
   uint32_t signalled = 0, spins = 0;
-  while (signalled < s->block_steps && !op->failed) {
+  while (signalled < last && !op->failed) {
     uint32_t done = ~0u;
     for (uint32_t w = 0; w < s->data_warps; ++w) {
       const uint32_t p = tpc_load_acquire_block(&pushed[w]);
@@ -193,26 +230,28 @@ TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s) {
   }
 }
 
-/* What every streamed kernel does between tpc_op_begin and its data loop:
- * zero the push counts (before the block barrier inside
+/* What a streamed kernel over one rank's input does between tpc_op_begin
+ * and its data loop: zero the push counts (before the block barrier inside
  * tpc_bulk_acquire, which orders that before any count), acquire this op's
  * half, and run the control warp's signalling. Nonzero for a data warp with
- * steps to take. */
+ * steps to take. (The two-shot all-reduce starts the same way with its own
+ * units, part of the region and last count: all_reduce.cuh.) */
 TPC_DEVICE int tpc_stream_start(tpc_op *op, tpc_steps *s) {
   tpc_stream_reset();
-  *s = tpc_stream_of(op->args, tpc_bulk_acquire(op->args, op, TPC_BULK_HALF));
+  *s = tpc_stream_of(op->args, tpc_bulk_acquire(op->args, op, TPC_BULK_HALF), op->args->nbytes / 16, TPC_BULK_HALF);
   if (s->warp == s->data_warps) {
-    tpc_stream_signal_all(op, s);
+    tpc_stream_signal_all(op, s, s->block_steps);
     return 0;
   }
   return s->block_steps != 0;
 }
 
-/* Until every peer's block has pushed `done` steps into this rank's slots;
- * with check_header, also until the peer's header for this op is in and
- * agrees. Bounded like every wait; on giving up op->failed is set. The flag
- * is acquired at system scope: it is the peer control warp's release, and
- * the loads of the slots that follow must see what it published. */
+/* Until every peer's block has marked `done` (pushed what it stands for
+ * into this rank's slots); with check_header, also until the peer's header
+ * for this op is in and agrees. Bounded like every wait; on giving up
+ * op->failed is set. The flag is acquired at system scope: it is the peer
+ * control warp's release, and the loads of the slots that follow must see
+ * what it published. */
 TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, int check_header) {
   const tpc_kernel_args *a = op->args;
   for (int i = 1; i < a->world && !op->failed; ++i) {

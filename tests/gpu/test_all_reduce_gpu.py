@@ -173,6 +173,28 @@ def body_back_to_back_and_overwrite(rank, world):
     comm.close()
 
 
+def body_bulk_half_and_whole(rank, world):
+    """The bulk kernel queued back to back without waiting, its sizes taking
+    one half of the bulk region or the whole of it in turn (from three ranks
+    the two-shot's slots outgrow a half near the cap: all_reduce.cuh), a
+    random rank late before each op, inputs overwritten right after each."""
+    comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(41 + rank)
+    rng = shared_rng(43)
+    inputs, outputs = [], []
+    for nbytes in [CAP, 1 * MiB, 1 * MiB + 16, CAP, CAP - 16, 64 * KiB, 13 * MiB, 3 * MiB] * 2:
+        x = int_valued(nbytes // 2, torch.bfloat16, gen)
+        inputs.append(x.clone())
+        delay_random_rank(rank, world, rng)
+        outputs.append(torch.ops._tpcomm.all_reduce(x, comm.handle, BULK))
+        overwrite(x)
+    for i, (x, y) in enumerate(zip(inputs, outputs)):
+        assert_bits_equal(y, nccl_all_reduce(x), f"bulk op {i}, {2 * x.numel()} B")
+    comm.check()
+    comm.close()
+
+
 def body_nan_inf(rank, world):
     """NaN, inf and -0.0 through the packet and bulk kernels: NaN where NCCL
     has NaN, the other elements NCCL's bits."""
@@ -424,8 +446,9 @@ def body_line_kernels_in_place_and_mismatch(rank, world):
 
 
 @pytest.mark.parametrize("body", [body_eager_matches_nccl, body_graph_replays, body_back_to_back_and_overwrite,
-                                  body_nan_inf, body_two_communicators, body_errors, body_eager_fast_path,
-                                  body_sizes_for_any_world, body_line_kernels_in_place_and_mismatch],
+                                  body_bulk_half_and_whole, body_nan_inf, body_two_communicators, body_errors,
+                                  body_eager_fast_path, body_sizes_for_any_world,
+                                  body_line_kernels_in_place_and_mismatch],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
     multiproc.run_gpu(body)
