@@ -68,8 +68,7 @@ typedef struct {
   uint32_t wrap_out[TPC_MAX_RANKS];  /* peers: cleared their flags at the wrap */
   /* Everything from here to the end of the packet slots (the stream flags
    * included) carries epoch flags and is cleared at the wrap. */
-  uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed */
-  uint32_t barrier_out[TPC_MAX_BLOCKS][TPC_MAX_RANKS];  /* peers: phase done */
+  uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed (tpc_block_barrier) */
   /* peers: one header packet per [epoch % TPC_HEADER_SLOTS][sender], says
    * the op and its size (four slots: sent early, primitives.cuh) */
   uint64_t header[TPC_HEADER_SLOTS][TPC_MAX_RANKS][2];

@@ -498,7 +498,7 @@ TPC_DEVICE int tpc_packet_prologue(const tpc_kernel_args *a, uint64_t units, Loa
  * cover the same index ranges on every rank, so this orders exactly the data
  * they exchange. Flags are equal to the epoch: never reused within 2^32 ops
  * (tpc_wrap clears them before the counter wraps). */
-TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op, int second) {
+TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op) {
   /* Memory order: bar.sync makes the block's earlier stores (the data pushed
    * into the peers' slots) visible to the signalling threads; their system
    * fence is cumulative over them and orders all of them before the flag's
@@ -512,12 +512,8 @@ TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op, int seco
   if (t < a->world && t != a->rank) {
     tpc_fence_system();
     tpc_signals *peer = tpc_signals_of(a, t);
-    uint32_t *mine = second ? &peer->barrier_out[blockIdx.x][a->rank]
-                            : &peer->barrier_in[blockIdx.x][a->rank];
-    tpc_store_release(mine, op->epoch);
-    const uint32_t *theirs = second ? &op->sig->barrier_out[blockIdx.x][t]
-                                    : &op->sig->barrier_in[blockIdx.x][t];
-    tpc_flag_wait(op, theirs, op->epoch, t);
+    tpc_store_release(&peer->barrier_in[blockIdx.x][a->rank], op->epoch);
+    tpc_flag_wait(op, &op->sig->barrier_in[blockIdx.x][t], op->epoch, t);
   }
   /* A wait that gave up stops the whole block, not just its thread. */
   if (__syncthreads_or(op->failed)) op->failed = 1;

@@ -118,7 +118,7 @@ __global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kerne
       tpc_store16(SLOT(j, me) + k * 16, tpc_load16(in + (j * units + k) * 16));
   }
   tpc_header_check(&a, &op, 0);
-  tpc_block_barrier(&a, &op, 0);
+  tpc_block_barrier(&a, &op);
   const int broken = tpc_op_broken(&op);
   for (uint64_t k = span.first; k < units && (!broken || a.poison_out); k += span.stride) {
     if (OutF32) {
