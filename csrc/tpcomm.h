@@ -54,11 +54,11 @@ extern "C" {
 /* Largest tpc_config.packet_max_bytes: a packet carries 8 data bytes in 16,
  * so a sender's packet slot (twice the cap) stays within 4 GiB. */
 #define TPC_PACKET_MAX_BYTES_LIMIT 2147483648
-/* Most blocks one launch uses; sizes the per-block barrier flag arrays. */
+/* Most blocks a bulk launch uses; sizes the per-block stream flag arrays. */
 #define TPC_MAX_BLOCKS 128
 /* Data threads of the largest block a kernel is launched with (the packet
- * kernels' wide blocks, the bulk reduce-scatter, the fused norm kernel);
- * one control warp of 32 threads comes on top. */
+ * kernels' wide blocks, the fused norm kernel); one control warp of 32
+ * threads comes on top. */
 #define TPC_BLOCK_THREADS 512
 /* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:
  * TPC_BLOCK_THREADS threads x 8 packet units of 8 bytes, held in registers. */
@@ -84,7 +84,7 @@ typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
  * it. Any other value is refused with TPC_ERR_INVALID_ARG naming it. */
 typedef enum {
   TPC_ALGO_PACKET = 1,     /* barrier-free: data and epoch flag in one store */
-  TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed or between barriers    */
+  TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed (stream.cuh)          */
   TPC_ALGO_LINE = 3,       /* 128-byte lines of data and flag (NVLink only):
                               every op, up to the packet cap */
   TPC_ALGO_TWO_SHOT = 4    /* all_reduce in lines, in two phases (reduce-scatter,

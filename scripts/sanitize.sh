@@ -4,8 +4,9 @@
 # packet/line/bulk, all_gather packet flat and general/line/bulk,
 # reduce_scatter packet/bulk in both output dtypes, the fused norm spread and
 # in place), on one GPU: the ranks share it, rank 0 runs under the tool and
-# the others plain. World 2 runs the streamed bulk kernel, world 3 the
-# two-shot one and the general (n > 2) paths of the rest.
+# the others plain. World 2 runs the one-shot bulk all-reduce, world 3 the
+# two-shot ones and the general (n > 2) paths of the rest; the streamed
+# reduce-scatter and all-gather run at both.
 #
 # Usage (repository root, one GPU; needs compute-sanitizer and a built torch):
 #   bash scripts/sanitize.sh [LOG_DIR]

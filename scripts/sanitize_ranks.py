@@ -103,6 +103,7 @@ class Cases:
         # half of the 16 MiB communicator's region (they take the whole).
         streamed = ([("all_reduce bulk 4 MiB", lambda: self.all_reduce((2 * 1024 * 1024,), bf16, BULK))] if n == 2
                     else [("all_reduce bulk 13 MiB", lambda: self.all_reduce((13 * 512 * 1024,), bf16, BULK))])
+        big_part = (min(5 << 20, (16 << 20) // n) - 16) // 2  # a reduce_scatter part's 16-bit elements (below)
         return streamed + [
             # packet: one block (the control lanes check the headers), several
             # blocks (thread 0 checks them in its first wait)
@@ -126,7 +127,13 @@ class Cases:
             ("reduce_scatter packet f32 out", lambda: self.reduce_scatter((n * 1024,), bf16, PACKET, True)),
             ("reduce_scatter line", lambda: self.reduce_scatter((n * 8200,), bf16, LINE, False)),
             ("reduce_scatter line f32 out", lambda: self.reduce_scatter((n * 8200,), bf16, LINE, True)),
-            ("reduce_scatter bulk", lambda: self.reduce_scatter((n * 32768,), bf16, BULK, False)),
+            # bulk (streamed over one part at every world size): parts of 5 MiB - 16 (up to three
+            # ranks; the cap allows 16 MiB in all) give a block two or three steps of 8 warps (the
+            # push-ahead path) and end inside a warp step; 64 KiB parts run 4-warp blocks of one
+            # step. fp32 sums of a 16-bit input take 32 bytes a unit, of fp32 input 16.
+            ("reduce_scatter bulk 5 MiB parts", lambda: self.reduce_scatter((n * big_part,), bf16, BULK, False)),
+            ("reduce_scatter bulk 5 MiB parts f32 out",
+             lambda: self.reduce_scatter((n * big_part,), f16, BULK, True)),
             ("reduce_scatter bulk f32 out", lambda: self.reduce_scatter((n * 16384,), f32, BULK, True)),
             # the fused norm: out of place with few rows ("spread": every block
             # pushes) and in place; the split route is reduce_scatter f32 out

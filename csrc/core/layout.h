@@ -8,8 +8,7 @@
  *                              stream flags, [parity][block][sender], written by peers
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
  *   [data_off, +data_bytes)    bulk slots, written by peers: one half of the
- *                              region by the op's parity (streamed kernels) or
- *                              the whole (reduce-scatter, and the streamed
+ *                              region by the op's parity, or the whole (the
  *                              two-shot all-reduce where a half is too small)
  *
  * The words a kernel must read before it may touch that buffer (is the
@@ -151,10 +150,11 @@ static inline tpc_layout tpc_layout_for(int world, size_t max_bytes, size_t pack
   l.packet_slot_bytes = tpc_round_up(packet_max_bytes * 2, 4096);
   l.data_off = l.packet_off + 2 * (size_t)world * l.packet_slot_bytes;
   /* streamed all-reduce of two ranks and all-gather: n-1 slots of one
-   * rank's input in either half; all-reduce of more ranks (the streamed
-   * two-shot): 2(n-1) slots of ceil(units/n) 16-byte units, in one half
-   * where they fit, else in the whole (all_reduce.cuh shows they always fit
-   * there); reduce-scatter: n slots of one chunk in the whole. */
+   * rank's input in either half; reduce-scatter: n-1 slots of one chunk in
+   * either half (its cap keeps them there: reduce_scatter.cuh); all-reduce
+   * of more ranks (the streamed two-shot): 2(n-1) slots of ceil(units/n)
+   * 16-byte units, in one half where they fit, else in the whole
+   * (all_reduce.cuh shows they always fit there). */
   l.data_bytes = tpc_round_up(2 * max_bytes + 16 * (size_t)world, 4096);
   l.total_bytes = l.data_off + l.data_bytes;
   return l;

@@ -130,63 +130,6 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
-/* The fp32 sums of step t's units below `limit` into acc, not rounded, in
- * rank order from -0.0 (reduce.cuh): this rank's values from `own`, peer
- * q's from its slot `slot_of(q)` of this rank, already waited for (units
- * from `limit` on add 0). Ranks are the outer loop so that a peer's
- * TPC_STREAM_UNITS loads are in flight together (summing unit by unit, with
- * the rank loop inside, leaves one load in flight, and the large ops wait on
- * each). The slots are read after tpc_stream_wait's acquire of the peer's
- * flag, which the peer's control warp released after these units landed
- * (stream.cuh). */
-template <typename SlotOf>
-TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, uint64_t limit,
-                                      const uint4 own[TPC_STREAM_UNITS], SlotOf slot_of,
-                                      float acc[TPC_STREAM_UNITS][8]) {
-  for (int q = 0; q < a->world; ++q) {
-    const char *slot = q == a->rank ? NULL : slot_of(q);
-    uint4 v[TPC_STREAM_UNITS];
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      v[k] = !slot ? own[k] : u < limit ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
-    }
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-      tpc_add_rank(acc[k], words, 4, a->dtype, q);
-    }
-  }
-}
-
-/* The one-shot's sum of step t (own values from `own`, the peers' from this
- * rank's slots, already waited for), or NaN once the op broke, into out. */
-TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
-                                  const uint4 own[TPC_STREAM_UNITS], char *out) {
-  const tpc_kernel_args *a = op->args;
-  if (a->world == 2) { /* the same bits in packed arithmetic: 16-bit sums cost as much as fp32 */
-    const char *slot = tpc_stream_slot(a, s, a->rank, 1 - a->rank);
-    uint4 v[TPC_STREAM_UNITS];
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      v[k] = u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
-    }
-    const int broken = tpc_op_broken(op);
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : tpc_sum_pair16(own[k], v[k], a->dtype));
-    }
-    return;
-  }
-  float acc[TPC_STREAM_UNITS][8];
-  tpc_stream_accumulate(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
-  const int broken = tpc_op_broken(op);
-  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-    const uint64_t u = tpc_stream_unit(s, t, k);
-    uint32_t w[4];
-    tpc_round(acc[k], w, 4, a->dtype);
-    if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]));
-  }
-}
-
 /* Each data warp pushes step i+1 before it waits for and sums step i, so the
  * link carries the next step while the warp reads the last; the own input of
  * the two steps stays in registers. in == out is safe: a lane writes only
@@ -275,18 +218,12 @@ TPC_DEVICE char *tpc_two_shot_slot(const tpc_kernel_args *a, const tpc_steps *s,
 }
 
 /* Phase one of step t: this rank's input of every peer o's chunk into o's
- * scatter slot for this sender, starting at a different peer on every rank.
- * Nothing is written once the op failed (tpc_stream_push says why). */
+ * scatter slot for this sender (tpc_stream_scatter). */
 TPC_DEVICE void tpc_two_shot_scatter(const tpc_op *op, const tpc_steps *s, const tpc_two_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
-  if (op->failed) return;
-  for (int i = 1; i < a->world; ++i) {
-    const int o = (a->rank + i) % a->world;
-    const uint64_t limit = tpc_two_shot_units(c, o);
-    uint4 v[TPC_STREAM_UNITS];
-    tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
-    tpc_stream_store(s, tpc_two_shot_slot(a, s, c, o, a->rank, 0), t, limit, v);
-  }
+  tpc_stream_scatter(
+      op, s, t, c->chunk * 16, [&](int o) { return tpc_two_shot_units(c, o); },
+      [&](int o) { return tpc_two_shot_slot(a, s, c, o, a->rank, 0); });
 }
 
 /* Phase two of step t, once every peer signalled its phase one of it: the

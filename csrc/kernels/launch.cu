@@ -15,7 +15,7 @@ typedef hipStream_t tpc_stream; /* spelled out: a direct hipcc build has no cuda
 typedef cudaStream_t tpc_stream;
 #endif
 
-/* Packet kernels use no barrier flags, so they may spread over one block per
+/* Packet kernels use no per-block flags, so they may spread over one block per
  * multiprocessor of the device (132 on an H100/H200, 304 compute units on an
  * MI300X, 110 on an MI250X die: read at communicator creation), whatever
  * TPC_MAX_BLOCKS is; bulk kernels are bounded by the flag arrays. */
@@ -83,11 +83,11 @@ static tpc_geometry tpc_line_geometry(const tpc_kernel_args *args, uint64_t chun
 #define TPC_LINE_UNSUPPORTED() (void)0
 #endif
 
-/* Streamed kernels (stream.cuh), over `units` (one rank's input; the
- * two-shot all-reduce's chunk): as many blocks as there are block steps, up
- * to TPC_MAX_BLOCKS, of 4 data warps; 8 once 4-warp blocks would take more
- * than one step each (above 1 MiB), so that a multiprocessor keeps more in
- * flight. */
+/* Streamed kernels (stream.cuh), over `units` (one rank's input; its chunk
+ * in the two-shot all-reduce and in reduce-scatter): as many blocks as
+ * there are block steps, up to TPC_MAX_BLOCKS, of 4 data warps; 8 once
+ * 4-warp blocks would take more than one step each (above 1 MiB), so that
+ * a multiprocessor keeps more in flight. */
 static tpc_geometry tpc_stream_geometry(uint64_t units) {
   const uint64_t steps = (units + TPC_STREAM_STEP_UNITS - 1) / TPC_STREAM_STEP_UNITS;
   const uint64_t warps_per_block = steps > TPC_MAX_BLOCKS * 4ull ? TPC_STREAM_WARPS_PER_BLOCK : TPC_STREAM_WARPS_PER_BLOCK / 2;
@@ -172,8 +172,9 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
     return tpc_launch(args->out_f32 ? tpc_reduce_scatter_line_kernel<1> : tpc_reduce_scatter_line_kernel<0>,
                       tpc_line_geometry(args, (uint64_t)args->world - 1), args, stream);
   }
+  /* streamed, its steps laid over one rank's chunk */
   return tpc_launch(args->out_f32 ? tpc_reduce_scatter_bulk_kernel<1> : tpc_reduce_scatter_bulk_kernel<0>,
-                    tpc_geometry_for(args->nbytes / 16, TPC_BLOCK_THREADS, TPC_MAX_BLOCKS), args, stream);
+                    tpc_stream_geometry(args->nbytes / 16), args, stream);
 }
 
 /* One block per row, up to one per multiprocessor; as many data threads as

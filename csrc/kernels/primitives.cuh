@@ -1,8 +1,7 @@
 /*
  * Synchronisation building blocks shared by every collective: the op's epoch,
- * packets, the one bounded wait, per-block barriers, the deferred release of
- * bulk slots, error recording, and the start every packet kernel shares
- * (tpc_packet_prologue).
+ * packets, the one bounded wait, the deferred release of bulk slots, error
+ * recording, and the start every packet kernel shares (tpc_packet_prologue).
  */
 #ifndef TPCOMM_PRIMITIVES_CUH
 #define TPCOMM_PRIMITIVES_CUH
@@ -348,8 +347,8 @@ TPC_DEVICE uint2 tpc_packet_wait(tpc_op *op, const void *slot, int peer, int che
 }
 
 /* Until *flag == value, bounded. An acquire at system scope: the flag is a
- * peer's release (tpc_block_barrier, tpc_wrap_meet), and what this thread's
- * block reads next is the memory that release published. */
+ * peer's release (tpc_wrap_meet), and what this thread reads next is the
+ * memory that release published. */
 TPC_DEVICE void tpc_flag_wait(tpc_op *op, const uint32_t *flag, uint32_t value, int peer) {
   uint32_t spins = 0;
   while (tpc_load_acquire(flag) != value)
@@ -402,12 +401,14 @@ TPC_DEVICE uint2 tpc_packet_from(tpc_op *op, uint64_t u, int q, int folded) {
  * header of op e-4, the last one this slot held.
  * Where they are checked depends on the op (each the faster of the two
  * places in latency_probe.cu):
- *  - one-block packet ops and the bulk reduce-scatter: the same control lanes
- *    wait for the peers' beside the data threads (tpc_header_check);
+ *  - one-block packet ops: the same control lanes wait for the peers' beside
+ *    the data threads (tpc_header_check);
  *  - packet ops of several blocks (tpc_header_folded): thread 0 of block 0
  *    checks them inside its first data wait (tpc_packet_wait: header and
  *    data polled in the same loop), which frees block 0's control warp;
- *  - line and streamed ops: the first lane of warp 0 in its first waits.
+ *  - line ops: the first lane of warp 0 in its first waits;
+ *  - streamed ops (every bulk kernel): every data warp in its first wait
+ *    (stream.cuh).
  * Header packets are relaxed stores and loads, like data packets: the
  * header carries its own flag and publishes nothing else. */
 TPC_DEVICE int tpc_header_folded(int packet) { return packet && gridDim.x > 1; }
@@ -492,31 +493,6 @@ TPC_DEVICE int tpc_packet_prologue(const tpc_kernel_args *a, uint64_t units, Loa
   if (check_header) tpc_header_check(a, &p->op, p->folded);
   tpc_packet_span_after(load, p);
   return 1;
-}
-
-/* Block b of every rank meets block b of every other rank. Blocks of one op
- * cover the same index ranges on every rank, so this orders exactly the data
- * they exchange. Flags are equal to the epoch: never reused within 2^32 ops
- * (tpc_wrap clears them before the counter wraps). */
-TPC_DEVICE void tpc_block_barrier(const tpc_kernel_args *a, tpc_op *op) {
-  /* Memory order: bar.sync makes the block's earlier stores (the data pushed
-   * into the peers' slots) visible to the signalling threads; their system
-   * fence is cumulative over them and orders all of them before the flag's
-   * release store (the pattern of cooperative groups' grid sync, at system
-   * scope, since the readers are other GPUs). One fence per peer instead of
-   * one per thread. The peer's flag is acquired (tpc_flag_wait), and the
-   * closing bar.sync hands what the signalling threads acquired to the rest
-   * of the block, which then reads the peers' data. */
-  __syncthreads();
-  const int t = threadIdx.x;
-  if (t < a->world && t != a->rank) {
-    tpc_fence_system();
-    tpc_signals *peer = tpc_signals_of(a, t);
-    tpc_store_release(&peer->barrier_in[blockIdx.x][a->rank], op->epoch);
-    tpc_flag_wait(op, &op->sig->barrier_in[blockIdx.x][t], op->epoch, t);
-  }
-  /* A wait that gave up stops the whole block, not just its thread. */
-  if (__syncthreads_or(op->failed)) op->failed = 1;
 }
 
 /* How a bulk op uses the data region (tpc_bulk_acquire, tpc_op_end). */

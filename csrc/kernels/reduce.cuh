@@ -1,7 +1,8 @@
 /*
- * The sum of one unit across ranks, as every reducing kernel (all_reduce,
- * reduce_scatter) computes it: in fp32, in rank order 0..n-1, this rank's
- * own value taken from its input, the peers' from the slots they pushed into.
+ * The sum of one packet unit across ranks, as the packet kernels (all_reduce,
+ * reduce_scatter) compute it: in fp32, in rank order 0..n-1, this rank's own
+ * value taken from its input, the peers' from the slots they pushed into.
+ * The line and streamed kernels sum the same way (line.cuh, stream.cuh).
  */
 #ifndef TPCOMM_REDUCE_CUH
 #define TPCOMM_REDUCE_CUH
@@ -32,27 +33,6 @@ TPC_DEVICE uint2 tpc_sum_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own,
   uint32_t sum[2];
   tpc_round(acc, sum, 2, a->dtype);
   return make_uint2(sum[0], sum[1]);
-}
-
-/* 16-byte unit, acc[0..values) in fp32, not rounded (8 values for 16-bit
- * dtypes, 4 for fp32): sender q's value lies at peer_base + q * peer_stride in
- * this rank's bulk slots (read after the barrier that follows the pushes). */
-TPC_DEVICE void tpc_accumulate16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride,
-                                 float acc[8]) {
-  for (int q = 0; q < a->world; ++q) {
-    const uint4 v = q == a->rank ? own : tpc_load16_from_peer(peer_base + (uint64_t)q * peer_stride);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    tpc_add_rank(acc, words, 4, a->dtype, q);
-  }
-}
-
-/* The same, rounded once to the dtype. */
-TPC_DEVICE uint4 tpc_sum16(const tpc_kernel_args *a, uint4 own, const char *peer_base, uint64_t peer_stride) {
-  float acc[8];
-  tpc_accumulate16(a, own, peer_base, peer_stride, acc);
-  uint32_t s[4];
-  tpc_round(acc, s, 4, a->dtype);
-  return make_uint4(s[0], s[1], s[2], s[3]);
 }
 
 #endif /* TPCOMM_REDUCE_CUH */

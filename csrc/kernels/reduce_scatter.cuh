@@ -11,9 +11,13 @@
  *   lines go into rank j's slot, and each rank sums its chunk's lines in rank
  *   order. Every rank waits for a line from every peer, so a rank is at most
  *   one op ahead, as with packets.
- * bulk: push chunk j into rank j's bulk slot for this sender, barrier, sum
- *   our chunk from the slots. Peers release the slots at the end
- *   (tpc_bulk_acquire), as for the other bulk kernels.
+ * bulk (streamed, stream.cuh): the steps are laid over one chunk, so a
+ *   warp's step covers the same units of every chunk. A warp pushes its
+ *   step of chunk j into rank j's slot for this sender, for every peer j,
+ *   and sums its step of our chunk in rank order as soon as every peer has
+ *   signalled it; step i+1 is pushed before step i is summed. No barrier:
+ *   the first phase of the two-shot all-reduce (all_reduce.cuh) without its
+ *   gather. Each rank sends (n-1)/n of its input, the minimum.
  * Each comes in two builds: OutF32 = 0 rounds the sums to the input's dtype;
  * OutF32 = 1 writes them as fp32, unrounded (a.out_f32: the bulk path of
  * all_reduce_add_rms_norm adds the residual before it rounds). What moves
@@ -24,6 +28,7 @@
 
 #include "line.cuh"
 #include "reduce.cuh"
+#include "stream.cuh"
 
 /* Stores the fp32 sums of one unit (2 or 4 values for a packet unit, 4 or 8
  * for a 16-byte one: fp32 or 16-bit input) at unit index u of a float output. */
@@ -100,38 +105,105 @@ __global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kerne
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
+/* The bulk kernel (tpc_reduce_scatter_bulk_kernel), any world size.
+ *
+ * Steps: the stream's (stream.cuh) over one chunk, a.nbytes: C = nbytes / 16
+ * 16-byte units, chunk-local units x in [0, C), every chunk whole; chunk o
+ * of the input starts at in + o * nbytes. The grid (tpc_stream_geometry(C))
+ * depends on the size and the world only, so block b of every rank takes
+ * the same steps.
+ *
+ * Slots: in rank p's half of the bulk region, sender q's slot (packed as
+ * q - (q > p), tpc_stream_slot) holds q's chunk p at offset x: n-1 slots of
+ * C units, the one-shot all-reduce's layout. They always fit in the op's
+ * half (TPC_BULK_HALF): the core caps a bulk reduce-scatter at nbytes <=
+ * max_bytes / n (ops.c: parts = world), so (n-1) nbytes < n nbytes <=
+ * max_bytes, and a half is data_bytes / 2 >= max_bytes + 8n (layout.h:
+ * data_bytes = round_up(2 max_bytes + 16n, 4096), a multiple of 32). So the
+ * kernel never takes the whole region, and the next op may start while a
+ * peer still reads this one.
+ *
+ * Each data warp, over its block steps i = 0 .. S-1: pushes step 0, then
+ * for each i pushes step i+1 (if any), waits for every peer's count of step
+ * i (the first wait also checks the headers) and sums step i of its own
+ * chunk. Counts are the one-shot's (tpc_stream_mark): 1 after the push of
+ * step 0, i+2 after the push of step i+1, so count j+1 covers the push of
+ * step j and the control warp's last is S.
+ * No deadlock: the wait for step i needs only the peers' pushes of step i,
+ * which every warp marks before its own wait for step i-1 (step 0: before
+ * the loop), so the earliest wait no warp passes would need only counts
+ * every warp has marked, which the control warps send.
+ *
+ * Memory order: stream.cuh's chain. A warp's stores into a peer's slot ->
+ * __syncwarp and the block-scope release of its count -> the control
+ * warp's acquire of it and its system-scope release of the peer's flag ->
+ * the peer warp's system-scope acquire of the flag (tpc_stream_wait) -> its
+ * loads of the slot. Every slot unit is written once per op; across ops,
+ * tpc_bulk_acquire orders the peers' reads of a half before the next op
+ * that takes it writes it.
+ *
+ * Results: the sums of chunk me in rank order in fp32 from -0.0
+ * (tpc_stream_sum: tpc_add_rank over this rank's input and the peers'
+ * slots), what every reducing kernel adds, rounded once to the dtype
+ * (tpc_stream_reduce; on two ranks in packed arithmetic, the same bits:
+ * data_ops.cuh) or written as fp32 (OutF32). Poison once the op broke, if
+ * out takes it (a.poison_out).
+ *
+ * in == out is safe where out is one of in's chunks (out and the chunk
+ * alike in size: not the fp32 sums of a 16-bit dtype): unit x of every
+ * chunk is touched by one lane only, which reads in[o*C+x] for every o (the
+ * push of step j, or its own chunk's load in the sums of step j) before it
+ * writes out[x] (the sums of step j). */
+
+/* Step t of every peer o's chunk of the input into o's slot for this
+ * sender (tpc_stream_scatter). */
+TPC_DEVICE void tpc_reduce_scatter_push(const tpc_op *op, const tpc_steps *s, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  tpc_stream_scatter(
+      op, s, t, a->nbytes, [&](int) { return s->units; },
+      [&](int o) { return tpc_stream_slot(a, s, o, a->rank); });
+}
+
+/* Step t of this rank's chunk summed (the peers' from this rank's slots,
+ * already waited for) into out: rounded to the dtype, or fp32 (4 or 8
+ * values a 16-byte unit); NaN once the op broke. */
 template <int OutF32>
-__global__ void tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+TPC_DEVICE void tpc_reduce_scatter_sum(const tpc_op *op, const tpc_steps *s, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  uint4 own[TPC_STREAM_UNITS];
+  tpc_stream_load(s, (const char *)a->in + (uint64_t)a->rank * a->nbytes, t, own);
+  if (!OutF32) {
+    tpc_stream_reduce(op, s, t, own, (char *)a->out);
+    return;
+  }
+  float acc[TPC_STREAM_UNITS][8];
+  tpc_stream_sum(a, s, t, own, acc);
+  const int broken = tpc_op_broken(op), values = a->dtype == TPC_FLOAT32 ? 4 : 8;
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    if (u < s->units) tpc_store_sums_f32(a, u, acc[k], values, broken);
+  }
+}
+
+template <int OutF32>
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
+    tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_bulk_acquire(&a, &op, TPC_BULK_WHOLE);
-  const int n = a.world, me = a.rank;
-  const uint64_t units = a.nbytes / 16; /* per chunk */
-  const tpc_span span = tpc_data_span();
-  const char *in = (const char *)a.in;
-#define SLOT(owner, sender) (a.bufs[owner] + a.data_off + (uint64_t)(sender) * a.nbytes)
-
-  /* After a failed acquire a peer may still read its slots: write nothing. */
-  for (int i = 1; i < n && !op.failed; ++i) {
-    const int j = (me + i) % n;
-    for (uint64_t k = span.first; k < units; k += span.stride)
-      tpc_store16(SLOT(j, me) + k * 16, tpc_load16(in + (j * units + k) * 16));
-  }
-  tpc_header_check(&a, &op, 0);
-  tpc_block_barrier(&a, &op);
-  const int broken = tpc_op_broken(&op);
-  for (uint64_t k = span.first; k < units && (!broken || a.poison_out); k += span.stride) {
-    if (OutF32) {
-      float acc[8];
-      tpc_accumulate16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes, acc);
-      tpc_store_sums_f32(&a, k, acc, a.dtype == TPC_FLOAT32 ? 4 : 8, broken);
-    } else {
-      const uint4 s = tpc_sum16(&a, tpc_load16(in + (me * units + k) * 16), SLOT(me, 0) + k * 16, a.nbytes);
-      tpc_store16((char *)a.out + k * 16, broken ? tpc_poison16(&a) : s);
+  tpc_steps s;
+  if (tpc_stream_start(&op, &s)) {
+    tpc_reduce_scatter_push(&op, &s, 0);
+    tpc_stream_mark(&op, &s, 1);
+    for (uint32_t i = 0; i < s.block_steps; ++i) {
+      if (i + 1 < s.block_steps) {
+        tpc_reduce_scatter_push(&op, &s, i + 1);
+        tpc_stream_mark(&op, &s, i + 2);
+      }
+      tpc_stream_wait(&op, &s, i + 1, i == 0);
+      if (!tpc_op_broken(&op) || a.poison_out) tpc_reduce_scatter_sum<OutF32>(&op, &s, i);
     }
   }
-#undef SLOT
-  tpc_op_end(&a, &op, TPC_BULK_WHOLE);
+  tpc_op_end(&a, &op, TPC_BULK_HALF);
 }
 
 #endif /* TPCOMM_REDUCE_SCATTER_CUH */

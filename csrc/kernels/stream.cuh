@@ -2,8 +2,9 @@
  * Streamed bulk transfers: data warps push without ever waiting for their
  * own stores, and a peer reads each step as soon as it has landed.
  *
- * The op's 16-byte units (the two-shot all-reduce: one rank's chunk of
- * them, all_reduce.cuh) are cut into warp steps of TPC_STREAM_STEP_UNITS
+ * The op's 16-byte units (one rank's input; one rank's chunk of it in the
+ * two-shot all-reduce, all_reduce.cuh, and in reduce-scatter,
+ * reduce_scatter.cuh) are cut into warp steps of TPC_STREAM_STEP_UNITS
  * (each lane moves TPC_STREAM_UNITS of them, 512 contiguous bytes a warp per
  * store) and block steps of one warp step per data warp; block b takes block
  * steps b, b + B, b + 2B, ... (B blocks). The grid is a function of the size
@@ -53,10 +54,12 @@
  * the current one (tpc_bulk_acquire waits only for the op before that), so
  * the next op writes the other half, and within one half the counts only
  * grow. A half holds n-1 slots of one rank's input (one per peer, none for
- * the owner); the two-shot all-reduce holds there, per peer, a scatter slot
- * and a gather slot of one rank's chunk, and where those do not fit in a
- * half it takes the whole region (its flags still by parity), for which
- * tpc_bulk_acquire waits until the peers released every earlier op.
+ * the owner; reduce-scatter: of one chunk, which always fit in a half:
+ * reduce_scatter.cuh); the two-shot all-reduce holds there, per peer, a
+ * scatter slot and a gather slot of one rank's chunk, and where those do
+ * not fit in a half it takes the whole region (its flags still by parity),
+ * for which tpc_bulk_acquire waits until the peers released every earlier
+ * op.
  *
  * Headers: block 0's control warp sends them; each data warp checks them in
  * its first wait (tpc_header_poll), before it reads any data, so a peer that
@@ -77,7 +80,8 @@ typedef struct {
   char *slots;           /* the part of this rank's bulk region this op uses (tpc_stream_region) */
   uint32_t parity;       /* which half of the flags (and of the slots, for a half) this op uses */
   uint32_t block_steps;  /* block steps this block takes */
-  uint64_t units;        /* 16-byte units the steps cover: one rank's input, or one rank's chunk (two-shot) */
+  uint64_t units;        /* 16-byte units the steps cover: one rank's input, or one rank's chunk (two-shot,
+                            reduce-scatter) */
   uint32_t warp;         /* data warp index in the block; data_warps for the control warp */
   uint32_t data_warps;
   uint32_t lane;
@@ -123,8 +127,9 @@ TPC_DEVICE uint64_t *tpc_stream_flag(const tpc_kernel_args *a, int owner, const 
   return (uint64_t *)(a->bufs[owner] + TPC_SIGNALS_BYTES) + index;
 }
 
-/* Sender q's slot in this op's half of rank `owner`'s buffer: one rank's
- * input, packed (the owner has none). */
+/* Sender q's slot in this op's half of rank `owner`'s buffer: a->nbytes
+ * (one rank's input; reduce-scatter: one chunk), packed (the owner has
+ * none). */
 TPC_DEVICE char *tpc_stream_slot(const tpc_kernel_args *a, const tpc_steps *s, int owner, int sender) {
   const char *half = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, TPC_BULK_HALF);
   return (char *)half + (uint64_t)(sender - (sender > owner)) * a->nbytes;
@@ -189,6 +194,26 @@ TPC_DEVICE void tpc_stream_push(const tpc_op *op, const tpc_steps *s, uint32_t t
 
 TPC_DEVICE uint64_t tpc_stream_tag(uint32_t epoch, uint32_t done) { return (uint64_t)epoch << 32 | done; }
 
+/* Step t of every peer o's chunk of this rank's input, the chunk_bytes at
+ * in + o * chunk_bytes (units from limit_of(o) on are left out), into
+ * slot_of(o), this rank's slot in o's region, starting at a different peer
+ * on every rank: the scatter of reduce-scatter and of the two-shot
+ * all-reduce. Nothing is written once the op failed (tpc_stream_push says
+ * why). */
+template <typename LimitOf, typename SlotOf>
+TPC_DEVICE void tpc_stream_scatter(const tpc_op *op, const tpc_steps *s, uint32_t t, uint64_t chunk_bytes,
+                                   LimitOf limit_of, SlotOf slot_of) {
+  const tpc_kernel_args *a = op->args;
+  if (op->failed) return;
+  for (int i = 1; i < a->world; ++i) {
+    const int o = (a->rank + i) % a->world;
+    const uint64_t limit = limit_of(o);
+    uint4 v[TPC_STREAM_UNITS];
+    tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * chunk_bytes, t, limit, v);
+    tpc_stream_store(s, slot_of(o), t, limit, v);
+  }
+}
+
 /* A data warp has pushed all that count `done` covers (`done` of its
  * block's steps; the two-shot's counts: all_reduce.cuh). Once any of its
  * lanes failed (and so skipped its pushes) the warp stops counting, so the
@@ -230,12 +255,13 @@ TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s, uint32_t l
   }
 }
 
-/* What a streamed kernel over one rank's input does between tpc_op_begin
- * and its data loop: zero the push counts (before the block barrier inside
- * tpc_bulk_acquire, which orders that before any count), acquire this op's
- * half, and run the control warp's signalling. Nonzero for a data warp with
- * steps to take. (The two-shot all-reduce starts the same way with its own
- * units, part of the region and last count: all_reduce.cuh.) */
+/* What a streamed kernel over a->nbytes (one rank's input; reduce-scatter:
+ * one chunk) does between tpc_op_begin and its data loop: zero the push
+ * counts (before the block barrier inside tpc_bulk_acquire, which orders
+ * that before any count), acquire this op's half, and run the control
+ * warp's signalling. Nonzero for a data warp with steps to take. (The
+ * two-shot all-reduce starts the same way with its own units, part of the
+ * region and last count: all_reduce.cuh.) */
 TPC_DEVICE int tpc_stream_start(tpc_op *op, tpc_steps *s) {
   tpc_stream_reset();
   *s = tpc_stream_of(op->args, tpc_bulk_acquire(op->args, op, TPC_BULK_HALF), op->args->nbytes / 16, TPC_BULK_HALF);
@@ -268,6 +294,73 @@ TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, i
       if (header_ok && (uint32_t)(v >> 32) == op->epoch && (uint32_t)v >= done) break;
       if (tpc_wait_gives_up(op, q, &spins)) return;
     }
+  }
+}
+
+/* The fp32 sums of step t's units below `limit` into acc, not rounded, in
+ * rank order from -0.0 (tpc_add_rank): this rank's values from `own`, peer
+ * q's from its slot `slot_of(q)` of this rank, already waited for (units
+ * from `limit` on add 0). Ranks are the outer loop so that a peer's
+ * TPC_STREAM_UNITS loads are in flight together (summing unit by unit, with
+ * the rank loop inside, leaves one load in flight, and the large ops wait on
+ * each). The slots are read after tpc_stream_wait's acquire of the peer's
+ * flag, which the peer's control warp released after these units landed
+ * (the memory order above). */
+template <typename SlotOf>
+TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, uint64_t limit,
+                                      const uint4 own[TPC_STREAM_UNITS], SlotOf slot_of,
+                                      float acc[TPC_STREAM_UNITS][8]) {
+  for (int q = 0; q < a->world; ++q) {
+    const char *slot = q == a->rank ? NULL : slot_of(q);
+    uint4 v[TPC_STREAM_UNITS];
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      v[k] = !slot ? own[k] : u < limit ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+    }
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+      tpc_add_rank(acc[k], words, 4, a->dtype, q);
+    }
+  }
+}
+
+/* The same over every unit of the steps (below s->units), the peers'
+ * values from this rank's slots of the op's half (tpc_stream_slot: the
+ * one-shot all-reduce's inputs, reduce-scatter's chunks). */
+TPC_DEVICE void tpc_stream_sum(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t,
+                               const uint4 own[TPC_STREAM_UNITS], float acc[TPC_STREAM_UNITS][8]) {
+  tpc_stream_accumulate(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
+}
+
+/* Those sums of step t rounded once (own values from `own`, the peers' from
+ * this rank's slots, already waited for), or NaN once the op broke, into
+ * out: the one-shot all-reduce's result, reduce-scatter's in the input's
+ * dtype. */
+TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
+                                  const uint4 own[TPC_STREAM_UNITS], char *out) {
+  const tpc_kernel_args *a = op->args;
+  if (a->world == 2) { /* the same bits in packed arithmetic: 16-bit sums cost as much as fp32 */
+    const char *slot = tpc_stream_slot(a, s, a->rank, 1 - a->rank);
+    uint4 v[TPC_STREAM_UNITS];
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      v[k] = u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
+    }
+    const int broken = tpc_op_broken(op);
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = tpc_stream_unit(s, t, k);
+      if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : tpc_sum_pair16(own[k], v[k], a->dtype));
+    }
+    return;
+  }
+  float acc[TPC_STREAM_UNITS][8];
+  tpc_stream_sum(a, s, t, own, acc);
+  const int broken = tpc_op_broken(op);
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    uint32_t w[4];
+    tpc_round(acc[k], w, 4, a->dtype);
+    if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]));
   }
 }
 

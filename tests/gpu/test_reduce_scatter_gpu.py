@@ -1,8 +1,9 @@
 """reduce_scatter on real GPUs, bit for bit against NCCL's
 reduce_scatter_tensor on integer-valued data (exact in any summation order):
 packet and bulk, every reducible dtype, sizes around the caps, dims 0 and 1,
-graph replays with new inputs, a random rank late before every op, inputs
-overwritten right after, a view misaligned on one rank. Sizes are built from
+graph replays with new inputs, bulk ops queued back to back, a random rank
+late before every op, inputs overwritten right after, a view misaligned on
+one rank. Sizes are built from
 the world size (each rank's part a multiple of 16 bytes, what the kernels
 need), so every body runs at any world size from 2 to 8. Every Communicator
 call is checked against stats() for the backend its route names."""
@@ -12,7 +13,8 @@ import torch
 import multiproc
 import tpcomm
 from gpu_checks import (ALGO, DTYPES, Calls, KiB, MiB, assert_bits_equal, assert_custom_only, chunk_numel,
-                        delay_random_rank, int_valued, nccl_reduce_scatter, overwrite, round16, shared_rng, takes)
+                        delay_random_rank, int_valued, nccl_all_reduce, nccl_reduce_scatter, overwrite, round16,
+                        shared_rng, takes)
 
 pytestmark = pytest.mark.gpu
 
@@ -113,6 +115,45 @@ def body_graph_and_skew(rank, world):
     comm.close()
 
 
-@pytest.mark.parametrize("body", [body_sizes_dtypes_algos, body_graph_and_skew], ids=lambda f: f.__name__[5:])
+def body_bulk_back_to_back(rank, world):
+    """The bulk kernel queued back to back without waiting, into both output
+    dtypes: consecutive ops take the two halves of the bulk region in turn,
+    and a cap-sized bulk all_reduce between them takes the whole region from
+    three ranks on (all_reduce.cuh), so the reduce_scatter after it waits for
+    its release. Parts from one 16-byte unit to the cap, of one block step
+    and of several, a random rank late before each op, inputs overwritten
+    right after each."""
+    comm = tpcomm.Communicator(max_bytes=CAP)
+    assert comm.enabled, comm.disabled_reason
+    gen = torch.Generator(device="cuda").manual_seed(80 + rank)
+    rng = shared_rng(81)
+    ops = torch.ops._tpcomm
+    done = []  # (what, the input as it was, the output, its NCCL reference)
+    cap_part = round16(CAP // world)
+    parts = [cap_part, 16, 1 * MiB + 16, cap_part - 16, 64 * KiB, round16(cap_part // 2) + 16]
+    for i, part in enumerate(parts * 2):
+        for f32 in (False, True):
+            dtype = DTYPES[(2 * i + f32) % len(DTYPES)]
+            x = int_valued(chunk_numel(world, dtype, part), dtype, gen)
+            kept = x.clone()
+            delay_random_rank(rank, world, rng)
+            y = (ops.reduce_scatter_f32 if f32 else ops.reduce_scatter)(x, comm.handle, ALGO["bulk"])
+            overwrite(x)
+            done.append((f"op {i}: {part} B per part {dtype}, out {y.dtype}", kept, y, nccl_reduce_scatter))
+        if i % 3 == 2:
+            x = int_valued(CAP // 2, torch.bfloat16, gen)
+            kept = x.clone()
+            delay_random_rank(rank, world, rng)
+            y = ops.all_reduce(x, comm.handle, ALGO["bulk"])
+            overwrite(x)
+            done.append((f"all_reduce after op {i}", kept, y, nccl_all_reduce))
+    for what, kept, y, reference in done:
+        assert_bits_equal(y, reference(kept).to(y.dtype), what)  # fp32 sums of integers: exact
+    comm.check()
+    comm.close()
+
+
+@pytest.mark.parametrize("body", [body_sizes_dtypes_algos, body_graph_and_skew, body_bulk_back_to_back],
+                         ids=lambda f: f.__name__[5:])
 def test_reduce_scatter(body):
     multiproc.run_gpu(body, timeout=300)
