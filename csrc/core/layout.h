@@ -3,7 +3,7 @@
  * slot that outlives it, and the argument block every kernel receives. Shared
  * by the C core and the CUDA kernels, so it is plain C.
  *
- *   [0, TPC_SIGNALS_BYTES)     tpc_signals: barrier flags, headers
+ *   [0, TPC_SIGNALS_BYTES)     tpc_signals: counters, probe, release and wrap words, headers
  *   [TPC_SIGNALS_BYTES, +TPC_STREAM_FLAGS_BYTES)
  *                              stream flags, [parity][block][sender], written by peers
  *   [packet_off, +2*n*slot)    packet slots, [parity][sender], written by peers
@@ -67,21 +67,19 @@ typedef struct {
   uint32_t wrap_out[TPC_MAX_RANKS];  /* peers: cleared their flags at the wrap */
   /* Everything from here to the end of the packet slots (the stream flags
    * included) carries epoch flags and is cleared at the wrap. */
-  uint32_t barrier_in[TPC_MAX_BLOCKS][TPC_MAX_RANKS];   /* peers: data pushed (tpc_block_barrier) */
   /* peers: one header packet per [epoch % TPC_HEADER_SLOTS][sender], says
    * the op and its size (four slots: sent early, primitives.cuh) */
   uint64_t header[TPC_HEADER_SLOTS][TPC_MAX_RANKS][2];
 } tpc_signals;
 
-/* Packets are stored as 16-byte vectors: the header array must be aligned. */
+/* Packets are stored as 16-byte vectors, and the wrap clears from the
+ * header array on in 16-byte units: it must be aligned. */
 #ifdef __cplusplus
 static_assert(offsetof(tpc_signals, header) % 16 == 0, "header packets must be 16-byte aligned");
-static_assert(offsetof(tpc_signals, barrier_in) % 16 == 0, "the wrap clears 16-byte units");
 static_assert(sizeof(tpc_signals) <= TPC_SIGNALS_BYTES, "signals overflow their region");
 static_assert(sizeof(tpc_control) == 16, "the control slot is read in one 16-byte load");
 #else
 _Static_assert(offsetof(tpc_signals, header) % 16 == 0, "header packets must be 16-byte aligned");
-_Static_assert(offsetof(tpc_signals, barrier_in) % 16 == 0, "the wrap clears 16-byte units");
 _Static_assert(sizeof(tpc_signals) <= TPC_SIGNALS_BYTES, "signals overflow their region");
 _Static_assert(sizeof(tpc_control) == 16, "the control slot is read in one 16-byte load");
 #endif

@@ -562,7 +562,7 @@ TPC_COLD void tpc_wrap(const tpc_kernel_args *a, tpc_op op_copy) {
   tpc_op *op = &op_copy;
   const uint32_t w = op->sig->wraps + 1u;
   tpc_wrap_meet(a, op, w, 0);
-  char *begin = (char *)&op->sig->barrier_in[0][0];
+  char *begin = (char *)&op->sig->header[0][0][0];
   char *end = a->bufs[a->rank] + a->packet_off + 2 * (uint64_t)a->world * a->packet_slot_bytes;
   for (char *p = begin; p < end; p += 16) tpc_store16(p, make_uint4(0, 0, 0, 0));
   tpc_wrap_meet(a, op, w, 1);
