@@ -12,7 +12,9 @@
 #     (ranks share the GPUs where there are fewer; timed at one GPU a rank)
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
 #     the GPU suite with every rank on GPU 0 (tests/multiproc.py: kernel
-#     results at that world size on any machine; one log per world size)
+#     results at that world size on any machine; one log per world size);
+#     TPCOMM_TEST_WORLD="3 5 8" runs it at each in turn after one build,
+#     each world under its own TPCOMM_TEST_TIMEOUT_S
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
@@ -31,11 +33,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "tests done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = shared ]; then
-  world=${TPCOMM_TEST_WORLD:-2}
-  CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
-    timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs $suite "$@" 2>&1 \
-    | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
-  echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
+  for world in ${TPCOMM_TEST_WORLD:-2}; do
+    CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
+      timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs $suite "$@" 2>&1 \
+      | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
+    echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
+  done
 fi
 gpus=h200x$(nvidia-smi -L | wc -l)
 if [ "$what" = scale ]; then
