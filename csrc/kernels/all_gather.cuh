@@ -193,24 +193,13 @@ TPC_DEVICE void tpc_stream_place_peer(const tpc_kernel_args *a, const tpc_steps 
 
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
     tpc_all_gather_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_steps s;
-  if (tpc_stream_start(&op, &s)) {
-    tpc_stream_gather_step(&op, &s, 0);
-    tpc_stream_mark(&op, &s, 1);
-    for (uint32_t i = 0; i < s.block_steps; ++i) {
-      if (i + 1 < s.block_steps) {
-        tpc_stream_gather_step(&op, &s, i + 1);
-        tpc_stream_mark(&op, &s, i + 2);
-      }
-      tpc_stream_wait(&op, &s, i + 1, i == 0);
-      const int broken = tpc_op_broken(&op);
-      for (int j = 1; j < a.world && (!broken || a.poison_out); ++j)
-        tpc_stream_place_peer(&a, &s, i, (a.rank + j) % a.world, broken);
-    }
-  }
-  tpc_op_end(&a, &op, TPC_BULK_HALF);
+  tpc_stream_op(
+      &a, [&](tpc_op *op, const tpc_steps *s, uint32_t t) { tpc_stream_gather_step(op, s, t); },
+      [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
+        const int broken = tpc_op_broken(op);
+        for (int j = 1; j < a.world && (!broken || a.poison_out); ++j)
+          tpc_stream_place_peer(&a, s, t, (a.rank + j) % a.world, broken);
+      });
 }
 
 #endif /* TPCOMM_ALL_GATHER_CUH */

@@ -188,22 +188,11 @@ TPC_DEVICE void tpc_reduce_scatter_sum(const tpc_op *op, const tpc_steps *s, uin
 template <int OutF32>
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
     tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_steps s;
-  if (tpc_stream_start(&op, &s)) {
-    tpc_reduce_scatter_push(&op, &s, 0);
-    tpc_stream_mark(&op, &s, 1);
-    for (uint32_t i = 0; i < s.block_steps; ++i) {
-      if (i + 1 < s.block_steps) {
-        tpc_reduce_scatter_push(&op, &s, i + 1);
-        tpc_stream_mark(&op, &s, i + 2);
-      }
-      tpc_stream_wait(&op, &s, i + 1, i == 0);
-      if (!tpc_op_broken(&op) || a.poison_out) tpc_reduce_scatter_sum<OutF32>(&op, &s, i);
-    }
-  }
-  tpc_op_end(&a, &op, TPC_BULK_HALF);
+  tpc_stream_op(
+      &a, [&](tpc_op *op, const tpc_steps *s, uint32_t t) { tpc_reduce_scatter_push(op, s, t); },
+      [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
+        if (!tpc_op_broken(op) || a.poison_out) tpc_reduce_scatter_sum<OutF32>(op, s, t);
+      });
 }
 
 #endif /* TPCOMM_REDUCE_SCATTER_CUH */

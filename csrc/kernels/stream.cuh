@@ -297,6 +297,32 @@ TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, i
   }
 }
 
+/* A whole one-phase streamed op in its kernel (all-gather,
+ * reduce-scatter): the op begins (or is refused), the control warp
+ * signals, and each data warp with steps runs them: push(op, s, t) sends
+ * step t to the peers, use(op, s, t) takes what the peers sent of it. Step
+ * i+1 is pushed and marked before the wait for the peers' step i, so the
+ * link carries the next step while the warp reads the last. */
+template <typename Push, typename Use>
+TPC_DEVICE void tpc_stream_op(const tpc_kernel_args *a, Push push, Use use) {
+  tpc_op op = tpc_op_begin(a);
+  if (op.refused) return tpc_op_refuse(a, op.refused, op.epoch);
+  tpc_steps s;
+  if (tpc_stream_start(&op, &s)) {
+    push(&op, &s, 0u);
+    tpc_stream_mark(&op, &s, 1);
+    for (uint32_t i = 0; i < s.block_steps; ++i) {
+      if (i + 1 < s.block_steps) {
+        push(&op, &s, i + 1);
+        tpc_stream_mark(&op, &s, i + 2);
+      }
+      tpc_stream_wait(&op, &s, i + 1, i == 0);
+      use(&op, &s, i);
+    }
+  }
+  tpc_op_end(a, &op, TPC_BULK_HALF);
+}
+
 /* The fp32 sums of step t's units below `limit` into acc, not rounded, in
  * rank order from -0.0 (tpc_add_rank): this rank's values from `own`, peer
  * q's from its slot `slot_of(q)` of this rank, already waited for (units
@@ -340,12 +366,8 @@ TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;
   if (a->world == 2) { /* the same bits in packed arithmetic: 16-bit sums cost as much as fp32 */
-    const char *slot = tpc_stream_slot(a, s, a->rank, 1 - a->rank);
     uint4 v[TPC_STREAM_UNITS];
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = tpc_stream_unit(s, t, k);
-      v[k] = u < s->units ? tpc_load16_from_peer(slot + u * 16) : make_uint4(0, 0, 0, 0);
-    }
+    tpc_stream_load_slot(s, tpc_stream_slot(a, s, a->rank, 1 - a->rank), t, s->units, v);
     const int broken = tpc_op_broken(op);
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t u = tpc_stream_unit(s, t, k);
