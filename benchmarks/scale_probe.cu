@@ -6,8 +6,9 @@
  * should cost close to the one-peer exchange), then tpcomm's real kernels
  * (launch.cu's entry points) for every op and algorithm that takes the size,
  * each result checked against the known sum or gather (probe_ranks.h), and
- * up to 64 KiB the packet all_reduce with its peers' packets polled together
- * (a variant: what the real kernel's wait, one peer after another, costs).
+ * up to 64 KiB the packet all_reduce waiting for its peers' packets one
+ * after another (a variant: what the real kernel's wait, every peer's packet
+ * polled together, saves).
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/scale_probe.cu -o /tmp/scale && /tmp/scale [N]
  *
@@ -43,13 +44,12 @@ __global__ void probe_ping_all(const __grid_constant__ tpc_kernel_args a) {
   tpc_op_end(&a, &op, 0);
 }
 
-/* The packet all_reduce with every peer's packet polled together: each round
- * loads the packet of every peer not yet in (all loads in flight at once),
- * where the real kernel waits for one peer after another, paying a load's
- * latency per peer. Without the header check (tpc_op_begin still sends the
- * header). Beside the real kernel's row it shows what that wait costs at N
- * ranks. */
-__global__ void probe_packet_together(const __grid_constant__ tpc_kernel_args a) {
+/* The packet all_reduce waiting for one peer after another, each peer's
+ * packet only once the previous one is in, where the real kernel polls every
+ * peer's together (tpc_packets_from_peers): beside the real kernel's row it
+ * shows what polling together saves at N ranks. Without the header check
+ * (tpc_op_begin still sends the header). */
+__global__ void probe_packet_in_turn(const __grid_constant__ tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const uint2 *in = (const uint2 *)a.in;
   tpc_packet_start p;
@@ -61,26 +61,9 @@ __global__ void probe_packet_together(const __grid_constant__ tpc_kernel_args a)
   }
   for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
     const uint2 own = u == p.span.first ? p.v0 : in[u];
-    uint2 got[TPC_MAX_RANKS] = {}; /* indexed by unrolled constants only: registers, no stack */
-    uint32_t missing = ((1u << a.world) - 1u) & ~(1u << a.rank), spins = 0;
-    while (missing) {
-#pragma unroll
-      for (int q = 0; q < TPC_MAX_RANKS; ++q) {
-        if (!(missing >> q & 1u)) continue;
-        uint64_t lo, hi;
-        tpc_load_packet((const uint64_t *)(tpc_packet_slot(&a, a.rank, op.epoch, q) + u * TPC_PACKET_BYTES), &lo, &hi);
-        if (tpc_packet_ready(lo, hi, op.epoch)) {
-          got[q] = make_uint2((uint32_t)lo, (uint32_t)hi);
-          missing &= ~(1u << q);
-        }
-      }
-      if (missing && tpc_wait_gives_up(&op, __ffs(missing) - 1, &spins)) break;
-    }
     float acc[4];
-#pragma unroll
-    for (int q = 0; q < TPC_MAX_RANKS; ++q) {
-      if (q >= a.world) break;
-      const uint2 v = q == a.rank ? own : got[q];
+    for (int q = 0; q < a.world; ++q) {
+      const uint2 v = q == a.rank ? own : tpc_packet_from(&op, u, q, 0);
       const uint32_t words[2] = {v.x, v.y};
       tpc_add_rank(acc, words, 2, a.dtype, q);
     }
@@ -155,7 +138,7 @@ int main(int argc, char **argv) {
       check(k.op, size);
       if (k.op == TPC_OP_ALL_REDUCE && k.algo == TPC_ALGO_PACKET && size <= 65536) {
         const tpc_geometry g = tpc_packet_geometry(&ranks[0].args, size / TPC_PACKET_DATA_BYTES);
-        report("  peers polled together", size, [&](int r) { launch_pdl(probe_packet_together, g, r, 1); });
+        report("  peers waited in turn", size, [&](int r) { launch_pdl(probe_packet_in_turn, g, r, 1); });
         check(k.op, size);
       }
     }

@@ -120,9 +120,9 @@ def test_scale_probe_lists_every_kernel_at_every_world_size(scale_probe, world):
         for kernel in kernels:
             want = [n for n in sizes if kernel != "two_shot" or n > 448 * (world - 1)]
             assert [n for name, n in rows if name == f"{op} {kernel}"] == want, (op, kernel)
-    together = [n for name, n in rows if name.strip() == "peers polled together"]
-    assert together == [n for n in sizes if n <= 65536]  # beside the packet all_reduce's rows
-    assert len(rows) == 2 + 10 * len(sizes) - sum(n <= 448 * (world - 1) for n in sizes) + len(together)
+    in_turn = [n for name, n in rows if name.strip() == "peers waited in turn"]
+    assert in_turn == [n for n in sizes if n <= 65536]  # beside the packet all_reduce's rows
+    assert len(rows) == 2 + 10 * len(sizes) - sum(n <= 448 * (world - 1) for n in sizes) + len(in_turn)
     bad = subprocess.run([str(exe), "list", "9"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "2..8" in bad.stderr
 

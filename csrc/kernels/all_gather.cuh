@@ -88,7 +88,12 @@ __global__ void tpc_all_gather_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
     if (n == 2) {
       tpc_gather_place(&op, &a, u, 1 - me, p.folded, wide);
     } else {
-      for (int i = 1; i < n; ++i) tpc_gather_place(&op, &a, u, (me + i) % n, p.folded, wide);
+      uint2 got[TPC_MAX_RANKS];
+      tpc_packets_from_peers(&op, u, p.folded, got);
+      const int broken = tpc_op_broken(&op); /* after the wait: it may set it */
+#pragma unroll
+      for (int q = 0; q < TPC_MAX_RANKS; ++q)
+        if (q < n && q != me) tpc_gather_store(&a, u, q, got[q], wide, broken);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
@@ -116,14 +121,25 @@ __global__ void tpc_all_gather_packet_flat_kernel(const TPC_GRID_CONSTANT tpc_ke
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
     out[me * units + u] = v;
   }
+  /* Peer q's unit u into its place; poison once the op is broken. */
+  auto place = [&](uint64_t u, int q, uint2 v, int broken) {
+    if (!broken)
+      out[q * units + u] = v;
+    else if (a.poison_out)
+      out[q * units + u] = tpc_poison8(&a);
+  };
   for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
-    for (int i = 1; i < n; ++i) {
-      const int q = me + i < n ? me + i : me + i - n; /* no modulo: a division's code on the hot path */
-      const uint2 v = tpc_packet_from(&op, u, q, p.folded); /* before tpc_op_broken: the wait may set it */
-      if (!tpc_op_broken(&op))
-        out[q * units + u] = v;
-      else if (a.poison_out)
-        out[q * units + u] = tpc_poison8(&a);
+    /* Two ranks in straight-line code, as tpc_packet_push. */
+    if (n == 2) {
+      const uint2 v = tpc_packet_from(&op, u, 1 - me, p.folded);
+      place(u, 1 - me, v, tpc_op_broken(&op)); /* after the wait: it may set it */
+    } else {
+      uint2 got[TPC_MAX_RANKS];
+      tpc_packets_from_peers(&op, u, p.folded, got);
+      const int broken = tpc_op_broken(&op);
+#pragma unroll
+      for (int q = 0; q < TPC_MAX_RANKS; ++q)
+        if (q < n && q != me) place(u, q, got[q], broken);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) z[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
-      tpc_accumulate_packet(&op, &a, in[base + u], base + u, folded, z[k]);
+      tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, z[k]);
       const uint2 r = residual[base + u];
       const uint32_t words[2] = {r.x, r.y};
       tpc_accumulate(z[k], words, 2, a.dtype);

@@ -388,6 +388,40 @@ TPC_DEVICE uint2 tpc_packet_from(tpc_op *op, uint64_t u, int q, int folded) {
   return tpc_packet_wait(op, tpc_packet_slot(a, a->rank, op->epoch, q) + u * TPC_PACKET_BYTES, q, folded && u == 0);
 }
 
+/* Every peer's packet unit u of this op (got[q], q != rank), waited for
+ * together. Each round first loads the packet of every peer not yet in, all
+ * the loads in flight at once, then looks at them: the wait ends about one
+ * load after the last packet lands, where waiting for one peer after another
+ * (tpc_packet_from in a loop) adds a load's latency for every peer after the
+ * first (benchmarks/scale_probe.cu times both). With `folded`, unit 0 also
+ * polls each peer's header until it is in (tpc_packet_wait), before it takes
+ * that peer's data. The arrays are indexed by unrolled constants only, so
+ * they stay in registers; a packet that is in is kept, not loaded again. On
+ * giving up op->failed is set, the error names the lowest-ranked peer still
+ * missing and got[] holds no meaning (callers poison their output). Relaxed
+ * loads, as in tpc_packet_wait. */
+TPC_DEVICE void tpc_packets_from_peers(tpc_op *op, uint64_t u, int folded, uint2 got[TPC_MAX_RANKS]) {
+  const tpc_kernel_args *a = op->args;
+  const uint32_t peers = ((1u << a->world) - 1u) & ~(1u << a->rank);
+  uint32_t missing = peers, headers = folded && u == 0 ? peers : 0u, spins = 0;
+  const char *slot = tpc_packet_slot(a, a->rank, op->epoch, 0) + u * TPC_PACKET_BYTES;
+  uint64_t lo[TPC_MAX_RANKS] = {}, hi[TPC_MAX_RANKS] = {};
+  for (;;) {
+#pragma unroll
+    for (int q = 0; q < TPC_MAX_RANKS; ++q)
+      if (missing >> q & 1u) tpc_load_packet((const uint64_t *)(slot + (uint64_t)q * a->packet_slot_bytes), &lo[q], &hi[q]);
+#pragma unroll
+    for (int q = 0; q < TPC_MAX_RANKS; ++q) {
+      if (!(missing >> q & 1u)) continue;
+      if ((headers >> q & 1u) && tpc_header_poll(op, q)) headers &= ~(1u << q);
+      if (!(headers >> q & 1u) && tpc_packet_ready(lo[q], hi[q], op->epoch)) missing &= ~(1u << q);
+    }
+    if (!missing || tpc_wait_gives_up(op, __ffs(missing) - 1, &spins)) break;
+  }
+#pragma unroll
+  for (int q = 0; q < TPC_MAX_RANKS; ++q) got[q] = make_uint2((uint32_t)lo[q], (uint32_t)hi[q]);
+}
+
 /* Headers let peers that disagree on an op, its size, algorithm, dtype or
  * layout (the kind word, layout.h) fail with a clear record (and stop this
  * rank's other waits) instead of timing out.

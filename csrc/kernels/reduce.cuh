@@ -11,12 +11,34 @@
 #include "primitives.cuh"
 
 /* Packet unit u (8 data bytes), 4 fp32 values in acc, not rounded: the
- * peers' packets for this epoch, waited for; with folded headers unit 0 also
- * checks them (tpc_packet_wait). */
-TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
-                                      float acc[4]) {
+ * peers' packets for this epoch, waited for one peer after another; with
+ * folded headers unit 0 also checks them (tpc_packet_wait). The fused norm
+ * kernel sums this way at every world size: its register cap
+ * (__launch_bounds__ of 17 warps) cannot hold every peer's packet of its
+ * TPC_NORM_UNITS units at once. */
+TPC_DEVICE void tpc_accumulate_packet_in_turn(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
+                                              float acc[4]) {
   for (int q = 0; q < a->world; ++q) {
     const uint2 v = q == a->rank ? own : tpc_packet_from(op, u, q, folded);
+    const uint32_t words[2] = {v.x, v.y};
+    tpc_add_rank(acc, words, 2, a->dtype, q);
+  }
+}
+
+/* The same sum; with three or more ranks the peers' packets are waited for
+ * all at once (tpc_packets_from_peers). */
+TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
+                                      float acc[4]) {
+  if (a->world == 2) {
+    tpc_accumulate_packet_in_turn(op, a, own, u, folded, acc);
+    return;
+  }
+  uint2 got[TPC_MAX_RANKS];
+  tpc_packets_from_peers(op, u, folded, got);
+#pragma unroll
+  for (int q = 0; q < TPC_MAX_RANKS; ++q) {
+    if (q >= a->world) break;
+    const uint2 v = q == a->rank ? own : got[q];
     const uint32_t words[2] = {v.x, v.y};
     tpc_add_rank(acc, words, 2, a->dtype, q);
   }
