@@ -136,29 +136,24 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
  * units whose input it already holds. */
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
     tpc_all_reduce_stream_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
-  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  tpc_steps s;
-  if (tpc_stream_start(&op, &s)) {
-    const char *in = (const char *)a.in;
-    uint4 cur[TPC_STREAM_UNITS], next[TPC_STREAM_UNITS];
-    tpc_stream_load(&s, in, 0, cur);
-    tpc_stream_push(&op, &s, 0, cur);
-    tpc_stream_mark(&op, &s, 1);
-    for (uint32_t i = 0; i < s.block_steps; ++i) {
-      const int more = i + 1 < s.block_steps;
-      if (more) {
-        tpc_stream_load(&s, in, i + 1, next);
-        tpc_stream_push(&op, &s, i + 1, next);
-        tpc_stream_mark(&op, &s, i + 2);
-      }
-      tpc_stream_wait(&op, &s, i + 1, i == 0);
-      tpc_stream_reduce(&op, &s, i, cur, (char *)a.out);
-      if (more)
-        for (int k = 0; k < TPC_STREAM_UNITS; ++k) cur[k] = next[k];
-    }
-  }
-  tpc_op_end(&a, &op, TPC_BULK_HALF);
+  const char *in = (const char *)a.in;
+  uint4 cur[TPC_STREAM_UNITS], next[TPC_STREAM_UNITS];
+  tpc_stream_op(
+      &a,
+      [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
+        if (t == 0) {
+          tpc_stream_load(s, in, t, cur);
+          tpc_stream_push(op, s, t, cur);
+        } else {
+          tpc_stream_load(s, in, t, next);
+          tpc_stream_push(op, s, t, next);
+        }
+      },
+      [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
+        tpc_stream_reduce(op, s, t, cur, (char *)a.out);
+        if (t + 1 < s->block_steps)
+          for (int k = 0; k < TPC_STREAM_UNITS; ++k) cur[k] = next[k];
+      });
 }
 
 /* The streamed two-shot (tpc_all_reduce_bulk_kernel), three or more ranks.

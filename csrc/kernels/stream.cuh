@@ -297,8 +297,8 @@ TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, i
   }
 }
 
-/* A whole one-phase streamed op in its kernel (all-gather,
- * reduce-scatter): the op begins (or is refused), the control warp
+/* A whole one-phase streamed op in its kernel (the one-shot all-reduce,
+ * all-gather, reduce-scatter): the op begins (or is refused), the control warp
  * signals, and each data warp with steps runs them: push(op, s, t) sends
  * step t to the peers, use(op, s, t) takes what the peers sent of it. Step
  * i+1 is pushed and marked before the wait for the peers' step i, so the
