@@ -298,6 +298,14 @@ def body_errors(rank, world):
     with pytest.raises(RuntimeError):  # and it refuses further work
         comm.all_reduce(x)
     comm.close()
+    # the same over several blocks of packets (32 and 64 KiB), where headers are
+    # checked inside the first data wait beside the peers' packets
+    folded = tpcomm.Communicator(timeout_s=2.0)
+    torch.ops._tpcomm.all_reduce(torch.ones(8192 if rank == 0 else 16384, device="cuda"), folded.handle, PACKET)
+    torch.cuda.synchronize()
+    with pytest.raises(tpcomm.CollectiveMismatch, match=f"peer {1 - rank if world == 2 else ''}"):
+        folded.check()
+    folded.close()
 
     # a peer that never arrives: bounded wait, error names it
     late = tpcomm.Communicator(timeout_s=1.0)
