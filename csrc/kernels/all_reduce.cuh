@@ -69,17 +69,7 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 
   for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
-    const uint4 own = tpc_line_own(&l, a.in, s, v0);
-    uint4 sum;
-    if (a.world == 2) {
-      sum = tpc_sum_pair16(own, tpc_line_wait(&op, &l, s, 1 - a.rank, s == 0), a.dtype);
-    } else {
-      float acc[8];
-      tpc_line_accumulate(&op, &l, s, own, s == 0, acc);
-      uint32_t w[4];
-      tpc_round(acc, w, 4, a.dtype);
-      sum = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_own(&l, a.in, s, v0), s == 0);
     const uint64_t u = tpc_line_unit(&l, s);
     if (u < l.units) tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : sum);
   }
@@ -117,7 +107,7 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
     tpc_line_put(&op, &l, s, t == l.first ? v0 : tpc_line_load(&l, a.in, s), tpc_line_chunk_of(l.steps, s, n));
   }
   for (uint64_t s = cb + l.first; s < ce; s += l.stride) {
-    const uint4 sum = tpc_line_sum<true>(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
+    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
     if (!tpc_op_broken(&op)) tpc_line_push(&op, &l, s, sum);
     tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), sum);
   }

@@ -171,42 +171,36 @@ TPC_DEVICE uint4 tpc_line_wait(tpc_op *op, const tpc_lines *l, uint64_t s, int p
 
 /* Step s's line summed in rank order, in fp32 and not rounded (acc: 8
  * values of a 16-bit dtype, 4 of fp32): this rank's values from `own`, each
- * peer's from its line in this rank's slot, waited for (tpc_line_wait; with
- * check_header every peer's header is checked too). Flag lanes sum flags:
- * their result is never used. */
+ * peer's from its line in this rank's slot. The peers' lines are polled
+ * together: each round first loads the line of every peer not yet in, all
+ * the loads in flight at once, then the warp votes on each, so the wait ends
+ * about one load after the last line lands, where waiting for one peer after
+ * another adds a load's latency for every peer after the first. Once every
+ * flag is in, the data is loaded again (tpc_line_wait says why), all peers at
+ * once. Bounded like every wait, naming the lowest-ranked peer still
+ * missing; with check_header the first lane also checks every peer's header
+ * before any of its data is used. The arrays are indexed by unrolled
+ * constants only, so they stay in registers. Flag lanes sum flags: their
+ * result is never used. */
 TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
                                     float acc[8]) {
-  const tpc_kernel_args *a = op->args;
-  for (int q = 0; q < a->world; ++q) {
-    const uint4 v = q == a->rank ? own : tpc_line_wait(op, l, s, q, check_header);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    tpc_add_rank(acc, words, 4, a->dtype, q);
-  }
-}
-
-/* tpc_line_accumulate with the peers' lines polled together: each round
- * loads the line of every peer not yet in, so the loads of all peers are in
- * flight at once, where one wait after another pays a load's latency per
- * peer; once every flag is in, the data is loaded again (tpc_line_wait says
- * why), all peers at once, and summed in rank order. Bounded like every
- * wait, naming the first peer still missing; with check_header the first
- * lane also checks every peer's header before any data is used. */
-TPC_DEVICE void tpc_line_accumulate_together(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
-                                             float acc[8]) {
   const tpc_kernel_args *a = op->args;
   const int here = tpc_line_index(l, s) < l->lines;
   const int flag = tpc_line_flag_lane(l);
   uint32_t missing = ((1u << a->world) - 1u) & ~(1u << a->rank); /* warp-uniform */
   uint32_t headers = check_header && l->lane == 0 ? missing : 0u;
   uint32_t spins = 0;
+  uint64_t lo[TPC_MAX_RANKS] = {}, hi[TPC_MAX_RANKS] = {};
   while (missing) {
+#pragma unroll
+    for (int q = 0; q < TPC_MAX_RANKS; ++q)
+      if ((missing >> q & 1u) && here)
+        tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo[q], &hi[q]);
 #pragma unroll
     for (int q = 0; q < TPC_MAX_RANKS; ++q) {
       if (!(missing >> q & 1u)) continue;
-      uint64_t lo = 0, hi = 0;
-      if (here) tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo, &hi);
       if (headers >> q & 1u && tpc_header_poll(op, q)) headers &= ~(1u << q);
-      const int ready = !(headers >> q & 1u) && (!here || !flag || tpc_packet_ready(lo, hi, op->epoch));
+      const int ready = !(headers >> q & 1u) && (!here || !flag || tpc_packet_ready(lo[q], hi[q], op->epoch));
       if (tpc_warp_all(ready)) missing &= ~(1u << q);
     }
     if (missing && tpc_warp_any(tpc_wait_gives_up(op, __ffs(missing) - 1, &spins))) {
@@ -214,34 +208,30 @@ TPC_DEVICE void tpc_line_accumulate_together(tpc_op *op, const tpc_lines *l, uin
       break;
     }
   }
-  uint4 v[TPC_MAX_RANKS];
 #pragma unroll
   for (int q = 0; q < TPC_MAX_RANKS; ++q) {
-    uint64_t lo = 0, hi = 0;
+    lo[q] = hi[q] = 0;
     if (q < a->world && q != a->rank && here && !flag && !op->failed)
-      tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo, &hi);
-    v[q] = q == a->rank ? own : make_uint4((uint32_t)lo, (uint32_t)(lo >> 32), (uint32_t)hi, (uint32_t)(hi >> 32));
+      tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo[q], &hi[q]);
   }
 #pragma unroll
   for (int q = 0; q < TPC_MAX_RANKS; ++q) {
     if (q >= a->world) break;
-    const uint32_t words[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+    const uint4 v = q == a->rank ? own
+                                 : make_uint4((uint32_t)lo[q], (uint32_t)(lo[q] >> 32), (uint32_t)hi[q],
+                                              (uint32_t)(hi[q] >> 32));
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
     tpc_add_rank(acc, words, 4, a->dtype, q);
   }
 }
 
 /* The same sum rounded once to the dtype; two ranks add in the dtype's
- * packed arithmetic, which gives the same bits (docs/design.md). Together:
- * the peers' lines polled together (tpc_line_accumulate_together). */
-template <bool Together = false>
+ * packed arithmetic, which gives the same bits (docs/design.md). */
 TPC_DEVICE uint4 tpc_line_sum(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header) {
   const tpc_kernel_args *a = op->args;
   if (a->world == 2) return tpc_sum_pair16(own, tpc_line_wait(op, l, s, 1 - a->rank, check_header), a->dtype);
   float acc[8];
-  if (Together)
-    tpc_line_accumulate_together(op, l, s, own, check_header, acc);
-  else
-    tpc_line_accumulate(op, l, s, own, check_header, acc);
+  tpc_line_accumulate(op, l, s, own, check_header, acc);
   uint32_t w[4];
   tpc_round(acc, w, 4, a->dtype);
   return make_uint4(w[0], w[1], w[2], w[3]);

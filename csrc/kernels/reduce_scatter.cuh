@@ -95,11 +95,11 @@ __global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kerne
     const uint64_t u = tpc_line_unit(&l, s);
     if (OutF32) {
       float acc[8];
-      tpc_line_accumulate_together(&op, &l, s, own, s == 0, acc);
+      tpc_line_accumulate(&op, &l, s, own, s == 0, acc);
       const int values = a.dtype == TPC_FLOAT32 ? 4 : 8;
       if (u < l.units) tpc_store_sums_f32(&a, u, acc, values, tpc_op_broken(&op));
     } else {
-      tpc_line_store(&op, &l, a.out, u, tpc_line_sum<true>(&op, &l, s, own, s == 0));
+      tpc_line_store(&op, &l, a.out, u, tpc_line_sum(&op, &l, s, own, s == 0));
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
