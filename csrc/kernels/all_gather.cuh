@@ -161,17 +161,25 @@ __global__ void tpc_all_gather_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
     const uint64_t u = tpc_line_unit(&l, s);
     if (u < l.units) tpc_store16(out + tpc_gather_index(u, row, me, n) * 16, v);
   }
+  /* Peer q's line of the step into its place; poison once the op is broken. */
+  auto place = [&](uint64_t u, int q, uint4 v) {
+    if (u >= l.units) return;
+    if (tpc_op_broken(&op)) {
+      if (!a.poison_out) return;
+      v = tpc_poison16(&a);
+    }
+    tpc_store16(out + tpc_gather_index(u, row, q, n) * 16, v);
+  };
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
     const uint64_t u = tpc_line_unit(&l, s);
-    for (int i = 1; i < n; ++i) {
-      const int q = (me + i) % n;
-      uint4 v = tpc_line_wait(&op, &l, s, q, s == 0);
-      if (u >= l.units) continue;
-      if (tpc_op_broken(&op)) {
-        if (!a.poison_out) continue;
-        v = tpc_poison16(&a);
-      }
-      tpc_store16(out + tpc_gather_index(u, row, q, n) * 16, v);
+    if (n == 2) {
+      place(u, 1 - me, tpc_line_wait(&op, &l, s, 1 - me, s == 0));
+    } else {
+      uint4 v[TPC_MAX_RANKS];
+      tpc_lines_from_peers(&op, &l, s, s == 0, v);
+#pragma unroll
+      for (int q = 0; q < TPC_MAX_RANKS; ++q)
+        if (q < n && q != me) place(u, q, v[q]);
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

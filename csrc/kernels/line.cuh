@@ -169,21 +169,19 @@ TPC_DEVICE uint4 tpc_line_wait(tpc_op *op, const tpc_lines *l, uint64_t s, int p
   return make_uint4((uint32_t)lo, (uint32_t)(lo >> 32), (uint32_t)hi, (uint32_t)(hi >> 32));
 }
 
-/* Step s's line summed in rank order, in fp32 and not rounded (acc: 8
- * values of a 16-bit dtype, 4 of fp32): this rank's values from `own`, each
- * peer's from its line in this rank's slot. The peers' lines are polled
- * together: each round first loads the line of every peer not yet in, all
- * the loads in flight at once, then the warp votes on each, so the wait ends
- * about one load after the last line lands, where waiting for one peer after
- * another adds a load's latency for every peer after the first. Once every
- * flag is in, the data is loaded again (tpc_line_wait says why), all peers at
- * once. Bounded like every wait, naming the lowest-ranked peer still
- * missing; with check_header the first lane also checks every peer's header
- * before any of its data is used. The arrays are indexed by unrolled
- * constants only, so they stay in registers. Flag lanes sum flags: their
- * result is never used. */
-TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
-                                    float acc[8]) {
+/* Every peer's line of step s (v[q], q != rank), polled together: each
+ * round first loads the line of every peer not yet in, all the loads in
+ * flight at once, then the warp votes on each, so the wait ends about one
+ * load after the last line lands, where waiting for one peer after another
+ * (tpc_line_wait in a loop) adds a load's latency for every peer after the
+ * first. Once every flag is in, the data is loaded again (tpc_line_wait says
+ * why), all peers at once. Bounded like every wait, naming the
+ * lowest-ranked peer still missing; with check_header the first lane also
+ * checks every peer's header before any of its data is used. On giving up
+ * the lines are zero. The arrays are indexed by unrolled constants only, so
+ * they stay in registers. */
+TPC_DEVICE void tpc_lines_from_peers(tpc_op *op, const tpc_lines *l, uint64_t s, int check_header,
+                                     uint4 v[TPC_MAX_RANKS]) {
   const tpc_kernel_args *a = op->args;
   const int here = tpc_line_index(l, s) < l->lines;
   const int flag = tpc_line_flag_lane(l);
@@ -213,15 +211,24 @@ TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, 
     lo[q] = hi[q] = 0;
     if (q < a->world && q != a->rank && here && !flag && !op->failed)
       tpc_load_packet((const uint64_t *)tpc_line_at(a, op, l, a->rank, q, s), &lo[q], &hi[q]);
+    v[q] = make_uint4((uint32_t)lo[q], (uint32_t)(lo[q] >> 32), (uint32_t)hi[q], (uint32_t)(hi[q] >> 32));
   }
+}
+
+/* Step s's line summed in rank order, in fp32 and not rounded (acc: 8
+ * values of a 16-bit dtype, 4 of fp32): this rank's values from `own`, each
+ * peer's from its line in this rank's slot (tpc_lines_from_peers). Flag
+ * lanes sum flags: their result is never used. */
+TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
+                                    float acc[8]) {
+  const tpc_kernel_args *a = op->args;
+  uint4 v[TPC_MAX_RANKS];
+  tpc_lines_from_peers(op, l, s, check_header, v);
 #pragma unroll
   for (int q = 0; q < TPC_MAX_RANKS; ++q) {
-    if (q >= a->world) break;
-    const uint4 v = q == a->rank ? own
-                                 : make_uint4((uint32_t)lo[q], (uint32_t)(lo[q] >> 32), (uint32_t)hi[q],
-                                              (uint32_t)(hi[q] >> 32));
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    tpc_add_rank(acc, words, 4, a->dtype, q);
+    const uint4 x = q == a->rank ? own : v[q];
+    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+    if (q < a->world) tpc_add_rank(acc, words, 4, a->dtype, q);
   }
 }
 
