@@ -7,7 +7,11 @@
  *            phases, TPC_STREAM_UNITS in the streamed kernels);
  *   pull, U in flight: load U units from the peer's buffer, store them locally (what
  *            torch's two-shot does);
- * over a range of grid sizes, beside the copy engine (cudaMemcpyPeerAsync).
+ * over a range of grid sizes, beside the copy engine (cudaMemcpyPeerAsync),
+ * and the copy engine of GPU 0 alone ("copy-eng-1way": the link one way,
+ * what a plain peer copy measures). Sizes up to 64 MiB each way: the
+ * two-rank bulk all-reduce of S bytes sends S each way, so these rows are
+ * its floor.
  * The time of one transfer is the median over reps of (both GPUs' events
  * around K back-to-back launches) / K, the slower GPU's.
  *   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/bandwidth_probe.cu -o /tmp/bw && /tmp/bw
@@ -80,7 +84,7 @@ static double time_us(Launch launch) {
 }
 
 static void row(const char *name, int blocks, int threads, size_t bytes, double us) {
-  printf("%-10s %4d x %4d  %6zu KiB  %8.2f us  %6.1f GB/s\n", name, blocks, threads, bytes >> 10, us,
+  printf("%-13s %4d x %4d  %6zu KiB  %8.2f us  %6.1f GB/s\n", name, blocks, threads, bytes >> 10, us,
          bytes / us / 1e3);
 }
 
@@ -91,7 +95,7 @@ int main() {
     printf("needs 2 GPUs\n");
     return 0;
   }
-  const size_t max_bytes = 16u << 20;
+  const size_t max_bytes = (size_t)64 << 20;
   for (int d = 0; d < 2; ++d) {
     CHECK(cudaSetDevice(d));
     CHECK(cudaDeviceEnablePeerAccess(1 - d, 0));
@@ -110,12 +114,16 @@ int main() {
                   {"push8", move<8, false>, 0}, {"pull1", move<1, true>, 1},  {"pull2", move<2, true>, 1},
                   {"pull4", move<4, true>, 1},  {"pull8", move<8, true>, 1}};
   const int grids[][2] = {{64, 512}, {128, 512}, {132, 512}, {132, 1024}, {264, 512}, {528, 256}};
-  for (size_t bytes : {(size_t)2 << 20, (size_t)8 << 20}) {
+  for (size_t bytes : {(size_t)2 << 20, (size_t)8 << 20, (size_t)16 << 20, (size_t)64 << 20}) {
     const size_t units = bytes / 16;
     double ce = time_us([&](int d) {
       CHECK(cudaMemcpyPeerAsync(g[1 - d].dst, 1 - d, g[d].src, d, bytes, g[d].stream));
     });
     row("copy-eng", 0, 0, bytes, ce);
+    double one_way = time_us([&](int d) {
+      if (d == 0) CHECK(cudaMemcpyPeerAsync(g[1].dst, 1, g[0].src, 0, bytes, g[0].stream));
+    });
+    row("copy-eng-1way", 0, 0, bytes, one_way);
     for (const Variant &v : variants)
       for (const auto &grid : grids) {
         cudaFuncAttributes attr;

@@ -9,7 +9,8 @@
 #   bash scripts/device_run.sh hf      (examples/hf_llama_tp.py over every GPU)
 #   bash scripts/device_run.sh scale
 #     benchmarks/scale_probe.cu: every kernel at 2..8 ranks, results checked
-#     (ranks share the GPUs where there are fewer; timed at one GPU a rank)
+#     (ranks share the GPUs where there are fewer; timed at one GPU a rank),
+#     then benchmarks/bandwidth_probe.cu (GPUs 0 and 1: the link's rates)
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
 #     the GPU suite with every rank on GPU 0 (tests/multiproc.py: kernel
 #     results at that world size on any machine; one log per world size);
@@ -47,6 +48,10 @@ if [ "$what" = scale ]; then
     timeout 120 /tmp/scale_probe "$n" 2>&1 | tee -a "$OUT/scale_probe_$gpus.txt" | tail -3 || echo "scale_probe $n failed"
   done
   echo "scale probe done: $(( $(date +%s) - start )) s"
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/bandwidth_probe.cu -o /tmp/bandwidth_probe \
+    && timeout 150 /tmp/bandwidth_probe > "$OUT/bandwidth_probe_$gpus.txt" 2>&1
+  grep -E "copy-eng|push4 +132" "$OUT/bandwidth_probe_$gpus.txt"
+  echo "bandwidth probe done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = tune ]; then
   # one file per GPU model: a run at another world size extends it (copy the file in first)
