@@ -91,7 +91,7 @@ def largest_blocks():
     """Kernel -> the most threads launch.cu launches it with: streamed kernels
     (tpc_stream_geometry) TPC_STREAM_WARPS_PER_BLOCK warps, every other kernel
     TPC_BLOCK_THREADS; a control warp on top of both."""
-    control = _define("kernels/primitives.cuh", "TPC_CONTROL_THREADS")
+    control = _define("kernels/op.cuh", "TPC_CONTROL_THREADS")
     block = _define("tpcomm.h", "TPC_BLOCK_THREADS") + control
     streamed = (_define("kernels/stream.cuh", "TPC_STREAM_WARPS_PER_BLOCK")
                 * _define("kernels/stream.cuh", "TPC_STREAM_LANES") + control)

@@ -68,7 +68,7 @@ typedef struct {
   /* Everything from here to the end of the packet slots (the stream flags
    * included) carries epoch flags and is cleared at the wrap. */
   /* peers: one header packet per [epoch % TPC_HEADER_SLOTS][sender], says
-   * the op and its size (four slots: sent early, primitives.cuh) */
+   * the op and its size (four slots: sent early, packet.cuh) */
   uint64_t header[TPC_HEADER_SLOTS][TPC_MAX_RANKS][2];
 } tpc_signals;
 

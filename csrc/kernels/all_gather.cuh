@@ -21,7 +21,7 @@
 
 #include "data_ops.cuh"
 #include "line.cuh"
-#include "primitives.cuh"
+#include "lifecycle.cuh"
 #include "stream.cuh"
 
 /* Position in the output of element `index` of rank q's input, in units of

@@ -3,7 +3,7 @@
  * flag, for the sizes between the packet and the bulk kernels (64 KiB to a
  * few MiB a rank).
  *
- * A packet (primitives.cuh) puts a 4-byte flag beside every 4 data bytes:
+ * A packet (packet.cuh) puts a 4-byte flag beside every 4 data bytes:
  * each 8-byte half is one single-copy-atomic store, so the protocol holds by
  * the memory model alone, but half of what crosses the link is flags, and at
  * 1 MiB the link is what the op waits for. A line is written by 8 lanes of a
@@ -29,7 +29,7 @@
 #ifndef TPCOMM_LINE_CUH
 #define TPCOMM_LINE_CUH
 
-#include "primitives.cuh"
+#include "lifecycle.cuh"
 
 #define TPC_LINE_BYTES 128
 #define TPC_LINE_LANES 8       /* 16 bytes each */

@@ -8,7 +8,7 @@
 #define TPCOMM_REDUCE_CUH
 
 #include "data_ops.cuh"
-#include "primitives.cuh"
+#include "lifecycle.cuh"
 
 /* Packet unit u (8 data bytes), 4 fp32 values in acc, not rounded: the
  * peers' packets for this epoch, waited for one peer after another; with

@@ -68,7 +68,7 @@
 #ifndef TPCOMM_STREAM_CUH
 #define TPCOMM_STREAM_CUH
 
-#include "primitives.cuh"
+#include "bulk.cuh"
 
 #define TPC_STREAM_LANES 32 /* a warp on CUDA; on AMD half a wavefront, which runs in lockstep */
 #define TPC_STREAM_UNITS 4  /* 16-byte units per lane per step: 4 loads in flight */
