@@ -160,6 +160,8 @@ def main():
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--only", action="append", default=[],
+                   help="run only the cases whose name contains this text (repeatable)")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="tpcomm's bound on device waits: the rank under the tool runs far slower than its peers")
     args = p.parse_args()
@@ -176,9 +178,12 @@ def main():
     if not comm.enabled:
         raise SystemExit(f"rank {args.rank}: tpcomm's custom path is off: {comm.disabled_reason}")
     cases = Cases(comm, args.rank, args.world)
+    chosen = [(name, run) for name, run in cases.all() if not args.only or any(o in name for o in args.only)]
+    if not chosen:
+        raise SystemExit(f"rank {args.rank}: no case matches {args.only}")
     start = time.monotonic()
     for round_ in range(2):
-        for name, run in cases.all():
+        for name, run in chosen:
             try:
                 run()
                 torch.cuda.synchronize()
@@ -188,7 +193,7 @@ def main():
             if args.rank == 0 and round_ == 0:
                 print(f"ok {name}", flush=True)
     comm.check()
-    print(f"rank {args.rank}: {2 * len(cases.all())} ops checked in {time.monotonic() - start:.1f} s", flush=True)
+    print(f"rank {args.rank}: {2 * len(chosen)} ops checked in {time.monotonic() - start:.1f} s", flush=True)
     comm.close()
     dist.destroy_process_group()
 

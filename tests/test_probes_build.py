@@ -4,8 +4,8 @@ timings behind docs/design.md's "where the time goes") and scale_probe.cu
 they cannot drift from the code they measure, and their `list` modes (no
 GPU needed) must name every row the device run times;
 bandwidth_probe.cu (the NVLink transfer rates behind the bulk kernels'
-design) must compile warning-free. Timing itself needs the device machine
-(2 GPUs)."""
+design) and racecheck_stream_start.cu (compute-sanitizer's reports on the
+streamed kernels' start) must compile warning-free. Timing needs 2 GPUs."""
 import os
 import re
 import shutil
@@ -130,3 +130,17 @@ def test_scale_probe_lists_every_kernel_at_every_world_size(scale_probe, world):
 @needs_nvcc
 def test_bandwidth_probe_compiles_warning_free(tmp_path):
     _compile("bandwidth_probe.cu", tmp_path / "bandwidth_probe")
+
+
+@needs_nvcc
+def test_racecheck_stream_start_builds_from_the_kernels_start(tmp_path):
+    """racecheck_stream_start.cu (the racecheck reproduction behind
+    scripts/sanitize_expect.py's rules) starts its control-warp variant as
+    the streamed kernels do (tpc_stream_op_begin), so it cannot drift from
+    them; it compiles warning-free and refuses an unknown mode."""
+    src = open(os.path.join(ROOT, "benchmarks", "racecheck_stream_start.cu")).read()
+    assert "tpc_stream_op_begin(&a)" in src and "tpc_bulk_acquire(" in src
+    exe = tmp_path / "racecheck_stream_start"
+    _compile("racecheck_stream_start.cu", exe)
+    bad = subprocess.run([str(exe), "neither"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "control|data" in bad.stderr

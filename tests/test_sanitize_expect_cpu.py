@@ -1,7 +1,8 @@
 """scripts/sanitize_expect.py, which judges the compute-sanitizer logs of
-scripts/sanitize.sh, on logs in the tool's two racecheck formats: reports on
-the streamed kernels' push counts pass, any other report, a missing summary
-or an error of the other tools fails."""
+scripts/sanitize.sh, on logs in the tool's two racecheck formats: reports of
+the push counts' handoff (a count's release against its acquire) pass; any
+other report (the zeroing of the counts included), a log whose reports cannot
+all be read, a missing summary or an error of the other tools fails."""
 import importlib.util
 import os
 
@@ -18,22 +19,22 @@ def line_of(name, text):
         return next(i + 1 for i, line in enumerate(f) if text in line)
 
 
-RESET = f"/src/csrc/kernels/stream.cuh:{line_of('stream.cuh', 'tpc_stream_pushed()[threadIdx.x] = 0')}"
+ZEROING = f"/src/csrc/kernels/stream.cuh:{line_of('stream.cuh', 'tpc_stream_pushed()[lane] = 0')}"
 ACQUIRE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'ld.acquire.cta.u32')}"
 RELEASE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'st.release.cta.u32')}"
 ELSEWHERE = f"/src/csrc/kernels/all_reduce_norm.cuh:{line_of('all_reduce_norm.cuh', 'sum += partial[w]')}"
 
 
-def hazard(write, read):
-    return (f"========= Error: Potential RAW hazard detected at __shared__ 0x4 in block (3,0,0) :\n"
-            f"=========     Write Thread (0,0,0) at tpc_stream_reset()+0x1a0 in {write}\n"
-            f"=========     Read Thread (256,0,0) at tpc_load_acquire_block(const unsigned int *)+0x30 in {read}\n"
+def hazard(write, read, space="__shared__"):
+    return (f"========= Error: Potential RAW hazard detected at {space} 0x4 in block (3,0,0) :\n"
+            f"=========     Write Thread (0,0,0) at tpc_kernel_part()+0x1a0 in {write}\n"
+            f"=========     Read Thread (256,0,0) at tpc_other_part(const unsigned int *)+0x30 in {read}\n"
             f"=========     Current Value : 3, Incoming Value : 0\n=========\n")
 
 
-def analysis(write, read):
-    return (f"========= Error: Race reported between Write access at tpc_stream_mark()+0x80 in {write}\n"
-            f"=========     and Read access at tpc_load_acquire_block()+0x30 in {read} [512 hazards]\n=========\n")
+def analysis(write, read, space=None):
+    return (f"========= Error: Race reported between Write access at tpc_kernel_part()+0x80 in {write}\n"
+            f"=========     and Read access at tpc_other_part()+0x30 in {read} [512 hazards]\n=========\n")
 
 
 def racecheck_log(*reports):
@@ -43,17 +44,35 @@ def racecheck_log(*reports):
 
 
 @pytest.mark.parametrize("form", [hazard, analysis])
-def test_push_count_reports_pass(form):
-    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RESET, ACQUIRE), form(RELEASE, ACQUIRE)))
+def test_handoff_reports_pass(form):
+    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RELEASE, ACQUIRE), form(ACQUIRE, RELEASE)))
     assert ok, said
-    assert "2 on the push counts" in said[0] and "0 unexpected" in said[0]
+    assert "2 on the push counts' handoff" in said[0] and "0 unexpected" in said[0]
+
+
+@pytest.mark.parametrize("form", [hazard, analysis])
+def test_the_zeroing_of_the_counts_fails(form):
+    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RELEASE, ACQUIRE), form(ZEROING, ACQUIRE)))
+    assert not ok
+    assert "1 unexpected" in said[0] and ZEROING in said[1]
 
 
 @pytest.mark.parametrize("form", [hazard, analysis])
 def test_a_report_elsewhere_fails(form):
-    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RESET, ACQUIRE), form(RESET, ELSEWHERE)))
+    ok, said = sanitize_expect.check("racecheck", racecheck_log(form(RELEASE, ACQUIRE), form(RELEASE, ELSEWHERE)))
     assert not ok
     assert "1 unexpected" in said[0] and ELSEWHERE in said[1]
+
+
+def test_two_releases_or_global_memory_fail():
+    for report in (hazard(RELEASE, RELEASE), hazard(ACQUIRE, ACQUIRE), hazard(RELEASE, ACQUIRE, "__global__")):
+        assert not sanitize_expect.check("racecheck", racecheck_log(report))[0], report
+
+
+def test_a_report_the_reader_misses_fails():
+    log = racecheck_log(hazard(RELEASE, ACQUIRE)).replace("1 hazards displayed", "2 hazards displayed")
+    ok, said = sanitize_expect.check("racecheck", log)
+    assert not ok and "1 reports could be read" in said[0]
 
 
 def test_reports_that_cannot_be_read_fail():
@@ -62,7 +81,7 @@ def test_reports_that_cannot_be_read_fail():
 
 
 def test_no_summary_fails():
-    assert not sanitize_expect.check("racecheck", hazard(RESET, ACQUIRE))[0]
+    assert not sanitize_expect.check("racecheck", hazard(RELEASE, ACQUIRE))[0]
     assert not sanitize_expect.check("memcheck", "========= COMPUTE-SANITIZER\n")[0]
 
 

@@ -304,10 +304,9 @@ TPC_DEVICE void tpc_two_shot_gather(const tpc_op *op, const tpc_steps *s, const 
  * since without it ptxas aims at two (96 registers) and spills. */
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
-  tpc_op op = tpc_op_begin(&a);
+  tpc_op op = tpc_stream_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const tpc_two_shot c = tpc_two_shot_of(&a);
-  tpc_stream_reset();
   const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
   if (s.warp == s.data_warps) {
     tpc_stream_signal_all(&op, &s, s.block_steps ? 2 * s.block_steps + 1 : 0);

@@ -60,8 +60,8 @@ TPC_DEVICE void tpc_epoch_advance(const tpc_op *op) {
  * failed and stopped only make an op stop early: one that arrives after this
  * load is seen by the next bounded wait (tpc_wait_gives_up reads the slot
  * again). */
-template <typename Prefetch>
-TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
+template <typename Prefetch, typename ControlSetup>
+TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch, ControlSetup control_setup) {
   __shared__ uint32_t block_epoch, block_refused;
   const int control_warp = threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS;
   const int lead = threadIdx.x == blockDim.x - TPC_CONTROL_THREADS;
@@ -81,12 +81,16 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
     block_refused = refused;
   }
   /* The control warp hands the slot to the block without waiting for it
-   * (tpc_block_handoff). The data threads first wait for the previous kernel
+   * (tpc_block_handoff), and with it whatever block state `control_setup`
+   * set (the streamed kernels' push counts, stream.cuh): the handoff orders
+   * those stores before every access of the data threads after it, as it
+   * does block_epoch's. The data threads first wait for the previous kernel
    * (the input and the buffers may still be written by it) and start loading
    * their input (prefetch): that load overlaps the control load when the
    * previous kernel has already finished. The handoff is one call site for
    * every thread, as AMD's wave-wide barrier needs. */
   if (control_warp) {
+    control_setup();
     tpc_warp_sync();
   } else {
     tpc_grid_wait();
@@ -115,8 +119,13 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
   return op;
 }
 
+template <typename Prefetch>
+TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch) {
+  return tpc_op_begin(a, prefetch, [] {});
+}
+
 TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a) {
-  return tpc_op_begin(a, [] {});
+  return tpc_op_begin(a, [] {}, [] {});
 }
 
 /* The start every packet kernel shares (tpc_packet_prologue): the thread's

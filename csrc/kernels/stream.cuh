@@ -35,19 +35,23 @@
  * in one block; the system-scope pair is needed because the reader is
  * another GPU.
  *
- * compute-sanitizer racecheck reports hazards on pushed[] (scripts/sanitize.sh
- * expects exactly these and nothing else). None is a race:
- *  - the zeroing (tpc_stream_reset) against the control warp's reads and the
- *    data warps' releases: every one of those comes after the block barrier
- *    in tpc_bulk_acquire (__syncthreads_or), which every thread of the block
- *    reaches after the zeroing, and a barrier orders the memory accesses
- *    before it against those after it for all its threads;
- *  - a data warp's release (tpc_stream_mark) against the control warp's
- *    acquires (tpc_stream_signal_all): these are the handoff itself; both are
- *    strong operations at block scope on the same aligned word, which the
- *    PTX memory model never counts as a data race, and racecheck, which
- *    models barriers but not release/acquire pairs, reports them all the
- *    same.
+ * The push counts (pushed[], shared) are zeroed by the control warp before
+ * tpc_op_begin's handoff (tpc_stream_op_begin), which orders the zeroing
+ * before every access of the data warps; the control warp's own reads follow
+ * it in program order. compute-sanitizer racecheck reports the handoff
+ * itself: a data warp's release of its count (tpc_stream_mark) against the
+ * control warp's acquires of it (tpc_stream_signal_all). Both are strong
+ * operations at block scope on the same aligned word, which the PTX memory
+ * model never counts as a data race; racecheck models barriers, not
+ * release/acquire pairs, and reports every such pair (scripts/sanitize.sh
+ * accepts these and nothing else). Zeroed by data threads after the
+ * handoff instead, as they once were, the counts drew reports of the
+ * zeroing against the control warp's first acquire too, although the block
+ * barrier in tpc_bulk_acquire orders the two: racecheck makes them where a
+ * lane of the zeroing warp reaches that barrier after the rest of its warp
+ * (the wait for a peer's release) in a block whose control warp passed the
+ * handoff with bar.arrive. benchmarks/racecheck_stream_start.cu reproduces
+ * both starts.
  *
  * Slots and flags come in two halves, by the parity of the bulk sequence
  * number: a peer may start the next streamed op while this rank still reads
@@ -137,15 +141,19 @@ TPC_DEVICE char *tpc_stream_slot(const tpc_kernel_args *a, const tpc_steps *s, i
 
 /* The count each data warp of the block has marked: lane 0 of data warp w
  * alone writes word w (tpc_stream_mark), the control warp reads them all.
- * Zeroed before the block barrier in tpc_bulk_acquire, which orders the
- * zeroing before every other access (the racecheck note above). */
+ * Zeroed by the control warp before the handoff (the note above). */
 TPC_DEVICE uint32_t *tpc_stream_pushed(void) {
   __shared__ uint32_t pushed[TPC_STREAM_WARPS_PER_BLOCK];
   return pushed;
 }
 
-TPC_DEVICE void tpc_stream_reset(void) {
-  if (threadIdx.x < TPC_STREAM_WARPS_PER_BLOCK) tpc_stream_pushed()[threadIdx.x] = 0;
+/* The op begins (tpc_op_begin) with the counts zeroed by the control warp's
+ * first lanes before its handoff to the block. */
+TPC_DEVICE tpc_op tpc_stream_op_begin(const tpc_kernel_args *a) {
+  return tpc_op_begin(a, [] {}, [] {
+    const unsigned lane = threadIdx.x % TPC_STREAM_LANES;
+    if (lane < TPC_STREAM_WARPS_PER_BLOCK) tpc_stream_pushed()[lane] = 0;
+  });
 }
 
 /* Step t of the 16-byte units at `in` (this rank's input, or a part of it)
@@ -256,14 +264,11 @@ TPC_DEVICE void tpc_stream_signal_all(tpc_op *op, const tpc_steps *s, uint32_t l
 }
 
 /* What a streamed kernel over a->nbytes (one rank's input; reduce-scatter:
- * one chunk) does between tpc_op_begin and its data loop: zero the push
- * counts (before the block barrier inside tpc_bulk_acquire, which orders
- * that before any count), acquire this op's half, and run the control
- * warp's signalling. Nonzero for a data warp with steps to take. (The
- * two-shot all-reduce starts the same way with its own units, part of the
- * region and last count: all_reduce.cuh.) */
+ * one chunk) does between tpc_stream_op_begin and its data loop: acquire
+ * this op's half and run the control warp's signalling. Nonzero for a data
+ * warp with steps to take. (The two-shot all-reduce starts the same way with
+ * its own units, part of the region and last count: all_reduce.cuh.) */
 TPC_DEVICE int tpc_stream_start(tpc_op *op, tpc_steps *s) {
-  tpc_stream_reset();
   *s = tpc_stream_of(op->args, tpc_bulk_acquire(op->args, op, TPC_BULK_HALF), op->args->nbytes / 16, TPC_BULK_HALF);
   if (s->warp == s->data_warps) {
     tpc_stream_signal_all(op, s, s->block_steps);
@@ -305,7 +310,7 @@ TPC_DEVICE void tpc_stream_wait(tpc_op *op, const tpc_steps *s, uint32_t done, i
  * link carries the next step while the warp reads the last. */
 template <typename Push, typename Use>
 TPC_DEVICE void tpc_stream_op(const tpc_kernel_args *a, Push push, Use use) {
-  tpc_op op = tpc_op_begin(a);
+  tpc_op op = tpc_stream_op_begin(a);
   if (op.refused) return tpc_op_refuse(a, op.refused, op.epoch);
   tpc_steps s;
   if (tpc_stream_start(&op, &s)) {
