@@ -40,7 +40,7 @@
 
 #include "line.cuh"
 #include "reduce.cuh"
-#include "stream.cuh"
+#include "stream_sum.cuh"
 
 __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;

@@ -28,7 +28,7 @@
 
 #include "line.cuh"
 #include "reduce.cuh"
-#include "stream.cuh"
+#include "stream_sum.cuh"
 
 /* Stores the fp32 sums of one unit (2 or 4 values for a packet unit, 4 or 8
  * for a 16-byte one: fp32 or 16-bit input) at unit index u of a float output. */
