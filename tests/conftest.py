@@ -12,8 +12,11 @@
   TPCOMM_SHARE_GPU=1 lets the ranks share them; TPCOMM_TEST_WORLD sets how
   many ranks.
 """
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -23,6 +26,15 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 # wheel, .ci/test_wheel.sh), so this checkout's python/ stays off the path.
 if os.environ.get("TPCOMM_TEST_INSTALLED") != "1" and PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
+
+# Inductor's cache outlives a checkout: a graph compiled against another
+# build's op schema is replayed as is (a stale call fails with "expected at
+# most 5 argument(s)"). Each pytest session compiles into a cache of its own,
+# which every spawned rank inherits through the environment.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="tpcomm-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, True)
 
 import multiproc  # noqa: E402 - tests/ is on sys.path (pytest puts conftest.py's directory there)
 
