@@ -42,7 +42,7 @@ GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on the device machine)")
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (2 or more, or one shared with TPCOMM_SHARE_GPU=1)")
 
 
 def cuda_device_count():

@@ -108,7 +108,8 @@ def gpu_skip_reason(gpus, environ=os.environ):
     try:
         gpu_placement(gpus, environ=environ)
     except ValueError as e:
-        return f"{e} (the GPU suite runs on the device machine: docs/testing.md)"
+        return (f"{e}: needs 2 or more CUDA GPUs, or one GPU with TPCOMM_SHARE_GPU=1 "
+                f"(TPCOMM_TEST_WORLD=N ranks; docs/testing.md)")
     return None
 
 

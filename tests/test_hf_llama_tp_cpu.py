@@ -2,7 +2,7 @@
 with transformers' own TP plan): every mode gives nccl's next tokens, the
 eager tpcomm mode bit for bit (its fallback is gloo's all_reduce on the CPU),
 and the compiled tpcomm mode runs every row-parallel all-reduce as the fused
-op. The timed run is the device machine's (several GPUs)."""
+op. Timing it needs several GPUs (docs/benchmarks.md)."""
 import json
 import os
 import subprocess

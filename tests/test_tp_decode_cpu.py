@@ -2,8 +2,8 @@
 parallel embedding and LM head, column- and row-parallel layers) over 2 gloo
 processes gives the same tokens and logits through tpcomm's Communicator
 (its NCCL fallback here) as through torch.distributed, with the expected
-number of collectives per step; and the summary's arithmetic. The timed run
-under CUDA graphs is the device machine's (README)."""
+number of collectives per step; and the summary's arithmetic. Timing it under
+CUDA graphs needs several GPUs (docs/benchmarks.md)."""
 import json
 import os
 import subprocess
