@@ -92,6 +92,30 @@ def test_cli_main_dispatches_to_the_doctor(monkeypatch):
     assert seen == [["--share-gpu"]]
 
 
+@pytest.mark.parametrize("command,module", [("bench", "tpcomm.bench.__main__"), ("tune", "tpcomm.tune")])
+def test_cli_main_dispatches_bench_and_tune_with_their_options(monkeypatch, command, module):
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda argv: seen.append(argv) or 3)
+    assert cli.main([command, "--dtypes", "float32"]) == 3
+    assert seen == [["--dtypes", "float32"]]
+
+
+@pytest.mark.parametrize("command,option", [("bench", "--max-bytes"), ("tune", "--from"), ("doctor", "--share-gpu")])
+def test_each_command_prints_its_own_help(command, option):
+    out = run_doctor(command, "--help", module="tpcomm.cli")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"usage: tpcomm {command}") and option in out.stdout, out.stdout
+
+
+def test_cli_help_lists_every_command():
+    out = run_doctor("--help", module="tpcomm.cli")
+    assert out.returncode == 0
+    for command in ("doctor", "bench", "tune"):
+        assert f"    {command}" in out.stdout, out.stdout
+
+
 def test_linked_runtime_is_read_from_the_library(tmp_path):
     lib = tmp_path / "fake.so"
     lib.write_bytes(b"\x7fELF...\0libc10.so\0libcudart.so.12\0libc.so.6\0")

@@ -42,7 +42,7 @@ from . import report
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tpcomm.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="tpcomm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
                    help="comma-separated ops (default: all three; reduce_scatter's size is its input per rank)")
