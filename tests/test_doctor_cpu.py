@@ -68,6 +68,35 @@ def test_doctor_table_rows_follow_the_world_size():
     assert "all_reduce ('*' row)" in out.stdout  # the shipped table has no row of its own for 8
 
 
+def _routing_lines(text):
+    return {line.split(" (")[0]: line.split(": ", 1)[1] for line in text.splitlines()
+            if line.startswith(("all_reduce (", "all_gather (", "reduce_scatter ("))}
+
+
+def test_doctor_routing_lines_apply_the_caps():
+    default = _routing_lines(run_doctor("--world-size", "2", "--no-self-test").stdout)
+    # the shipped h200 table sends all_reduce to bulk up to 64 MiB; the default max_bytes (16 MiB) sends the rest to NCCL
+    assert default["all_reduce"].endswith("<= 16 MiB bulk, larger: nccl"), default
+    assert default["all_gather"].endswith("<= 8 MiB bulk, larger: nccl"), default  # 2 ranks' output within 16 MiB
+    raised = _routing_lines(run_doctor("--world-size", "2", "--no-self-test", TPCOMM_MAX_BYTES=str(64 << 20)).stdout)
+    assert raised["all_reduce"].endswith("<= 64 MiB bulk, larger: nccl"), raised
+    small = _routing_lines(run_doctor("--world-size", "2", "--no-self-test",
+                                      TPCOMM_PACKET_MAX_BYTES=str(64 << 10)).stdout)
+    assert small["all_reduce"] == "<= 64 KiB packet, <= 16 MiB bulk, larger: nccl", small  # no line band past the cap
+    assert small["reduce_scatter"].startswith("<= 128 KiB packet, "), small  # the cap is per part: 2 parts
+
+
+def test_routed_bands_follow_routing_route():
+    from tpcomm import routing
+
+    routes = {"all_reduce": {"*": [(1 << 10, "packet"), (1 << 30, "bulk")]}}
+    caps = routing.Caps(4, 1 << 20, 512, True)
+    assert doctor.routed_bands(routes, caps, "all_reduce", torch.float32) == [(512, "packet"), (1 << 20, "bulk")]
+    assert doctor.routed_bands(routes, caps, "all_reduce", torch.int32) == []  # no kernel reduces int32
+    for limit, backend in doctor.routed_bands(routes, caps, "all_reduce", torch.float32):
+        assert routing.route(routes, caps, "all_reduce", torch.float32, limit) == backend
+
+
 @pytest.mark.parametrize("args,needle", [(["--world-size", "1"], "--world-size must be 2..8"),
                                          (["--iters", "0"], "--iters must be at least 1"),
                                          (["--bogus"], "unrecognized arguments: --bogus")])

@@ -260,7 +260,7 @@ def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
     import torch
 
-    from . import _setup, policy
+    from . import _setup, policy, routing
     source = getattr(config, "table", None) if config is not None else None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     path = _setup.table_source(source, torch.device("cuda", 0) if gpu else torch.device("cpu"))
@@ -276,10 +276,47 @@ def _routing_facts(report, world_size, config):
     force = dict(getattr(config, "force", ()) or ())
     forbid = getattr(config, "forbid", ()) or ()
     routes = policy.effective_routes(table, world_size, force, forbid)
+    from .config import Config
+
+    defaults = Config()
+    caps = routing.Caps(world_size, getattr(config, "max_bytes", defaults.max_bytes),
+                        getattr(config, "packet_max_bytes", defaults.packet_max_bytes), torch.version.hip is None)
+    report.line("caps", f"max_bytes {_size(caps.max_bytes)}, packet_max_bytes {_size(caps.packet_max_bytes)} "
+                        "(TPCOMM_MAX_BYTES, TPCOMM_PACKET_MAX_BYTES)")
     for op, by_dtype in routes.items():
         row = "own row" if str(world_size) in table["routes"][op] else "'*' row"
-        bands = ", ".join(f"<= {_size(limit)} {backend}" for limit, backend in by_dtype["*"])
-        report.line(f"{op} ({row})", f"{bands}, larger: nccl")
+        bands = ", ".join(f"<= {_size(limit)} {backend}" for limit, backend in routed_bands(routes, caps, op))
+        report.line(f"{op} ({row})", f"{bands}, larger: nccl" if bands else "nccl at every size")
+
+
+def routed_bands(routes, caps, op, dtype=None):
+    """[(limit, backend)] of what a call of `op` really takes, size by size
+    (bytes per rank of well-aligned input): the table's bands after the caps
+    (max_bytes, packet_max_bytes) and each kernel's own limits, by asking
+    routing.route at every size where some rule changes its answer. The last
+    band is the largest size a kernel takes; larger ones go to NCCL. dtype:
+    a torch dtype (default bfloat16, the reducing ops' usual one)."""
+    import torch
+
+    from . import _constants as C, routing
+
+    dtype = dtype or torch.bfloat16
+    world = caps.world_size
+    align = 16 * world if op == "reduce_scatter" else 16
+    limits = {limit for bands in routes[op].values() for limit, _ in bands if limit < 1 << 40}
+    limits |= {caps.max_bytes, caps.max_bytes // world, caps.packet_max_bytes, caps.packet_max_bytes * world,
+               C.TPC_LINE_STEP_BYTES * (world - 1)}
+    points = sorted({t - t % align for t in limits if t >= align})
+    bands = []
+    for t in points:
+        backend = routing.route(routes, caps, op, dtype, t, t)
+        if bands and bands[-1][1] == backend:
+            bands[-1] = (t, backend)
+        else:
+            bands.append((t, backend))
+    while bands and bands[-1][1] == "nccl":
+        bands.pop()
+    return bands
 
 
 def _size(nbytes):
