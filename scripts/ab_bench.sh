@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Interleaved A/B of two versions of tpcomm on the device machine: the
+# Interleaved A/B of two versions of tpcomm on a machine with the GPUs: the
 # working tree against a baseline, each built in its own copy, benchmarked in
 # alternating rounds (base, new, base, new, ...) so that drift of the machine
 # hits both alike. Prints, per (op, backend, size), every round's median.
 #
-# Here:    mkdir -p .ab && git archive <rev> -o .ab/base.tar
-# Device:  bash scripts/ab_bench.sh .ab/base.tar [rounds] [tpcomm.bench args...]   (carry .ab)
+#   mkdir -p .ab && git archive <rev> -o .ab/base.tar
+#   bash scripts/ab_bench.sh .ab/base.tar [rounds] [tpcomm.bench args...]
 # Default bench args: bf16, graph mode, both ops, tpcomm's kernels forced, 64 B .. 4 MiB.
 set -u
 base_tar=${1:?usage: ab_bench.sh BASE.tar [rounds] [bench args...]}

@@ -151,7 +151,6 @@ def test_gpu_placement_refuses_what_does_not_fit(gpus, env, error):
         multiproc.gpu_placement(gpus, environ=env)
     reason = multiproc.gpu_skip_reason(gpus, environ=env)
     assert reason is not None and "docs/testing.md" in reason and "TPCOMM_SHARE_GPU=1" in reason
-    assert "device machine" not in reason
 
 
 def _test_modules():
