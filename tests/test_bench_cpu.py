@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from multiproc import run_ranks
+import source_tree
 from tpcomm.bench import measure, report
 
 KiB = 1024
@@ -226,8 +227,7 @@ def test_progress_plain_lines(capsys):
 
 # ------------------------------------------------------- the command
 def _child_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env = source_tree.subprocess_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)

@@ -11,13 +11,13 @@ import torch
 import tpcomm
 from tpcomm import _lib, cli, doctor
 
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcomm.__file__)))
+import source_tree
 
 
 def run_doctor(*args, module="tpcomm.doctor", **env):
     """The doctor in a fresh interpreter, importing the tpcomm these tests import, with no GPU visible."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-    full_env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=PACKAGE_PARENT, **env)
+    full_env = {k: v for k, v in source_tree.subprocess_env().items() if not k.startswith("TPCOMM_")}
+    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
                           timeout=300)
 

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import source_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, REPS, BATCHES = 2, 2, (1, 3)
 
@@ -25,7 +27,7 @@ def test_every_mode_agrees_on_two_gloo_ranks(tmp_path):
          "--reps", str(REPS), "--batches", ",".join(map(str, BATCHES)), "--model-dir", str(tmp_path / "model"),
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1"))
+        env=source_tree.subprocess_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["model"]["ranks"] == 2 and data["model"]["layers"] == LAYERS

@@ -8,6 +8,8 @@ import shlex
 import subprocess
 import sys
 
+import source_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,8 +27,7 @@ def test_quickstart_on_two_gloo_ranks():
     assert "--nproc-per-node=2" in words
     # torchrun is `python -m torch.distributed.run`: the same launcher, from this interpreter.
     command = [sys.executable, "-m", "torch.distributed.run"] + words[1:]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+    env = source_tree.subprocess_env(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import source_tree
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -22,7 +24,8 @@ def test_tiny_model_over_two_gloo_ranks(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
                            "--batches", "1,3", "--context", "16", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     run = data["runs"]["mixing default"]
@@ -42,7 +45,8 @@ def test_fused_backend_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
                            "--batches", "2", "--context", "16", "--backends", "nccl,tpcomm_fused", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["mixing default"]
     assert run["2"]["fused_tokens_agree"] is True
@@ -94,7 +98,8 @@ def test_fused_floor_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
                            "--batches", "2", "--context", "16", "--backends", "none_fused,nccl,tpcomm_fused",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["mixing default"]
     assert run["2"]["fused_tokens_agree"] is True
