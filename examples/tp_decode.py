@@ -37,7 +37,7 @@ NCCL_GRAPH_MIXING_SUPPORT once per process: with --nccl-mixing both (the
 default on GPUs) a second set of processes with it set to 0 measures
 "nccl_nomix" beside its own floor. tpcomm's tokens and logits are compared
 with NCCL's (bit for bit on 2 ranks, where both sum in the same order).
-Writes benchmarks/results/tp_decode_<gpu>x<n>.json (or --out).
+Writes results/tp_decode_<gpu>x<n>.json under the working directory (or --out).
 """
 import argparse
 import contextlib
@@ -393,8 +393,7 @@ def main(argv=None):
             "method": f"CUDA graph per (batch, backend); {args.rounds} rounds, backends in rotating order, "
                       f"{args.replays} replays each; median over rounds of ms per step, slowest rank",
             "runs": runs, "summary": summarize(runs)}
-    path = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                                    "results", "tp_decode_" + _gpu_tag(env, world) + ".json")
+    path = args.out or os.path.join("results", "tp_decode_" + _gpu_tag(env, world) + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

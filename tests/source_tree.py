@@ -44,3 +44,20 @@ def subprocess_env(environ=os.environ, **extra):
     else:
         env.pop("PYTHONPATH", None)
     return env
+
+
+def git_status():
+    """`git status --porcelain` of the checkout (None outside a git checkout):
+    a test that runs an example compares it before and after, so an example
+    that writes into the tree fails it."""
+    import subprocess
+
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        return None
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def tpcomm_leftovers(tmpdir):
+    """What tpcomm's code left in `tmpdir` (the TMPDIR a child ran with)."""
+    return sorted(n for n in os.listdir(tmpdir) if n.startswith("tpcomm"))

@@ -166,8 +166,10 @@ def test_json_round_trip_keeps_the_format(tmp_path):
 
 
 def test_default_out_path():
-    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join(
-        "benchmarks", "results", "h200x2.json")
+    """Under the working directory, in results/ (ignored by git), never the tracked benchmarks/results."""
+    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join("results", "h200x2.json")
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/results/" in f.read().split()
 
 
 def test_plots_render_valid_pngs(tmp_path):

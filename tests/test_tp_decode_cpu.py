@@ -21,12 +21,17 @@ import tp_decode  # noqa: E402
 
 
 def test_tiny_model_over_two_gloo_ranks(tmp_path):
-    out = tmp_path / "decode.json"
+    """Without --out the example writes under its working directory's
+    results/, nothing into the checkout, and leaves nothing in TMPDIR."""
+    before, tmp = source_tree.git_status(), tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
-                           "--batches", "1,3", "--context", "16", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env=source_tree.subprocess_env())
+                           "--batches", "1,3", "--context", "16"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=source_tree.subprocess_env(TMPDIR=str(tmp)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "results" / "tp_decode_cpux2.json"
+    assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []
     data = json.loads(out.read_text())
     run = data["runs"]["mixing default"]
     for batch, n in (("1", 1), ("3", 3)):

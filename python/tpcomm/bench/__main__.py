@@ -26,7 +26,7 @@ is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.
 
 Writes tables to the terminal (bandwidth for sizes >= 1 MiB under each),
-JSON to benchmarks/results/<gpu>x<n>.json (or --out) and PNG figures next to
+JSON to results/<gpu>x<n>.json under the working directory (or --out) and PNG figures next to
 it (<stem>_<op>_<mode>.png, <stem>_speedup.png; python -m tpcomm.bench.plots
 redraws them). With fewer than 2 GPUs it prints the environment and exits 0.
 """
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--sequential", dest="interleave", action="store_false",
                    help="graph mode: time one backend after the other, each in its own stretch, instead of every "
                         "backend of a size in shared rounds (each timed replay after one untimed one)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>x<n>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/<gpu>x<n>.json here)")
     p.add_argument("--quick", action="store_true", help="x8 size steps, 5 replays, 3 eager runs (smoke run)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
