@@ -33,8 +33,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 # Variables shown besides TPCOMM_*: the ones that change what NCCL, torch's
 # symmetric memory or the CUDA runtime do under tpcomm.
@@ -361,27 +359,19 @@ def _rank_inputs(rank, op, nbytes, dtype, world):
 
 def _timed(fn, iters, device):
     """Mean seconds per call of fn() over iters calls, after 5 warm-up calls
-    (CUDA events on a GPU, the host clock on the CPU)."""
-    import torch
+    (tpcomm._ranks.seconds_per_call: CUDA events on a GPU, the host clock on the CPU)."""
+    from . import _ranks
 
     for _ in range(5):
         fn()
-    if device.type == "cpu":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000 / iters
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return _ranks.seconds_per_call(fn, iters, device)
 
 
-def _self_test_rank(rank, world, device, backend, share_gpu, iters, sizes, out_dir):
+def _self_test_rank(rank, world, init_method, devices, backend, share_gpu, iters, sizes, out_dir):
     """One rank of the self-test on `device` (a GPU; the CPU only in tpcomm's
     own tests of this code); it writes its rows to out_dir/rank{rank}.json."""
     import torch
@@ -392,12 +382,10 @@ def _self_test_rank(rank, world, device, backend, share_gpu, iters, sizes, out_d
     topology.force_multicast_off()
     if share_gpu:
         _allow_shared_gpu()
-    device = torch.device(device)
+    device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # A FileStore in the parent's temporary directory: no port to race for.
-    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
-                            world_size=world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     rows = []
     try:
         import tpcomm
@@ -508,9 +496,7 @@ def _fused_row(comm, rank, world, device, on_ref, iters):
 def _self_test(report, count, share_gpu, world, iters, timeout_s, on_cpu=False, sizes=SELF_TEST_BYTES):
     """The self-test over `world` spawned ranks (on_cpu: ranks on the CPU over
     gloo, for tpcomm's own tests of this code on a machine without GPUs)."""
-    import torch.multiprocessing as mp
-
-    from . import topology
+    from . import _ranks
 
     world = world or (2 if share_gpu or on_cpu else count)
     devices = ["cpu"] * world if on_cpu else [f"cuda:{0 if share_gpu else r}" for r in range(world)]
@@ -521,21 +507,11 @@ def _self_test(report, count, share_gpu, world, iters, timeout_s, on_cpu=False, 
     report.line("latency", f"eager calls, mean of {iters} after 5 warm-up calls ({clock})")
     if share_gpu:
         report.line("note", "ranks share one GPU: results are checked, latencies only say the kernels ran")
-    topology.force_multicast_off()
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
+    with _ranks.rendezvous() as (init_method, out_dir):
         target = importlib.import_module("tpcomm.doctor")._self_test_rank  # not __main__'s: spawn re-imports it
-        procs = [ctx.Process(target=target, args=(r, world, devices[r], backend, share_gpu, iters, sizes, out_dir))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        late = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in late:
-            procs[r].kill()
-            procs[r].join()
+        procs = _ranks.start(world, target, init_method, devices, backend, share_gpu, iters, sizes, out_dir)
+        # every rank writes its rows, errors included, and leaves: only a hang is killed
+        late = _ranks.wait(procs, timeout_s, grace_s=timeout_s).hung
         if late:
             report.problem("self-test", f"ranks {late} still running after {timeout_s:.0f} s: killed")
         rows = []
