@@ -181,6 +181,18 @@ def test_readme_runs_known_python_modules():
     assert "pytest" in _python_modules()
 
 
+def test_readme_says_how_to_build_the_wheels():
+    """No wheel is published: README's Support names the script and the variables it reads."""
+    text = _read(README)
+    with open(os.path.join(ROOT, ".ci", "wheel.sh")) as f:
+        script = f.read()
+    for variant in ("cu130", "cu128"):
+        assert f"`bash .ci/wheel.sh {variant} dist/`" in text, variant
+        assert f"{variant})" in script, variant
+    for variable in ("PY", "CUDA_HOME", "AUDITWHEEL", "TORCH_CUDA_ARCH_LIST_WHEEL"):
+        assert f"`{variable}`" in text and re.search(rf"\b{variable}\b", script), variable
+
+
 def test_readme_runs_known_tpcomm_commands():
     from tpcomm import cli
 
