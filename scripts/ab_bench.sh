@@ -17,7 +17,8 @@ args=("$@")
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 root=$(pwd)
-work=$(mktemp -d /tmp/ab.XXXX)
+work=$(mktemp -d "${TMPDIR:-/tmp}/tpcomm-ab.XXXX")
+trap 'rm -rf "$work"' EXIT  # the two copies, their builds and the runs' JSON: the summary below is the output
 mkdir -p "$work/base" "$work/new"
 tar -xf "$base_tar" -C "$work/base"
 tar --exclude=./.ab --exclude=./.venv --exclude=./build -cf - . | tar -xf - -C "$work/new"
