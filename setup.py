@@ -63,6 +63,25 @@ def _version(rocm, gpu_include):
     return _base_version() + (f"+{label}" if label else "")
 
 
+# The torch each build label runs with (the wheel's one run-time requirement).
+# torch's stable ABI starts at 2.10; PyPI's torch is built for CUDA 12.8 in
+# 2.10 and for CUDA 13 from 2.11, and a wheel must load the CUDA runtime torch
+# loads. Metadata cannot name torch's CUDA (a local label such as +cu128 is
+# not part of a version range), so a torch of the right version built for
+# another CUDA (pytorch.org's indexes) still installs: README's Support says so.
+TORCH_REQUIREMENTS = {"cu13": "torch>=2.11", "cu128": "torch>=2.10,<2.11"}
+TORCH_ANY = "torch>=2.10"  # source builds and other labels: the stable ABI's floor
+
+
+def torch_requirement(version):
+    """The torch requirement of a build whose version is `version` (with its label)."""
+    label = version.partition("+")[2]
+    for prefix, requirement in TORCH_REQUIREMENTS.items():
+        if label.startswith(prefix):
+            return requirement
+    return TORCH_ANY
+
+
 def _clang_cuda_arch_flags():
     """clang's flags for TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX"): a cubin per
     arch, PTX only where "+PTX" asks for it."""
@@ -114,6 +133,18 @@ FASTPATH = Extension("tpcomm._fastpath", sources=[], py_limited_api=True)
 FASTPATH_SOURCE = "csrc/binding/fastpath.c"
 
 
+def _drop_build_rpaths(compiler):
+    """Removes the run paths Python's own link line carries (sysconfig's
+    LDSHARED: a pyenv or conda lib directory of the build machine) from the
+    compiler's link commands: the extension finds torch's libraries because
+    torch loads them before it, and a shipped .so must not search the build
+    machine's directories (readelf -d shows no RUNPATH)."""
+    for attr in ("linker_so", "linker_so_cxx"):
+        cmd = getattr(compiler, attr, None)
+        if cmd:
+            setattr(compiler, attr, [a for a in cmd if not a.startswith(("-Wl,-rpath", "-Wl,-R", "-R"))])
+
+
 def _build_ext_class(gpu_home, gpu_include, macros, clang):
     from torch.utils.cpp_extension import BuildExtension
 
@@ -121,6 +152,10 @@ def _build_ext_class(gpu_home, gpu_include, macros, clang):
         """Compiles the C core (into tpcomm._C) and the fast path module as
         C11, not as C++, and links their objects in; with TPCOMM_CUDA_CLANG,
         compiles the kernels with clang and links them in too."""
+
+        def build_extensions(self):
+            _drop_build_rpaths(self.compiler)
+            super().build_extensions()
 
         def build_extension(self, ext):
             cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
@@ -168,6 +203,7 @@ def _build_ext_class(gpu_home, gpu_include, macros, clang):
 ext, gpu_home, gpu_include, macros, clang, version = _extension()
 setup(
     version=version,
+    install_requires=[torch_requirement(version)],
     package_dir={"": "python"},
     # Namespace packages too, so tpcomm.tables (JSON only) is a package whose
     # data setuptools installs as declared in pyproject.toml.

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Tests an installed tpcomm wheel in one torch version: a venv with that torch
 # from PyPI (made unless VENV already has it), the wheel installed into it
-# (not the source tree: TPCOMM_TEST_INSTALLED=1 keeps python/ off sys.path),
-# then: tpcomm imports from site-packages and its extension loads, `tpcomm
-# doctor` exits 0, and the CPU test suite passes (GPU tests skip).
+# (not the source tree), then: tpcomm imports from site-packages and its
+# extension loads, its libraries carry no RUNPATH, `tpcomm doctor` exits 0,
+# and the CPU tests that prove the install pass (WHEEL_TESTS: the package
+# alone registers the ops, the ops and the vLLM plugin on gloo ranks, the
+# console script, the quick start). They run from a copy of the checkout's
+# tracked files, where no in-place build exists, with TPCOMM_TEST_INSTALLED=1,
+# which keeps python/ off sys.path and off every child's PYTHONPATH
+# (tests/source_tree.py; tests/test_source_tree_cpu.py checks it). The whole
+# suite runs once, against the in-place build (.ci/run).
 # Usage: .ci/test_wheel.sh WHEEL TORCH_VERSION VENV
-#   env: PYTHON (makes the venv; default python3)
+#   env: PYTHON (makes the venv; default python3), WHEEL_TESTS (pytest arguments)
 set -euo pipefail
 wheel=$(readlink -f "${1:?usage: test_wheel.sh WHEEL TORCH_VERSION VENV}")
 torch_version=${2:?usage: test_wheel.sh WHEEL TORCH_VERSION VENV}
@@ -40,11 +46,25 @@ assert version.split("+")[0] == tpcomm.__version__, (version, tpcomm.__version__
 assert os.path.basename(sys.argv[1]).startswith(f"tpcomm-{version}-"), (version, sys.argv[1])
 print(f"tpcomm {version} from {os.path.dirname(tpcomm.__file__)}: extension loads")
 PY
+for so in "$("$py" -c 'import os, tpcomm; print(os.path.dirname(tpcomm.__file__))')"/*.so; do
+  if readelf -d "$so" | grep -qE "\((RPATH|RUNPATH)\)"; then
+    echo "$so carries a run path: $(readelf -d "$so" | grep -E 'RPATH|RUNPATH')" >&2; exit 1
+  fi
+done
 "$venv/bin/tpcomm" doctor --no-self-test > "$venv/doctor.txt" || { cat "$venv/doctor.txt"; exit 1; }
 grep -E "^(tpcomm distribution|torch|links|loads|ok):" "$venv/doctor.txt"
 
-cd "$ROOT"
+src="$venv/checkout"
+rm -rf "$src" && mkdir -p "$src"
+git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 cp --parents -t "$src")
+if ls "$src"/python/tpcomm/*.so >/dev/null 2>&1; then echo "the test copy holds a build" >&2; exit 1; fi
+cd "$src"
 status=0
-TPCOMM_TEST_INSTALLED=1 "$py" -m pytest -q -rs -p no:cacheprovider tests || status=$?
+tests=(tests/test_source_tree_cpu.py tests/test_package_cpu.py tests/test_ops_cpu.py
+       tests/test_vllm_plugin_cpu.py tests/test_doctor_cpu.py tests/test_quickstart_cpu.py
+       tests/test_packaging_cpu.py::test_built_extension_carries_no_run_path)
+[ -z "${WHEEL_TESTS:-}" ] || read -ra tests <<<"$WHEEL_TESTS"
+TPCOMM_TEST_INSTALLED=1 "$py" -m pytest -q -rs -p no:cacheprovider "${tests[@]}" || status=$?
+cd "$ROOT" && rm -rf "$src"
 echo "torch $torch_version: wheel tests done in $(( $(date +%s) - start )) s (pytest exit $status)"
 exit "$status"

@@ -76,6 +76,11 @@ fi
 for so in "$work"/unpacked/tpcomm/*.so; do
   echo "NEEDED by tpcomm/$(basename "$so"): $(readelf -d "$so" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
 done
+for so in "$work"/unpacked/tpcomm/*.so; do  # setup.py drops the build machine's run paths
+  if readelf -d "$so" | grep -qE "\((RPATH|RUNPATH)\)"; then
+    echo "tpcomm/$(basename "$so") carries a run path: $(readelf -d "$so" | grep -E 'RPATH|RUNPATH')" >&2; exit 1
+  fi
+done
 grep -q "$runtime" <<<"$(readelf -d "$work"/unpacked/tpcomm/_C*.so)" || { echo "tpcomm._C does not link $runtime" >&2; exit 1; }
 # The runtime is linked dynamically: no CUDA runtime API function is defined in the module.
 if nm -D --defined-only "$work"/unpacked/tpcomm/_C*.so | grep -qE ' cuda(Malloc|LaunchKernel|StreamSynchronize)'; then

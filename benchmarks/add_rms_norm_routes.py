@@ -13,16 +13,15 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
 
 SHAPES = [(1, 4096), (32, 4096), (128, 4096), (512, 4096), (1024, 4096), (2048, 4096)]
 EPS = 1e-5
@@ -45,14 +44,9 @@ def _time_graph(fn, calls=10, replays=20):
             fn()
     times = []
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier()
         torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
+        times.append(_ranks.seconds_per_call(graph.replay, 1, torch.device("cuda")) * 1e6 / calls)
     return statistics.median(times)
 
 
@@ -65,7 +59,7 @@ def _nccl_layer(x, residual, weight):
     return from_sums(y.float(), residual, weight, EPS, x.dtype)
 
 
-def _rank(rank, world, port, out):
+def _rank(rank, world, init_method, out):
     import tpcomm
     from tpcomm.topology import force_multicast_off
 
@@ -73,7 +67,7 @@ def _rank(rank, world, port, out):
     from tpcomm.add_rms_norm import from_sums
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
@@ -115,10 +109,10 @@ def main():
     if world < 2:
         print("needs 2 GPUs")
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, port, args.out), nprocs=world)
+    with _ranks.rendezvous() as (init_method, _):
+        outcome = _ranks.wait(_ranks.start(world, _rank, init_method, args.out), 600)
+    if outcome.failed or outcome.hung:
+        sys.exit(f"add_rms_norm_routes: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
 
 
 if __name__ == "__main__":

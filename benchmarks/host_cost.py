@@ -17,13 +17,13 @@ import ctypes
 import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, rendezvous, rotated
+from tpcomm import _ranks
+from tpcomm.bench.measure import environment, rotated
 
 
 def parse_args(argv=None):
@@ -102,10 +102,7 @@ def host_us_per_call(calls_by_name, calls, rounds):
         for name in rotated(names, r):
             call = calls_by_name[name]
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call()
-            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
+            times[name].append(_ranks.seconds_per_call(call, calls, "cpu") * 1e6)  # the host's clock
     torch.cuda.synchronize()
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
@@ -141,15 +138,13 @@ def main(argv=None):
     world = torch.cuda.device_count()
     if world < 2:
         sys.exit("host_cost: needs 2 or more GPUs")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_method = rendezvous()
-    procs = [ctx.Process(target=worker, args=(r, world, init_method, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    ranks = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    queue = mp.get_context("spawn").SimpleQueue()
+    with _ranks.rendezvous() as (init_method, _):
+        procs = _ranks.start(world, worker, init_method, args, queue)
+        outcome = _ranks.wait(procs, 600)
+    if outcome.failed or outcome.hung:
+        sys.exit(f"host_cost: ranks {outcome.failed + outcome.hung} failed or hung (their output is above)")
+    ranks = queue.get()
     env = environment(world)
     print(f"host cost per eager call, {args.bytes} B bf16, {world} ranks, route {ranks[0]['route']}:")
     for name in ranks[0]["rows"]:

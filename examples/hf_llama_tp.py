@@ -14,17 +14,20 @@ compiled:
     torchrun --nproc-per-node=2 examples/hf_llama_tp.py --tiny --cpu   # gloo, a tiny model (a CI test)
 
 The weights are random (nothing is downloaded): rank 0 saves a LlamaConfig
-model to --model-dir (made once, reused), every rank loads it with the TP
+model to --model-dir (made once, reused; by default a temporary directory
+removed at the end), every rank loads it with the TP
 plan. Every mode's next tokens are compared with nccl's; the time is the
 median over --reps forwards (eager: launch overhead included, as a serving
 engine without CUDA graphs pays it), slowest rank. Writes
-benchmarks/results/hf_llama_tp_<gpu>x<n>.json (or --out).
+results/hf_llama_tp_<gpu>x<n>.json under the working directory (or --out).
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -44,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--tiny", action="store_true", help="a model of hidden size 32 (tests)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, float32 (tests)")
-    p.add_argument("--model-dir", default=None, help="where the random model is saved (default: under /tmp)")
+    p.add_argument("--model-dir", default=None, help="where the random model is saved and kept (default: a temporary directory, removed)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -99,8 +102,11 @@ def main(argv=None):
         dist.init_process_group("gloo")
     shape = TINY if args.tiny else LLAMA_8B_LAYER
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    model_dir = args.model_dir or os.path.join(
-        "/tmp", f"tpcomm_llama_{shape['hidden_size']}x{args.layers}_{str(dtype).split('.')[-1]}")
+    model_dir, made = args.model_dir, None
+    if model_dir is None:  # rank 0 makes it and tells the others where
+        made = [tempfile.mkdtemp(prefix="tpcomm-llama-") if rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)
+        model_dir = made[0]
     if rank == 0:
         save_model_once(model_dir, shape, args.layers, dtype)
     dist.barrier()
@@ -150,8 +156,7 @@ def main(argv=None):
                           f"warm-ups, slowest rank; compiled modes: torch.compile defaults (no CUDA graphs)",
                 "results": results}
         gpu = env.get("gpu", "cpu").split()[-1].lower() if cuda else "cpu"
-        path = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                                        "results", f"hf_llama_tp_{gpu}x{world}.json")
+        path = args.out or os.path.join("results", f"hf_llama_tp_{gpu}x{world}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
@@ -159,6 +164,8 @@ def main(argv=None):
         print(f"wrote {path}")
     comm.close()
     dist.barrier()
+    if made and rank == 0:
+        shutil.rmtree(model_dir, ignore_errors=True)
     dist.destroy_process_group()
     return 0
 

@@ -37,7 +37,7 @@ NCCL_GRAPH_MIXING_SUPPORT once per process: with --nccl-mixing both (the
 default on GPUs) a second set of processes with it set to 0 measures
 "nccl_nomix" beside its own floor. tpcomm's tokens and logits are compared
 with NCCL's (bit for bit on 2 ranks, where both sum in the same order).
-Writes benchmarks/results/tp_decode_<gpu>x<n>.json (or --out).
+Writes results/tp_decode_<gpu>x<n>.json under the working directory (or --out).
 """
 import argparse
 import contextlib
@@ -45,16 +45,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tpcomm.bench.measure import environment, rendezvous, rotated  # the benchmark's: GPU, driver, torch, NCCL, date
+from tpcomm import _ranks  # the ranks of one group on this host
+from tpcomm.bench.measure import environment, rotated  # the benchmark's: GPU, driver, torch, NCCL, date
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
+RUN_TIMEOUT_S = 3600  # a set of ranks still running after this is stopped
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256)
 
 
@@ -304,11 +304,18 @@ def run_set(world, args, backends, env):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with _ranks.rendezvous() as (init_method, tmp):
             path = os.path.join(tmp, "rank0.json")
-            ctx = mp.start_processes(rank_main, args=(world, rendezvous(), args, backends, path), nprocs=world,
-                                     join=False, start_method="spawn")
-            _join(ctx, path)
+            procs = _ranks.start(world, rank_main, init_method, args, backends, path)
+            # once rank 0 has written the results, the ranks get a grace to leave (a hang in teardown costs no data)
+            outcome = _ranks.wait(procs, RUN_TIMEOUT_S, grace_s=60.0, done=lambda: os.path.exists(path))
+            if outcome.failed or outcome.hung:
+                bad = outcome.failed + outcome.hung
+                raise RuntimeError(f"tp_decode: rank {bad[0]} {_ranks.exit_text(procs[bad[0]].exitcode)} "
+                                   "(its traceback is above)" if outcome.failed else
+                                   f"tp_decode: ranks {bad} still running after {RUN_TIMEOUT_S} s: stopped")
+            if outcome.lingered:
+                print("ranks still running 60 s after writing their results: stopped", flush=True)
             with open(path) as f:
                 return json.load(f)
     finally:
@@ -317,20 +324,6 @@ def run_set(world, args, backends, env):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _join(ctx, result_path, grace_s=60.0):
-    """Waits for the ranks; once rank 0 has written its results, gives them
-    grace_s to exit and then stops them (a hang in teardown costs no data)."""
-    written_at = None
-    while not ctx.join(timeout=1.0):  # raises if a rank failed
-        if written_at is None and os.path.exists(result_path):
-            written_at = time.monotonic()
-        if written_at is not None and time.monotonic() - written_at > grace_s:
-            print(f"ranks still running {grace_s:.0f} s after writing their results: stopped", flush=True)
-            for p in ctx.processes:
-                p.kill()
-            return
 
 
 def summarize(runs):
@@ -393,8 +386,7 @@ def main(argv=None):
             "method": f"CUDA graph per (batch, backend); {args.rounds} rounds, backends in rotating order, "
                       f"{args.replays} replays each; median over rounds of ms per step, slowest rank",
             "runs": runs, "summary": summarize(runs)}
-    path = args.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                                    "results", "tp_decode_" + _gpu_tag(env, world) + ".json")
+    path = args.out or os.path.join("results", "tp_decode_" + _gpu_tag(env, world) + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -307,13 +307,12 @@ if __name__ == "__main__":
         os.environ[key] = value  # NVLink multicast stays off (spawned ranks inherit it)
     args = parse()
     if args.cpu:
-        import tempfile
+        from tpcomm import _ranks
 
-        import torch.multiprocessing as mp
-
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_spawned, args=(args.ranks, "file://" + os.path.join(tmp, "store"), args),
-                               nprocs=args.ranks, start_method="spawn")
+        with _ranks.rendezvous() as (init_method, _):
+            outcome = _ranks.wait(_ranks.start(args.ranks, _spawned, init_method, args), timeout_s=600)
+        if outcome.failed or outcome.hung:
+            sys.exit(f"tp_functional: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
     else:
         if "RANK" not in os.environ:
             sys.exit("run it with torchrun (one process per GPU), or with --cpu")

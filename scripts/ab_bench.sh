@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Interleaved A/B of two versions of tpcomm on the device machine: the
+# Interleaved A/B of two versions of tpcomm on a machine with the GPUs: the
 # working tree against a baseline, each built in its own copy, benchmarked in
 # alternating rounds (base, new, base, new, ...) so that drift of the machine
 # hits both alike. Prints, per (op, backend, size), every round's median.
 #
-# Here:    mkdir -p .ab && git archive <rev> -o .ab/base.tar
-# Device:  bash scripts/ab_bench.sh .ab/base.tar [rounds] [tpcomm.bench args...]   (carry .ab)
+#   mkdir -p .ab && git archive <rev> -o .ab/base.tar
+#   bash scripts/ab_bench.sh .ab/base.tar [rounds] [tpcomm.bench args...]
 # Default bench args: bf16, graph mode, both ops, tpcomm's kernels forced, 64 B .. 4 MiB.
 set -u
 base_tar=${1:?usage: ab_bench.sh BASE.tar [rounds] [bench args...]}
@@ -17,7 +17,8 @@ args=("$@")
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 root=$(pwd)
-work=$(mktemp -d /tmp/ab.XXXX)
+work=$(mktemp -d "${TMPDIR:-/tmp}/tpcomm-ab.XXXX")
+trap 'rm -rf "$work"' EXIT  # the two copies, their builds and the runs' JSON: the summary below is the output
 mkdir -p "$work/base" "$work/new"
 tar -xf "$base_tar" -C "$work/base"
 tar --exclude=./.ab --exclude=./.venv --exclude=./build -cf - . | tar -xf - -C "$work/new"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One device-machine call: build, GPU test suite, benchmark, decode example,
-# host cost. What comes back (at most 8 files) lands under $OUT:
-# gpu_tests.log, the benchmark's JSON, its table (.txt) and its plots packed in
-# one plots.tar (untar them beside the JSON), tp_decode_<gpu>.json,
-# add_rms_norm_routes_<gpu>.json and host_cost_<gpu>.json. The build log stays in /tmp and is shown on failure.
-# Usage (on the device machine, repo root):
+# The GPU runs of tpcomm, from the repository root of a machine with NVIDIA
+# GPUs: builds in place, then runs the GPU test suite, the benchmark, the
+# decode example, the fused op's routes and the host cost. Results go to
+# RESULTS_DIR (default build/results, ignored by git): gpu_tests.log, the
+# benchmark's JSON, its table (.txt) and its figures packed in plots.tar
+# (untar them beside the JSON), tp_decode_<gpu>.json,
+# add_rms_norm_routes_<gpu>.json and host_cost_<gpu>.json; the build log is
+# build/build.log, shown on failure.
+# Usage:
 #   bash scripts/device_run.sh [tests|bench|tune|decode|routes|host|all] [pytest args...]
 #   bash scripts/device_run.sh hf      (examples/hf_llama_tp.py over every GPU)
 #   bash scripts/device_run.sh scale
@@ -18,18 +21,18 @@
 #     each world under its own TPCOMM_TEST_TIMEOUT_S
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/tpcomm-out}; mkdir -p "$OUT"
+results=${RESULTS_DIR:-build/results}; mkdir -p "$results" build
 what=${1:-all}; shift || true
 # the suite, or the test files named first among the pytest args
 suite=tests/gpu; case "${1:-}" in tests/*) suite=;; esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -3
 start=$(date +%s)
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
-  || { tail -40 /tmp/build.log; exit 1; }
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
+  || { tail -40 build/build.log; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -s: the trust tests print the time to each error ("TIMING" lines)
-  timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s $suite "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
+  timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s $suite "$@" 2>&1 | tee "$results/gpu_tests.log" \
     | grep -E "TIMING|passed|failed|Error|error|assert|FAIL|SKIP|^E " | tail -80
   echo "tests done: $(( $(date +%s) - start )) s"
 fi
@@ -37,48 +40,48 @@ if [ "$what" = shared ]; then
   for world in ${TPCOMM_TEST_WORLD:-2}; do
     CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
       timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs $suite "$@" 2>&1 \
-      | tee "$OUT/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
+      | tee "$results/gpu_tests_shared_world$world.log" | grep -E "passed|failed|^FAILED|SKIPPED" | tail -40
     echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
   done
 fi
 gpus=h200x$(nvidia-smi -L | wc -l)
 if [ "$what" = scale ]; then
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/scale_probe.cu -o /tmp/scale_probe || exit 1
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/scale_probe.cu -o build/scale_probe || exit 1
   for n in 2 3 4 5 6 7 8; do
-    timeout 120 /tmp/scale_probe "$n" 2>&1 | tee -a "$OUT/scale_probe_$gpus.txt" | tail -3 || echo "scale_probe $n failed"
+    timeout 120 build/scale_probe "$n" 2>&1 | tee -a "$results/scale_probe_$gpus.txt" | tail -3 || echo "scale_probe $n failed"
   done
   echo "scale probe done: $(( $(date +%s) - start )) s"
-  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/bandwidth_probe.cu -o /tmp/bandwidth_probe \
-    && timeout 150 /tmp/bandwidth_probe > "$OUT/bandwidth_probe_$gpus.txt" 2>&1
-  grep -E "copy-eng|push4 +132" "$OUT/bandwidth_probe_$gpus.txt"
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/bandwidth_probe.cu -o build/bandwidth_probe \
+    && timeout 150 build/bandwidth_probe > "$results/bandwidth_probe_$gpus.txt" 2>&1
+  grep -E "copy-eng|push4 +132" "$results/bandwidth_probe_$gpus.txt"
   echo "bandwidth probe done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = tune ]; then
   # one file per GPU model: a run at another world size extends it (copy the file in first)
-  timeout 330 python3 -m tpcomm.tune --out "$OUT/h200.json" 2>&1 | tail -40
+  timeout 330 python3 -m tpcomm.tune --out "$results/h200.json" 2>&1 | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  bench=/tmp/tpcomm-bench; mkdir -p "$bench"
-  timeout 330 python3 -m tpcomm.bench --out "$bench/$gpus.json" --deadline-s 250 2>&1 | tee "$OUT/$gpus.txt" | tail -120
-  cp "$bench/$gpus.json" "$OUT/" 2>/dev/null
-  (cd "$bench" && tar -cf "$OUT/plots.tar" *.png) 2>/dev/null
+  bench=build/bench; mkdir -p "$bench"
+  timeout 330 python3 -m tpcomm.bench --out "$bench/$gpus.json" --deadline-s 250 2>&1 | tee "$results/$gpus.txt" | tail -120
+  cp "$bench/$gpus.json" "$results/" 2>/dev/null
+  (cd "$bench" && tar -cf "$results/plots.tar" *.png) 2>/dev/null
   echo "bench done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = decode ] || [ "$what" = all ]; then
   # tpcomm_fused: the fused all-reduce + add + RMSNorm kernel beside the rest
   timeout 200 python3 examples/tp_decode.py --backends none,none_fused,nccl,tpcomm,tpcomm_fused \
-    --out "$OUT/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
+    --out "$results/tp_decode_$gpus.json" 2>&1 | grep -E "ms per step|wrote|Error|error" | tail -12
   echo "decode done: $(( $(date +%s) - start )) s"
 fi
 if [ "$what" = hf ]; then
   # transformers' Llama with its TP plan over every GPU: nccl / tpcomm, eager and compiled
   timeout 400 torchrun --standalone --nproc-per-node="$(nvidia-smi -L | wc -l)" examples/hf_llama_tp.py \
-    --out "$OUT/hf_llama_tp_$gpus.json" 2>&1 | grep -E "s_per_forward|agree|wrote|Error|error" | tail -20
+    --out "$results/hf_llama_tp_$gpus.json" 2>&1 | grep -E "s_per_forward|agree|wrote|Error|error" | tail -20
 fi
 if [ "$what" = routes ] || [ "$what" = all ]; then
-  timeout 120 python3 benchmarks/add_rms_norm_routes.py --out "$OUT/add_rms_norm_routes_$gpus.json" 2>&1 \
+  timeout 120 python3 benchmarks/add_rms_norm_routes.py --out "$results/add_rms_norm_routes_$gpus.json" 2>&1 \
     | grep -v Warning | tail -8
 fi
 if [ "$what" = host ] || [ "$what" = all ]; then
-  timeout 90 python3 benchmarks/host_cost.py --out "$OUT/host_cost_$gpus.json" 2>&1 | tail -12
+  timeout 90 python3 benchmarks/host_cost.py --out "$results/host_cost_$gpus.json" 2>&1 | tail -12
 fi

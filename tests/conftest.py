@@ -20,11 +20,19 @@ import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTHON_DIR = os.path.join(ROOT, "python")
+import source_tree
+
+ROOT = source_tree.ROOT
+PYTHON_DIR = source_tree.PYTHON_DIR
 # TPCOMM_TEST_INSTALLED=1 tests the tpcomm installed in this Python (a
-# wheel, .ci/test_wheel.sh), so this checkout's python/ stays off the path.
-if os.environ.get("TPCOMM_TEST_INSTALLED") != "1" and PYTHON_DIR not in sys.path:
+# wheel, .ci/test_wheel.sh), so this checkout's python/ stays off the path
+# (sys.path here, PYTHONPATH of every child: tests/source_tree.py).
+if source_tree.testing_installed():
+    sys.path[:] = [p for p in sys.path if not source_tree._in_tree(p)]
+    os.environ.update(source_tree.subprocess_env())
+    if not os.environ.get("PYTHONPATH"):
+        os.environ.pop("PYTHONPATH", None)
+elif PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
 # Inductor's cache outlives a checkout: a graph compiled against another
@@ -42,7 +50,7 @@ GPU_DIR = os.path.join(ROOT, "tests", "gpu") + os.sep
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on the device machine)")
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (2 or more, or one shared with TPCOMM_SHARE_GPU=1)")
 
 
 def cuda_device_count():

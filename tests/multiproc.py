@@ -28,6 +28,10 @@ tpcomm._testing.allow_shared_gpu(True) so that its Communicator keeps the
 custom path. TPCOMM_TEST_WORLD sets the number of ranks. TPCOMM_SHARE_GPU and
 TPCOMM_TEST_WORLD are test-only variables: this module is the only reader.
 
+The processes are started and waited for by tpcomm._ranks, the one rank
+launcher of tpcomm's tools, examples and benchmarks; this module adds the
+tests' side: the bodies' tracebacks, the stacks of hung ranks, pytest.fail.
+
 This is a helper module, not a test module: test modules import it (pytest
 puts tests/, the directory of conftest.py, on sys.path, and spawned ranks
 inherit the parent's sys.path).
@@ -37,11 +41,11 @@ import faulthandler
 import os
 import signal
 import sys
-import tempfile
 import time
 import traceback
 
 import pytest
+from tpcomm import _ranks
 
 # The project's rule, stated here rather than imported from tpcomm, so that no
 # package change can turn multicast on in a test run without this list changing.
@@ -108,7 +112,8 @@ def gpu_skip_reason(gpus, environ=os.environ):
     try:
         gpu_placement(gpus, environ=environ)
     except ValueError as e:
-        return f"{e} (the GPU suite runs on the device machine: docs/testing.md)"
+        return (f"{e}: needs 2 or more CUDA GPUs, or one GPU with TPCOMM_SHARE_GPU=1 "
+                f"(TPCOMM_TEST_WORLD=N ranks; docs/testing.md)")
     return None
 
 
@@ -118,7 +123,7 @@ def shared_placement(devices):
 
 
 # ------------------------------------------------------------------ ranks
-def _rank_main(rank, world, init_method, backend, device, body, args, env, timeout, tmp):
+def _rank_main(rank, world, init_method, backend, devices, body, args, env, timeout, tmp):
     """One rank: joins the group, runs the body, leaves. Leaves with os._exit,
     skipping interpreter teardown, where threads that torch.compile, the
     profiler or a ProcessGroupGloo left behind sometimes ended a rank with
@@ -126,6 +131,7 @@ def _rank_main(rank, world, init_method, backend, device, body, args, env, timeo
     stacks = open(os.path.join(tmp, f"rank{rank}.stacks"), "w")
     faulthandler.enable(file=stacks, all_threads=True)  # a crash leaves the Python stacks here
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks before killing
+    device = None if devices is None else devices[rank]
     try:
         os.environ.update(env)
         force_multicast_off()
@@ -171,15 +177,7 @@ def _read(path, limit=REPORT_CHARS):
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
-def _exit_text(code):
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+_exit_text = _ranks.exit_text
 
 
 def run_ranks(world_size, body, *args, timeout=RUN_TIMEOUT_S, env=None, devices=None, backend=None,
@@ -192,77 +190,30 @@ def run_ranks(world_size, body, *args, timeout=RUN_TIMEOUT_S, env=None, devices=
     `devices`: a CUDA index per rank (None: CPU ranks). `backend`: gloo for
     CPU ranks, NCCL for GPU ranks unless given. `expect_killed`: ranks meant
     to die by a signal (their death is then no failure, their survival is)."""
-    import torch.multiprocessing as mp
-
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if devices is not None and len(devices) != world_size:
         raise ValueError(f"{len(devices)} devices for {world_size} ranks")
     backend = backend or ("gloo" if devices is None else "nccl")
     expect_killed = set(expect_killed)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="tpcomm-ranks-") as tmp:
-        init_method = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, daemon=False,
-                             args=(r, world_size, init_method, backend, None if devices is None else devices[r],
-                                   body, args, dict(env or {}), timeout, tmp))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        failed_order, hung, stopped = _wait(procs, expect_killed, timeout)
+    with _ranks.rendezvous() as (init_method, tmp):
+        procs = _ranks.start(world_size, _rank_main, init_method, backend, devices, body, args, dict(env or {}),
+                             timeout, tmp)
+        failed_order, hung, stopped, _ = _ranks.wait(procs, timeout, FAILED_GRACE_S, expect_killed=expect_killed,
+                                                     before_kill=lambda ranks: _ask_for_stacks(procs, ranks))
         message = _report(procs, tmp, failed_order, hung, stopped, expect_killed, timeout)
     if message:
         pytest.fail(message, pytrace=False)
 
 
-def _failed(r, p, expect_killed):
-    code = p.exitcode
-    if code is None:
-        return False
-    if r in expect_killed:  # its death by a signal is expected; an exception of its own is not
-        return code > 0
-    return code != 0
-
-
-def _wait(procs, expect_killed, timeout):
-    """Waits for the ranks; kills those still running at the deadline (hung)
-    or FAILED_GRACE_S after a rank failed (stopped). Returns the failed ranks
-    in the order seen, the hung and the stopped ranks."""
-    deadline = time.monotonic() + timeout
-    failed_order, grace_end = [], None
-    hung, stopped = [], []
-    while True:
-        for r, p in enumerate(procs):
-            if r not in failed_order and _failed(r, p, expect_killed):
-                failed_order.append(r)
-                grace_end = grace_end or time.monotonic() + FAILED_GRACE_S
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        if not alive:
-            break
-        now = time.monotonic()
-        if now > deadline:
-            hung = alive
-            break
-        if grace_end is not None and now > grace_end:
-            stopped = alive
-            break
-        time.sleep(0.1)
-    for r in hung + stopped:
+def _ask_for_stacks(procs, ranks):
+    """Before the kill: each rank's faulthandler writes its Python stacks."""
+    for r in ranks:
         try:
-            os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler writes its stacks
+            os.kill(procs[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    if hung or stopped:
-        time.sleep(STACK_DUMP_WAIT_S)
-    for r in hung + stopped:
-        if procs[r].is_alive():
-            procs[r].kill()
-    for p in procs:
-        p.join(10)
-    for r, p in enumerate(procs):  # ranks that failed while the others were being stopped
-        if r not in failed_order and r not in hung + stopped and _failed(r, p, expect_killed):
-            failed_order.append(r)
-    return failed_order, hung, stopped
+    time.sleep(STACK_DUMP_WAIT_S)
 
 
 def _cause_first(failed, tmp):

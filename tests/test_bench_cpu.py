@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from multiproc import run_ranks
+import source_tree
 from tpcomm.bench import measure, report
 
 KiB = 1024
@@ -165,8 +166,10 @@ def test_json_round_trip_keeps_the_format(tmp_path):
 
 
 def test_default_out_path():
-    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join(
-        "benchmarks", "results", "h200x2.json")
+    """Under the working directory, in results/ (ignored by git), never the tracked benchmarks/results."""
+    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join("results", "h200x2.json")
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/results/" in f.read().split()
 
 
 def test_plots_render_valid_pngs(tmp_path):
@@ -226,8 +229,7 @@ def test_progress_plain_lines(capsys):
 
 # ------------------------------------------------------- the command
 def _child_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env = source_tree.subprocess_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)

@@ -11,13 +11,13 @@ import torch
 import tpcomm
 from tpcomm import _lib, cli, doctor
 
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(tpcomm.__file__)))
+import source_tree
 
 
 def run_doctor(*args, module="tpcomm.doctor", **env):
     """The doctor in a fresh interpreter, importing the tpcomm these tests import, with no GPU visible."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TPCOMM_")}
-    full_env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=PACKAGE_PARENT, **env)
+    full_env = {k: v for k, v in source_tree.subprocess_env().items() if not k.startswith("TPCOMM_")}
+    full_env.update(CUDA_VISIBLE_DEVICES="", **env)
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
                           timeout=300)
 
@@ -68,6 +68,35 @@ def test_doctor_table_rows_follow_the_world_size():
     assert "all_reduce ('*' row)" in out.stdout  # the shipped table has no row of its own for 8
 
 
+def _routing_lines(text):
+    return {line.split(" (")[0]: line.split(": ", 1)[1] for line in text.splitlines()
+            if line.startswith(("all_reduce (", "all_gather (", "reduce_scatter ("))}
+
+
+def test_doctor_routing_lines_apply_the_caps():
+    default = _routing_lines(run_doctor("--world-size", "2", "--no-self-test").stdout)
+    # the shipped h200 table sends all_reduce to bulk up to 64 MiB; the default max_bytes (16 MiB) sends the rest to NCCL
+    assert default["all_reduce"].endswith("<= 16 MiB bulk, larger: nccl"), default
+    assert default["all_gather"].endswith("<= 8 MiB bulk, larger: nccl"), default  # 2 ranks' output within 16 MiB
+    raised = _routing_lines(run_doctor("--world-size", "2", "--no-self-test", TPCOMM_MAX_BYTES=str(64 << 20)).stdout)
+    assert raised["all_reduce"].endswith("<= 64 MiB bulk, larger: nccl"), raised
+    small = _routing_lines(run_doctor("--world-size", "2", "--no-self-test",
+                                      TPCOMM_PACKET_MAX_BYTES=str(64 << 10)).stdout)
+    assert small["all_reduce"] == "<= 64 KiB packet, <= 16 MiB bulk, larger: nccl", small  # no line band past the cap
+    assert small["reduce_scatter"].startswith("<= 128 KiB packet, "), small  # the cap is per part: 2 parts
+
+
+def test_routed_bands_follow_routing_route():
+    from tpcomm import routing
+
+    routes = {"all_reduce": {"*": [(1 << 10, "packet"), (1 << 30, "bulk")]}}
+    caps = routing.Caps(4, 1 << 20, 512, True)
+    assert doctor.routed_bands(routes, caps, "all_reduce", torch.float32) == [(512, "packet"), (1 << 20, "bulk")]
+    assert doctor.routed_bands(routes, caps, "all_reduce", torch.int32) == []  # no kernel reduces int32
+    for limit, backend in doctor.routed_bands(routes, caps, "all_reduce", torch.float32):
+        assert routing.route(routes, caps, "all_reduce", torch.float32, limit) == backend
+
+
 @pytest.mark.parametrize("args,needle", [(["--world-size", "1"], "--world-size must be 2..8"),
                                          (["--iters", "0"], "--iters must be at least 1"),
                                          (["--bogus"], "unrecognized arguments: --bogus")])
@@ -90,6 +119,30 @@ def test_cli_main_dispatches_to_the_doctor(monkeypatch):
     monkeypatch.setattr(doctor, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["doctor", "--share-gpu"]) == 0
     assert seen == [["--share-gpu"]]
+
+
+@pytest.mark.parametrize("command,module", [("bench", "tpcomm.bench.__main__"), ("tune", "tpcomm.tune")])
+def test_cli_main_dispatches_bench_and_tune_with_their_options(monkeypatch, command, module):
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda argv: seen.append(argv) or 3)
+    assert cli.main([command, "--dtypes", "float32"]) == 3
+    assert seen == [["--dtypes", "float32"]]
+
+
+@pytest.mark.parametrize("command,option", [("bench", "--max-bytes"), ("tune", "--from"), ("doctor", "--share-gpu")])
+def test_each_command_prints_its_own_help(command, option):
+    out = run_doctor(command, "--help", module="tpcomm.cli")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"usage: tpcomm {command}") and option in out.stdout, out.stdout
+
+
+def test_cli_help_lists_every_command():
+    out = run_doctor("--help", module="tpcomm.cli")
+    assert out.returncode == 0
+    for command in ("doctor", "bench", "tune"):
+        assert f"    {command}" in out.stdout, out.stdout
 
 
 def test_linked_runtime_is_read_from_the_library(tmp_path):

@@ -2,7 +2,7 @@
 with transformers' own TP plan): every mode gives nccl's next tokens, the
 eager tpcomm mode bit for bit (its fallback is gloo's all_reduce on the CPU),
 and the compiled tpcomm mode runs every row-parallel all-reduce as the fused
-op. The timed run is the device machine's (several GPUs)."""
+op. Timing it needs several GPUs (docs/benchmarks.md)."""
 import json
 import os
 import subprocess
@@ -13,20 +13,27 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import source_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, REPS, BATCHES = 2, 2, (1, 3)
 
 
 def test_every_mode_agrees_on_two_gloo_ranks(tmp_path):
-    out = tmp_path / "hf.json"
+    """Also: the random model goes to a temporary directory removed at the
+    end, the results under the working directory's results/, nothing into
+    the checkout."""
+    before, tmp = source_tree.git_status(), tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          os.path.join(ROOT, "examples", "hf_llama_tp.py"), "--tiny", "--cpu", "--layers", str(LAYERS),
-         "--reps", str(REPS), "--batches", ",".join(map(str, BATCHES)), "--model-dir", str(tmp_path / "model"),
-         "--out", str(out)],
+         "--reps", str(REPS), "--batches", ",".join(map(str, BATCHES))],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1"))
+        env=source_tree.subprocess_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "results" / "hf_llama_tp_cpux2.json"
+    assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []
     data = json.loads(out.read_text())
     assert data["model"]["ranks"] == 2 and data["model"]["layers"] == LAYERS
     results = data["results"]

@@ -150,7 +150,7 @@ def test_gpu_placement_refuses_what_does_not_fit(gpus, env, error):
     with pytest.raises(ValueError, match=error):
         multiproc.gpu_placement(gpus, environ=env)
     reason = multiproc.gpu_skip_reason(gpus, environ=env)
-    assert reason is not None and "docs/testing.md" in reason
+    assert reason is not None and "docs/testing.md" in reason and "TPCOMM_SHARE_GPU=1" in reason
 
 
 def _test_modules():

@@ -83,7 +83,45 @@ def test_metadata_names_every_collective_and_the_fused_op():
     for what in ("all-reduce", "all-gather", "reduce-scatter", "rmsnorm"):
         assert what in text, what
     assert project["scripts"]["tpcomm"] == "tpcomm.cli:main"
-    assert "torch>=2.10" in project["dependencies"]
+
+
+
+def _setup_module():
+    """setup.py's helpers without running setup(): its source up to the call."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        source = f.read().split("\next, gpu_home, gpu_include")[0]
+    namespace = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "tpcomm_setup"}
+    exec(compile(source, "setup.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("version,requirement", [("0.1.0+cu130", "torch>=2.11"), ("0.1.0+cu131", "torch>=2.11"),
+                                                 ("0.1.0+cu128", "torch>=2.10,<2.11"), ("0.1.0", "torch>=2.10"),
+                                                 ("0.1.0+rocm64", "torch>=2.10")])
+def test_each_variant_requires_the_torch_it_runs_with(version, requirement):
+    assert _setup_module()["torch_requirement"](version) == requirement
+
+
+@pytest.mark.skipif(not HAS_CUDA_HEADERS, reason=f"needs CUDA headers in {CUDA_HOME}")
+def test_metadata_requires_the_torch_of_the_build(tmp_path):
+    out = setup_py("egg_info", "--egg-base", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (requires,) = tmp_path.glob("*.egg-info/requires.txt")
+    with open(os.path.join(CUDA_HOME, "include", "cuda.h")) as f:
+        major = int(re.search(r"#define\s+CUDA_VERSION\s+(\d+)", f.read()).group(1)) // 1000
+    always = requires.read_text().split("\n[", 1)[0].split()  # before the extras' sections
+    assert always == (["torch>=2.11"] if major >= 13 else ["torch>=2.10,<2.11"])
+
+
+def test_built_extension_carries_no_run_path():
+    """The build drops the run paths of Python's link line (setup.py
+    _drop_build_rpaths): a shipped library searches no build-machine dirs."""
+    libraries = [os.path.join(PACKAGE_DIR, n) for n in os.listdir(PACKAGE_DIR) if n.endswith(".so")]
+    if not libraries or shutil.which("readelf") is None:
+        pytest.skip("needs a built extension (python setup.py build_ext --inplace, or an installed wheel) and readelf")
+    for path in libraries:
+        dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+        assert "RPATH" not in dynamic and "RUNPATH" not in dynamic, (path, dynamic)
 
 
 @pytest.mark.skipif(not HAS_CUDA_HEADERS, reason=f"needs CUDA headers in {CUDA_HOME}")

@@ -8,6 +8,8 @@ import shlex
 import subprocess
 import sys
 
+import source_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,16 +22,18 @@ def readme_quickstart_command():
     return shlex.split(lines[0])
 
 
-def test_quickstart_on_two_gloo_ranks():
+def test_quickstart_on_two_gloo_ranks(tmp_path):
     words = readme_quickstart_command()
     assert "--nproc-per-node=2" in words
     # torchrun is `python -m torch.distributed.run`: the same launcher, from this interpreter.
     command = [sys.executable, "-m", "torch.distributed.run"] + words[1:]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+    before, tmp = source_tree.git_status(), tmp_path / "tmp"
+    tmp.mkdir()
+    env = source_tree.subprocess_env(CUDA_VISIBLE_DEVICES="", TMPDIR=str(tmp))
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
+    assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []  # writes nothing
     assert "quickstart: all checks passed on 2 ranks" in proc.stdout, output[-4000:]
     assert "custom path: off (" in proc.stdout  # no GPUs: the fallback ran, and said why
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_add_rms_norm"):

@@ -2,12 +2,14 @@
 parallel embedding and LM head, column- and row-parallel layers) over 2 gloo
 processes gives the same tokens and logits through tpcomm's Communicator
 (its NCCL fallback here) as through torch.distributed, with the expected
-number of collectives per step; and the summary's arithmetic. The timed run
-under CUDA graphs is the device machine's (README)."""
+number of collectives per step; and the summary's arithmetic. Timing it under
+CUDA graphs needs several GPUs (docs/benchmarks.md)."""
 import json
 import os
 import subprocess
 import sys
+
+import source_tree
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,11 +21,17 @@ import tp_decode  # noqa: E402
 
 
 def test_tiny_model_over_two_gloo_ranks(tmp_path):
-    out = tmp_path / "decode.json"
+    """Without --out the example writes under its working directory's
+    results/, nothing into the checkout, and leaves nothing in TMPDIR."""
+    before, tmp = source_tree.git_status(), tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
-                           "--batches", "1,3", "--context", "16", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                           "--batches", "1,3", "--context", "16"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=source_tree.subprocess_env(TMPDIR=str(tmp)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "results" / "tp_decode_cpux2.json"
+    assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []
     data = json.loads(out.read_text())
     run = data["runs"]["mixing default"]
     for batch, n in (("1", 1), ("3", 3)):
@@ -42,7 +50,8 @@ def test_fused_backend_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
                            "--batches", "2", "--context", "16", "--backends", "nccl,tpcomm_fused", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["mixing default"]
     assert run["2"]["fused_tokens_agree"] is True
@@ -94,7 +103,8 @@ def test_fused_floor_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tp_decode.py"), "--tiny", "--cpu",
                            "--batches", "2", "--context", "16", "--backends", "none_fused,nccl,tpcomm_fused",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["mixing default"]
     assert run["2"]["fused_tokens_agree"] is True

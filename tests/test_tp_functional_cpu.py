@@ -6,6 +6,7 @@ tp_functional.collectives lists (the calls tpcomm.install sees, the compile
 pass's rewrites, the fused add + RMSNorm count), and the two forms compute
 the same model."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 import tpcomm
 from multiproc import run_ranks
+import source_tree
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import tp_functional  # noqa: E402
@@ -95,3 +97,17 @@ def test_small_dims_divide_among_any_world(world):
 @pytest.mark.parametrize("argv, all_reduce_only", [(["--cpu"], False), (["--cpu", "--all-reduce-only"], True)])
 def test_cli_chooses_the_form(argv, all_reduce_only):
     assert tp_functional.parse(argv).all_reduce_only is all_reduce_only
+
+
+def test_command_line_runs_on_two_cpu_ranks_and_writes_nothing(tmp_path):
+    """`python examples/tp_functional.py --cpu` (its ranks started by
+    tpcomm._ranks): every mode agrees, nothing is written into the checkout,
+    nothing tpcomm's is left in TMPDIR."""
+    before, tmp = source_tree.git_status(), tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(source_tree.ROOT, "examples", "tp_functional.py"), "--cpu"],
+                          capture_output=True, text=True, timeout=600, cwd=source_tree.ROOT,
+                          env=source_tree.subprocess_env(TMPDIR=str(tmp)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "calls=" in proc.stdout, proc.stdout[-3000:]
+    assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []

@@ -12,6 +12,8 @@ import pytest
 
 from tpcomm import policy, tune
 
+import source_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMITTED = os.path.join(ROOT, "benchmarks", "results", "h200x2.json")
 
@@ -107,7 +109,7 @@ def test_command_writes_a_table_the_communicator_loads(tmp_path):
     out = tmp_path / "table.json"
     proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--from", COMMITTED, "--out", str(out)],
                           capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+                          env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"TPCOMM_TABLE={out}" in proc.stdout
     assert policy.load_table(str(out))["routes"]["all_gather"]["2"]["*"][0][1] == "packet"
@@ -120,7 +122,7 @@ def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
     mine = {"about": "test", "routes": {op: {"*": {"*": [[16, "nccl"]]}, "2": {"*": [[32, "packet"]]},
                                             "8": {"*": [[48, "bulk"]]}} for op in policy.OPS}}
     out.write_text(json.dumps(mine))
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    env = source_tree.subprocess_env()
     run4 = os.path.join(ROOT, "benchmarks", "results", "h200x4.json")
     proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--from", run4, "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -151,15 +153,17 @@ def test_tables_are_named_for_the_gpu_model():
 def test_live_mode_without_gpus_measures_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--out", str(tmp_path / "t.json")],
                           capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), CUDA_VISIBLE_DEVICES=""))
+                          env=source_tree.subprocess_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "nothing was measured" in proc.stdout
     assert not (tmp_path / "t.json").exists()
 
 
 def test_console_script():
-    """pyproject.toml declares tpcomm-tune, and it names tune.main."""
+    """`tpcomm tune` (pyproject.toml's one console script) runs tune.main."""
+    from tpcomm import cli
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert scripts.get("tpcomm-tune") == "tpcomm.tune:main"
-    assert callable(tune.main)
+    assert scripts == {"tpcomm": "tpcomm.cli:main"}
+    assert cli.COMMANDS["tune"][0] == "tpcomm.tune" and callable(tune.main)

@@ -29,6 +29,7 @@ from tpcomm.integrations.vllm_contract import COMMUNICATOR_INIT
 
 from bitexact import exact_values, expected_sum
 from multiproc import run_ranks
+import source_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAND_IN = os.path.join(HERE, "data", "vllm_stand_in")
@@ -142,7 +143,7 @@ class FakeTpcommOff(FakeTpcomm):
 
 def test_importing_tpcomm_leaves_the_integrations_out():
     code = "import sys, tpcomm; print(sorted(m for m in sys.modules if m.startswith(('tpcomm.integrations', 'vllm'))))"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    env = source_tree.subprocess_env()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout

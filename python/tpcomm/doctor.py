@@ -33,8 +33,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 # Variables shown besides TPCOMM_*: the ones that change what NCCL, torch's
 # symmetric memory or the CUDA runtime do under tpcomm.
@@ -260,7 +258,7 @@ def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
     import torch
 
-    from . import _setup, policy
+    from . import _setup, policy, routing
     source = getattr(config, "table", None) if config is not None else None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     path = _setup.table_source(source, torch.device("cuda", 0) if gpu else torch.device("cpu"))
@@ -276,10 +274,47 @@ def _routing_facts(report, world_size, config):
     force = dict(getattr(config, "force", ()) or ())
     forbid = getattr(config, "forbid", ()) or ()
     routes = policy.effective_routes(table, world_size, force, forbid)
+    from .config import Config
+
+    defaults = Config()
+    caps = routing.Caps(world_size, getattr(config, "max_bytes", defaults.max_bytes),
+                        getattr(config, "packet_max_bytes", defaults.packet_max_bytes), torch.version.hip is None)
+    report.line("caps", f"max_bytes {_size(caps.max_bytes)}, packet_max_bytes {_size(caps.packet_max_bytes)} "
+                        "(TPCOMM_MAX_BYTES, TPCOMM_PACKET_MAX_BYTES)")
     for op, by_dtype in routes.items():
         row = "own row" if str(world_size) in table["routes"][op] else "'*' row"
-        bands = ", ".join(f"<= {_size(limit)} {backend}" for limit, backend in by_dtype["*"])
-        report.line(f"{op} ({row})", f"{bands}, larger: nccl")
+        bands = ", ".join(f"<= {_size(limit)} {backend}" for limit, backend in routed_bands(routes, caps, op))
+        report.line(f"{op} ({row})", f"{bands}, larger: nccl" if bands else "nccl at every size")
+
+
+def routed_bands(routes, caps, op, dtype=None):
+    """[(limit, backend)] of what a call of `op` really takes, size by size
+    (bytes per rank of well-aligned input): the table's bands after the caps
+    (max_bytes, packet_max_bytes) and each kernel's own limits, by asking
+    routing.route at every size where some rule changes its answer. The last
+    band is the largest size a kernel takes; larger ones go to NCCL. dtype:
+    a torch dtype (default bfloat16, the reducing ops' usual one)."""
+    import torch
+
+    from . import _constants as C, routing
+
+    dtype = dtype or torch.bfloat16
+    world = caps.world_size
+    align = 16 * world if op == "reduce_scatter" else 16
+    limits = {limit for bands in routes[op].values() for limit, _ in bands if limit < 1 << 40}
+    limits |= {caps.max_bytes, caps.max_bytes // world, caps.packet_max_bytes, caps.packet_max_bytes * world,
+               C.TPC_LINE_STEP_BYTES * (world - 1)}
+    points = sorted({t - t % align for t in limits if t >= align})
+    bands = []
+    for t in points:
+        backend = routing.route(routes, caps, op, dtype, t, t)
+        if bands and bands[-1][1] == backend:
+            bands[-1] = (t, backend)
+        else:
+            bands.append((t, backend))
+    while bands and bands[-1][1] == "nccl":
+        bands.pop()
+    return bands
 
 
 def _size(nbytes):
@@ -324,27 +359,19 @@ def _rank_inputs(rank, op, nbytes, dtype, world):
 
 def _timed(fn, iters, device):
     """Mean seconds per call of fn() over iters calls, after 5 warm-up calls
-    (CUDA events on a GPU, the host clock on the CPU)."""
-    import torch
+    (tpcomm._ranks.seconds_per_call: CUDA events on a GPU, the host clock on the CPU)."""
+    from . import _ranks
 
     for _ in range(5):
         fn()
-    if device.type == "cpu":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000 / iters
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return _ranks.seconds_per_call(fn, iters, device)
 
 
-def _self_test_rank(rank, world, device, backend, share_gpu, iters, sizes, out_dir):
+def _self_test_rank(rank, world, init_method, devices, backend, share_gpu, iters, sizes, out_dir):
     """One rank of the self-test on `device` (a GPU; the CPU only in tpcomm's
     own tests of this code); it writes its rows to out_dir/rank{rank}.json."""
     import torch
@@ -355,12 +382,10 @@ def _self_test_rank(rank, world, device, backend, share_gpu, iters, sizes, out_d
     topology.force_multicast_off()
     if share_gpu:
         _allow_shared_gpu()
-    device = torch.device(device)
+    device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # A FileStore in the parent's temporary directory: no port to race for.
-    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
-                            world_size=world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     rows = []
     try:
         import tpcomm
@@ -471,9 +496,7 @@ def _fused_row(comm, rank, world, device, on_ref, iters):
 def _self_test(report, count, share_gpu, world, iters, timeout_s, on_cpu=False, sizes=SELF_TEST_BYTES):
     """The self-test over `world` spawned ranks (on_cpu: ranks on the CPU over
     gloo, for tpcomm's own tests of this code on a machine without GPUs)."""
-    import torch.multiprocessing as mp
-
-    from . import topology
+    from . import _ranks
 
     world = world or (2 if share_gpu or on_cpu else count)
     devices = ["cpu"] * world if on_cpu else [f"cuda:{0 if share_gpu else r}" for r in range(world)]
@@ -484,21 +507,11 @@ def _self_test(report, count, share_gpu, world, iters, timeout_s, on_cpu=False, 
     report.line("latency", f"eager calls, mean of {iters} after 5 warm-up calls ({clock})")
     if share_gpu:
         report.line("note", "ranks share one GPU: results are checked, latencies only say the kernels ran")
-    topology.force_multicast_off()
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
+    with _ranks.rendezvous() as (init_method, out_dir):
         target = importlib.import_module("tpcomm.doctor")._self_test_rank  # not __main__'s: spawn re-imports it
-        procs = [ctx.Process(target=target, args=(r, world, devices[r], backend, share_gpu, iters, sizes, out_dir))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        late = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in late:
-            procs[r].kill()
-            procs[r].join()
+        procs = _ranks.start(world, target, init_method, devices, backend, share_gpu, iters, sizes, out_dir)
+        # every rank writes its rows, errors included, and leaves: only a hang is killed
+        late = _ranks.wait(procs, timeout_s, grace_s=timeout_s).hung
         if late:
             report.problem("self-test", f"ranks {late} still running after {timeout_s:.0f} s: killed")
         rows = []

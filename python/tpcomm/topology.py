@@ -5,9 +5,14 @@ import socket
 import torch
 
 
-# NVLink multicast stays off on the shared machines: a program that uses it can
-# take the host's GPUs out of service. Set in every process that may start
-# NCCL, torch SymmetricMemory or NVSHMEM (spawned children inherit it).
+# tpcomm's tools (benchmark, tuner, doctor, the ranks they spawn) run with
+# NVLink multicast off, a documented default (docs/configuration.md): tpcomm's
+# kernels never use it, so NCCL's NVLS, torch SymmetricMemory's and NVSHMEM's
+# multicast would only change what tpcomm is compared against, and on hosts
+# whose NVSwitch fabric is managed for several tenants (virtual machines) a
+# process that sets up multicast objects can take the host's GPUs out of
+# service. Set in every process that may start NCCL, torch SymmetricMemory or
+# NVSHMEM (spawned children inherit it).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -88,7 +88,7 @@ def derive_table(results, base=None):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tpcomm.tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="tpcomm tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", help="derive from this benchmark results JSON instead of measuring")
     p.add_argument("--out", help="the table to write or extend (default: tpcomm_table_<gpu model>.json here)")

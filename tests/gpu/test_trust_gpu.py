@@ -313,13 +313,13 @@ def body_back_to_back_chain_line(rank, world):
 def _chain(rank, world, table, want):
     """tpcomm kernels with nothing between them: each op's input is the
     previous op's output, so a kernel launched early (programmatic dependent
-    launch) reads its epoch while its predecessor still runs. Five chains of
+    launch) reads its epoch while the kernel before it still runs. Five chains of
     different sizes and kernels are interleaved for 40 steps inside one graph,
     replayed 200 times (a tenth where ranks share a GPU: rounds()) with inputs
     that change every replay; after k steps a
     chain holds the sum of the inputs multiplied by world k-1 times, each
     product rounded to bf16 as the kernels round their fp32 sums. One stale
-    epoch would pair an op with its predecessor's packets. A random rank is
+    epoch would pair an op with the previous op's packets. A random rank is
     late once, before the chain; no delay and no overwrite sits between the
     ops (either would put a kernel between them)."""
     comm = tpcomm.Communicator(timeout_s=10.0, table=table)

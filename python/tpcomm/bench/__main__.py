@@ -26,7 +26,7 @@ is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.
 
 Writes tables to the terminal (bandwidth for sizes >= 1 MiB under each),
-JSON to benchmarks/results/<gpu>x<n>.json (or --out) and PNG figures next to
+JSON to results/<gpu>x<n>.json under the working directory (or --out) and PNG figures next to
 it (<stem>_<op>_<mode>.png, <stem>_speedup.png; python -m tpcomm.bench.plots
 redraws them). With fewer than 2 GPUs it prints the environment and exits 0.
 """
@@ -42,7 +42,7 @@ from . import report
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tpcomm.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="tpcomm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
                    help="comma-separated ops (default: all three; reduce_scatter's size is its input per rank)")
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--sequential", dest="interleave", action="store_false",
                    help="graph mode: time one backend after the other, each in its own stretch, instead of every "
                         "backend of a size in shared rounds (each timed replay after one untimed one)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<gpu>x<n>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/<gpu>x<n>.json here)")
     p.add_argument("--quick", action="store_true", help="x8 size steps, 5 replays, 3 eager runs (smoke run)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
@@ -156,31 +156,29 @@ def spawn(n, args, target=None):
     Returns 0 when the results file is complete, else 1."""
     import torch.multiprocessing as mp
 
+    from .. import _ranks
     from . import measure
 
     target = target or measure.spawned_worker
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = mp.get_context("spawn").SimpleQueue()
     start = time.monotonic()
     failure = None
-    procs = mp.start_processes(target, args=(n, measure.rendezvous(), args, queue), nprocs=n,
-                               join=False, start_method="spawn")
     previous = signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout`: keep what was measured
-    try:
-        while not procs.join(timeout=2.0):
-            if time.monotonic() - start > args.deadline_s:
+    with _ranks.rendezvous(prefix="tpcomm-bench-") as (init_method, tmp):
+        procs = []
+        try:
+            procs = _ranks.start(n, _rank, init_method, target, args, queue, tmp)
+            outcome = _ranks.wait(procs, args.deadline_s, grace_s=10.0)
+            if outcome.hung:
                 failure = f"the ranks were still running after --deadline-s {args.deadline_s} s and were stopped"
-                _stop(procs.processes)
-                break
-    except _Terminated:
-        failure = "stopped by SIGTERM"
-        _stop(procs.processes)
-    except Exception as e:  # noqa: BLE001 - a rank raised or died: report, keep what was written
-        failure = f"a rank failed: {e}"
-        _stop(procs.processes)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            elif outcome.failed:
+                r = outcome.failed[0]
+                failure = f"a rank failed: rank {r} ({_ranks.exit_text(procs[r].exitcode)}): {_error(tmp, r)}"
+        except _Terminated:
+            failure = "stopped by SIGTERM"
+            _ranks.stop(procs, term_wait_s=10.0)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     path = None
     try:
         while not queue.empty():
@@ -225,15 +223,28 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
-def _stop(processes):
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    for p in processes:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+def _rank(rank, n, init_method, target, args, queue, tmp):
+    """One spawned rank: target(rank, n, init_method, args, queue); an
+    exception's traceback is left in tmp/rank<r>.error for the parent's
+    report before it ends the rank."""
+    try:
+        target(rank, n, init_method, args, queue)
+    except BaseException:
+        import traceback
+
+        with open(os.path.join(tmp, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _error(tmp, rank):
+    """The last line of a rank's traceback, or what is known without one."""
+    try:
+        with open(os.path.join(tmp, f"rank{rank}.error")) as f:
+            lines = f.read().strip().splitlines()
+        return lines[-1] if lines else "no traceback"
+    except OSError:
+        return "no traceback (a crash or a signal)"
 
 
 def make_plots(path):

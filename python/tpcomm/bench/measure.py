@@ -10,43 +10,24 @@ and the run goes on. Rank 0 writes the results file after every op/dtype
 block (so that a run cut short keeps what it measured) and at the end.
 """
 import datetime
-import itertools
 import math
 import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from .. import topology
+from .. import _ranks, topology
 from . import report
 from .cases import Resources, Unavailable, agree, describe, make_case
 from .progress import Progress
 from .report import BACKENDS, OPS, human_bytes  # noqa: F401 - re-exported
 
 PEER_COPY_BYTES = 256 << 20
-
-
-_rendezvous_dir = None  # this process's, made on first use and removed at its exit
-_rendezvous_count = itertools.count()
-
-
-def rendezvous():
-    """An init_method for the ranks of one run of python -m tpcomm.bench: a
-    file of its own (torch's FileStore) in a temporary directory that the
-    calling process removes at its exit, so that ranks which leave with
-    os._exit leave no file behind. Not a TCP port picked in advance: another
-    process could take it before rank 0 listens on it (EADDRINUSE), and the
-    other ranks would wait for a rank 0 that never comes."""
-    global _rendezvous_dir
-    if _rendezvous_dir is None:
-        _rendezvous_dir = tempfile.TemporaryDirectory(prefix="tpcomm-rendezvous-")
-    return "file://" + os.path.join(_rendezvous_dir.name, f"store-{next(_rendezvous_count)}")
 
 
 # ------------------------------------------------------------------- timing
@@ -130,16 +111,8 @@ def time_eager(call, ops, reps):
     for _ in range(3):
         call()
     _barrier()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(ops):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / ops)
-    return statistics.median(times)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return statistics.median(_ranks.seconds_per_call(call, ops, device) * 1e6 for _ in range(reps))
 
 
 def make_input(rank, op, dtype, numel, device):

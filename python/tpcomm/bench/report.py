@@ -365,9 +365,12 @@ def preferred_dtype(rows):
 
 
 # ---------------------------------------------------------------- the file
+RESULTS_DIR = "results"  # the tools' default output directory, under the working directory (ignored by git)
+
+
 def default_out_path(env):
     gpu = env.get("gpu", "gpu").lower().replace("nvidia", "").strip().replace(" ", "-") or "gpu"
-    return os.path.join("benchmarks", "results", f"{gpu}x{env['world_size']}.json")
+    return os.path.join(RESULTS_DIR, f"{gpu}x{env['world_size']}.json")
 
 
 def write_json(path, data):
