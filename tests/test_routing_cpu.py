@@ -324,5 +324,7 @@ def test_summary_logged_at_init_names_every_band():
 def test_algo_codes_are_the_headers():
     from tpcomm import _constants as C
 
-    assert routing.ALGO_CODES == {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
-                                  "bulk": C.TPC_ALGO_BULK}
+    header = {name[len("TPC_ALGO_"):].lower(): value for name, value in vars(C).items() if name.startswith("TPC_ALGO_")}
+    # every algorithm of the header's tpc_algo is a kernel routing can name, under the header's name
+    assert routing.ALGO_CODES == header
+    assert set(routing.KERNELS) <= set(routing.ALGO_CODES)
