@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _constants, _lib, _testing, policy, routing
+from tpcomm import _constants, _lib, _testing, routing, routing_table
 from tpcomm.backends import kernels as kernels_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,16 +290,16 @@ def test_ctypes_structs_and_constants_match_the_header(tmp_path):
     assert {c: int(seen[c]) for c in codes} == {c: getattr(_constants, c) for c in codes}
 
 
-# ------------------------------------------------------------------ policy
+# ------------------------------------------------------------------ routing table
 
-SHIPPED = policy.load_table()
+SHIPPED = routing_table.load_table()
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", ["*", "float32", "float16", "bfloat16"])
 def test_policy_boundaries(op, world_size, dtype):
-    rows = policy.bands_for(SHIPPED, op, world_size, dtype)
+    rows = routing_table.bands_for(SHIPPED, op, world_size, dtype)
     assert rows == sorted(rows, key=lambda r: r[0])
     for i, (limit, backend) in enumerate(rows):
         assert routing.choose(rows, limit) == backend
@@ -314,43 +314,43 @@ def test_policy_shipped_table():
     both ops, a "*" row, increasing limits that are multiples of 16, packet
     bands before bulk bands, nothing past the benchmark's largest size
     (64 MiB) and no packet band past the default packet_max_bytes (1 MiB)."""
-    assert os.path.exists(policy.DEFAULT_TABLE)
+    assert os.path.exists(routing_table.DEFAULT_TABLE)
     assert "H200" in SHIPPED["about"]
-    for op in policy.OPS:
+    for op in routing.OPS:
         assert "*" in SHIPPED["routes"][op]
         for world, by_dtype in SHIPPED["routes"][op].items():
             for dtype, rows in by_dtype.items():
                 limits = [limit for limit, _ in rows]
                 backends = [backend for _, backend in rows]
-                assert set(backends) <= set(policy.KERNELS), (op, world, dtype)
+                assert set(backends) <= set(routing.KERNELS), (op, world, dtype)
                 assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world, dtype)
                 assert limits[-1] <= 64 * MiB and all(limit % 16 == 0 for limit in limits)
                 # reduce_scatter's bands are its input per rank; the packet cap is on one chunk
                 chunks = (int(world) if world != "*" else 2) if op == "reduce_scatter" else 1
-                assert policy.packet_cutover(rows) // chunks <= 1 * MiB
+                packet_cutover = max((limit for limit, b in rows if b in routing.PACKET_SLOT_KERNELS), default=0)
+                assert packet_cutover // chunks <= 1 * MiB
 
 
 def test_policy_lookup_falls_back_to_star():
-    table = policy.load_table({"routes": {
+    table = routing_table.load_table({"routes": {
         "all_reduce": {"3": {"*": [[100, "bulk"], [200, "packet"], [300, "bulk"]], "float16": [[50, "packet"]]},
                        "*": {"*": [[10, "bulk"]]}},
         "all_gather": {"*": {"*": [[32, "packet"], [64, "packet"], [128, "bulk"]]}}}})
-    rows = policy.bands_for(table, "all_reduce", 3, "float32")
+    rows = routing_table.bands_for(table, "all_reduce", 3, "float32")
     assert [routing.choose(rows, n) for n in (100, 101, 201, 301)] == ["bulk", "packet", "bulk", "nccl"]
-    assert policy.bands_for(table, "all_reduce", 3, "float16") == [(50, "packet")]
-    assert policy.bands_for(table, "all_reduce", 2, "float16") == [(10, "bulk")]
-    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 3)) == 200
-    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 5)) == 0
-    assert policy.packet_cutover(policy.bands_for(table, "all_gather", 7)) == 64
+    assert routing_table.bands_for(table, "all_reduce", 3, "float16") == [(50, "packet")]
+    assert routing_table.bands_for(table, "all_reduce", 2, "float16") == [(10, "bulk")]
+    assert routing_table.bands_for(table, "all_reduce", 5) == [(10, "bulk")]
+    assert routing_table.bands_for(table, "all_gather", 7) == [(32, "packet"), (64, "packet"), (128, "bulk")]
 
 
 def test_policy_effective_routes_and_flatten():
-    routes = policy.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
-    assert set(routes) == set(policy.OPS)
+    routes = routing_table.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
+    assert set(routes) == set(routing.OPS)
     assert set(routes["all_reduce"]) == {"*", "float32", "float16", "bfloat16"}
     assert routes["all_gather"]["*"] == [(1 << 62, "nccl")]
     assert all(b != "bulk" for bands in routes["all_reduce"].values() for _, b in bands)
-    flat = policy.flatten(routes)
+    flat = routing_table.flatten(routes)
     assert flat["all_reduce/*/0"] == f"{routes['all_reduce']['*'][0][0]} packet"
     assert len(flat) == sum(len(b) for by_dtype in routes.values() for b in by_dtype.values())
 
@@ -379,12 +379,12 @@ def test_policy_effective_routes_and_flatten():
      "all_gather/*/*: all_gather has no two_shot kernel"),
 ])
 def test_policy_bad_tables_name_the_entry(routes, needle):
-    with pytest.raises(policy.TableError, match=re.escape(needle)):
-        policy.load_table({"routes": routes})
+    with pytest.raises(routing_table.TableError, match=re.escape(needle)):
+        routing_table.load_table({"routes": routes})
 
 
 def test_policy_ops_a_table_lacks_come_from_the_shipped_one():
-    table = policy.load_table({"routes": {"all_reduce": {"*": {"*": [[64, "bulk"]]}}}})
+    table = routing_table.load_table({"routes": {"all_reduce": {"*": {"*": [[64, "bulk"]]}}}})
     assert table["routes"]["all_reduce"]["*"]["*"] == [(64, "bulk")]
     for op in ("all_gather", "reduce_scatter"):
         assert table["routes"][op] == SHIPPED["routes"][op]
@@ -394,13 +394,13 @@ def test_policy_table_files(tmp_path):
     good = tmp_path / "good.json"
     good.write_text('{"about": "test", "routes": {"all_reduce": {"*": {"*": [[64, "packet"]]}}, '
                     '"all_gather": {"*": {"*": [[64, "bulk"]]}}}}')
-    assert policy.load_table(str(good))["about"] == "test"
-    with pytest.raises(policy.TableError, match="cannot be read"):
-        policy.load_table(str(tmp_path / "missing.json"))
+    assert routing_table.load_table(str(good))["about"] == "test"
+    with pytest.raises(routing_table.TableError, match="cannot be read"):
+        routing_table.load_table(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(policy.TableError, match="is not JSON"):
-        policy.load_table(str(bad))
+    with pytest.raises(routing_table.TableError, match="is not JSON"):
+        routing_table.load_table(str(bad))
 
 
 class _RecordingFastpath:

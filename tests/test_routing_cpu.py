@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpcomm
-from tpcomm import Config, policy, routing
+from tpcomm import Config, routing, routing_table
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -22,7 +22,7 @@ LINE_TABLE = {"routes": {op: {"*": {"*": [[4 * KiB, "packet"], [1 * MiB, "line"]
 
 
 def _routes(table=TABLE, world_size=2, force=None, forbid=()):
-    return policy.effective_routes(policy.load_table(table), world_size, force, forbid)
+    return routing_table.effective_routes(routing_table.load_table(table), world_size, force, forbid)
 
 
 def _comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=(),
@@ -271,10 +271,10 @@ def test_route_default_tables(world_size):
     """With the shipped table, a size the table gives to a kernel goes to
     that kernel (on a communicator whose caps hold it), and past the table to
     NCCL."""
-    shipped = policy.load_table()
+    shipped = routing_table.load_table()
     c = _comm(world_size=world_size, table=None, max_bytes=64 * MiB)
     for dtype in (torch.float32, torch.bfloat16):
-        rows = policy.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
+        rows = routing_table.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
         for limit, backend in rows:
             assert c.route_all_reduce(_t(limit, dtype)) == backend
         assert c.route_all_reduce(_t(rows[-1][0] + 16, dtype)) == "nccl"

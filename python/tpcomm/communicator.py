@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _lib, _registry, _setup, add_rms_norm, policy, routing
+from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._log import log_once
 from ._shapes import checked_dim
 from .backends import aiter
@@ -39,7 +39,7 @@ class Communicator:
         packet_max_bytes: cap on the input bytes per rank of the packet kernels;
             registers 4 * world_size * packet_max_bytes per rank.
         timeout_s: bound on every device-side wait for a peer.
-        table: routing table, a path or a parsed dict (see tpcomm.policy).
+        table: routing table, a path or a parsed dict (see tpcomm.routing_table).
         config: a tpcomm.Config; default: Config.from_env(), the TPCOMM_*
             variables. The arguments above, when given, override it.
 
@@ -64,7 +64,7 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.device = _setup.resolve_device(device)
+        self.device = _group_setup.resolve_device(device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None  # for _check_input
         self.config = (config or Config.from_env()).replace(
             max_bytes=max_bytes, packet_max_bytes=packet_max_bytes, timeout_s=timeout_s,
@@ -72,9 +72,9 @@ class Communicator:
         self.max_bytes = self.config.max_bytes
         self.packet_max_bytes = min(self.config.packet_max_bytes, self.max_bytes)
         self.timeout_s = float(self.config.timeout_s)
-        self.table = policy.load_table(_setup.table_source(table if isinstance(table, dict) else self.config.table,
+        self.table = routing_table.load_table(_group_setup.table_source(table if isinstance(table, dict) else self.config.table,
                                                            self.device))
-        self._routes = policy.effective_routes(self.table, self.world_size, dict(self.config.force),
+        self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                self.config.forbid)
         self.handle = self._id = 0  # the id the internal ops take (0: off or closed); _id outlives close
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
@@ -85,11 +85,11 @@ class Communicator:
         # call seen, as the callable that runs it (routing is not walked again).
         self._memo = {op: {} for op in routing.OPS}
         self._all_reduce_memo = self._memo["all_reduce"]  # read on every all_reduce
-        self._group_key = _setup.group_key(self.group)
+        self._group_key = _group_setup.group_key(self.group)
         self.group_name = str(self._group_key)  # what the group-name ops torch.ops.tpcomm.* take
-        self.serial = next(_setup.serials[self._group_key])  # this group's communicators before it
+        self.serial = next(_group_setup.serials[self._group_key])  # this group's communicators before it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            self._lib, self._comm, self.disabled_reason = _setup.open_group(  # collective
+            self._lib, self._comm, self.disabled_reason = _group_setup.open_group(  # collective
                 self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
                 self.max_bytes, self.packet_max_bytes)
             if self._comm is not None:
@@ -98,7 +98,7 @@ class Communicator:
                 self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
-                functools.partial(_setup.agreed_error, self.group, self.rank, self.world_size))
+                functools.partial(_group_setup.agreed_error, self.group, self.rank, self.world_size))
         _registry.register(self)
         if self.disabled_reason is not None:
             log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
@@ -294,7 +294,7 @@ class Communicator:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
-        missing = _setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
+        missing = _group_setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
         if missing:
             self._release(self._lib.tpc_comm_abort, "abort")
             raise CollectiveTimeout(

@@ -121,7 +121,7 @@ def refusal(op, kernel, caps, dtype, nbytes, row=0):
 
 def route(routes, caps, op, dtype, nbytes, row=0):
     """The backend of this call: the table's band for nbytes (routes: what
-    policy.effective_routes gives), or, where that kernel cannot take it, the
+    routing_table.effective_routes gives), or, where that kernel cannot take it, the
     first of its FALLBACKS that can; NCCL when none can or caps is None."""
     if caps is None or _no_kernel(op, caps, dtype, nbytes, row):
         return "nccl"
