@@ -328,3 +328,11 @@ def test_algo_codes_are_the_headers():
     # every algorithm of the header's tpc_algo is a kernel routing can name, under the header's name
     assert routing.ALGO_CODES == header
     assert set(routing.KERNELS) <= set(routing.ALGO_CODES)
+
+
+def test_aiter_is_offered_every_all_reduce_and_dim0_all_gathers_that_fit():
+    assert routing.aiter_first("all_reduce", 4, 1 * MiB, 64 * MiB)
+    assert routing.aiter_first("all_gather", 4, 1 * MiB, 256 * 1024, dim=0)
+    assert not routing.aiter_first("all_gather", 4, 1 * MiB, 256 * 1024 + 16, dim=0)  # output over max_bytes
+    assert not routing.aiter_first("all_gather", 4, 1 * MiB, 1024, dim=1)  # not AITER's flat layout
+    assert not routing.aiter_first("reduce_scatter", 4, 1 * MiB, 1024)

@@ -222,13 +222,14 @@ class Communicator:
     def _remember(self, op, key, x, nbytes, backend, dim=0):
         """Memoises the route of a call like x (a few thousand shapes at most:
         a serving engine sees a handful per batch size) as (stats cell, run).
-        AITER, where it is open and takes the call, is tried first; what it
-        declines runs on `backend` and is counted there."""
+        AITER, where it is open, routing offers it the call and it takes it,
+        is tried first; what it declines runs on `backend` and is counted there."""
         memo = self._memo[op]
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
-        if self._aiter is not None and self._aiter.takes(op, x, dim, self.max_bytes):
+        if (self._aiter is not None and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
+                and self._aiter.takes(op, x)):
             aiter_cell = self._cell(op, "aiter")
             cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
         memo[key] = (cell, run)

@@ -133,6 +133,17 @@ def route(routes, caps, op, dtype, nbytes, row=0):
     return "nccl"
 
 
+def aiter_first(op, world_size, max_bytes, nbytes, dim=0):
+    """Whether AITER's custom all-reduce, where it is open (ROCm), is tried
+    before the routed backend: every all_reduce, and an all_gather along dim
+    0 (AITER's flat layout) whose output (nbytes input per rank) fits
+    max_bytes. AITER itself may still decline the call (its own size and
+    alignment rules); what it declines runs on the routed backend."""
+    if op == "all_reduce":
+        return True
+    return op == "all_gather" and dim == 0 and nbytes * world_size <= max_bytes
+
+
 def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
     """How all_reduce_add_rms_norm runs (row: bytes of the last dimension):
     "fused" (one kernel: fp16/bf16, the input within the packet cap, a row of
