@@ -207,14 +207,14 @@ def test_internal_op_schema_and_fake():
     tpcomm.load()
     schema = torch.ops._tpcomm.all_reduce_add_rms_norm_out.default._schema
     assert str(schema) == ("_tpcomm::all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
-                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()")
+                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm_id) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["normed", "residual_out"]
     with _testing.stand_in(2) as comm, FakeTensorMode():
         x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
         out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
             x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
-            torch.empty_like(x), torch.empty_like(x), comm.handle)
+            torch.empty_like(x), torch.empty_like(x), comm.comm_id)
         assert out is None
 
 

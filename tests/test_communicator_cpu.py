@@ -144,7 +144,7 @@ def _check_errors(comm, rank, world_size):
 
 def _check_disabled(comm, reason_needle):
     assert comm.enabled is False
-    assert comm.handle == 0
+    assert comm.comm_id == 0
     assert reason_needle in comm.disabled_reason, comm.disabled_reason
     assert "NCCL only" in repr(comm)
     comm.check()  # nothing to check without the custom path

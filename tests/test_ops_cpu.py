@@ -22,11 +22,11 @@ KiB = 1024
 MiB = 1024 * KiB
 
 SCHEMAS = {
-    "all_reduce": "_tpcomm::all_reduce(Tensor input, int comm, int algo) -> Tensor",
-    "all_reduce_out": "_tpcomm::all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()",
-    "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm, int algo) -> Tensor",
-    "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm, int algo) -> Tensor",
-    "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor",
+    "all_reduce": "_tpcomm::all_reduce(Tensor input, int comm_id, int algo) -> Tensor",
+    "all_reduce_out": "_tpcomm::all_reduce_out(Tensor input, Tensor(a!) out, int comm_id, int algo) -> ()",
+    "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor",
+    "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor",
+    "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor",
 }
 P, L, B = _lib.ALGO_PACKET, _lib.ALGO_LINE, _lib.ALGO_BULK
 
@@ -41,7 +41,7 @@ def handle():
     """handle(world_size): the id of a made-up open communicator the fake ops
     find in tpcomm._registry (removed after the test)."""
     with contextlib.ExitStack() as stack:
-        yield lambda world_size: stack.enter_context(_testing.stand_in(world_size)).handle
+        yield lambda world_size: stack.enter_context(_testing.stand_in(world_size)).comm_id
 
 
 # ---------------------------------------------------------------- loading
@@ -248,7 +248,7 @@ def test_fastpath_is_bound_and_raises_the_ops_errors(lib):
     registry, with the message and the tag the torch ops' errors carry."""
     fast = _lib.fastpath()
     assert fast is not None
-    with pytest.raises(RuntimeError, match=r"communicator id 987654321 is unknown .*\[tpc_result 8\]$") as info:
+    with pytest.raises(RuntimeError, match=r"comm_id 987654321 is unknown .*\[tpc_result 8\]$") as info:
         fast.all_reduce(987654321, 0, 0, 64, 2, _lib.ALGO_PACKET, 0)
     err = _lib.translated(info.value)
     assert isinstance(err, tpcomm.CommunicatorClosed) and err.code == _lib.ERR_CLOSED
@@ -490,7 +490,7 @@ def _body_communicator_fast_path(rank, world_size):
     through_op = []
     kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, algo))
     kernels_module._raw_stream = lambda device: 1234
-    comm.handle, comm._kernels = 77, kernels
+    comm.comm_id, comm._kernels = 77, kernels
     comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, True)
     x = torch.ones(64, dtype=torch.bfloat16)
     route = comm.route_all_reduce(x)
@@ -520,7 +520,7 @@ def _body_communicator_fast_path(rank, world_size):
         assert e.code == _lib.ERR_TIMEOUT and "peer 1 did not arrive" in str(e)
     wide = torch.full((8,), float(rank + 1), dtype=torch.float64)  # not reducible by the kernels: NCCL (gloo)
     assert comm.all_reduce(wide).tolist() == [3.0] * 8 and len(fast.calls) == 4
-    comm.handle, comm._kernels, comm._caps = 0, None, None
+    comm.comm_id, comm._kernels, comm._caps = 0, None, None
     comm.close()
     try:
         comm.all_reduce(x)

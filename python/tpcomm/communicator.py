@@ -76,7 +76,7 @@ class Communicator:
                                                            self.device))
         self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                self.config.forbid)
-        self.handle = self._id = 0  # the id the internal ops take (0: off or closed); _id outlives close
+        self.comm_id = self._last_comm_id = 0  # the id the internal ops take (0: off or closed); _last_comm_id outlives close
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
         self._nccl = Nccl(self.group)  # the fallback
@@ -93,8 +93,8 @@ class Communicator:
                 self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
                 self.max_bytes, self.packet_max_bytes)
             if self._comm is not None:
-                self.handle = self._id = int(self._lib.tpc_comm_id(self._comm))
-                self._kernels = Kernels(self.handle, self._cuda_index)
+                self.comm_id = self._last_comm_id = int(self._lib.tpc_comm_id(self._comm))
+                self._kernels = Kernels(self.comm_id, self._cuda_index)
                 self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
@@ -109,7 +109,7 @@ class Communicator:
 
     @property
     def enabled(self) -> bool:
-        return self.handle != 0
+        return self.comm_id != 0
 
     @property
     def kernels(self) -> "Kernels | None":
@@ -262,9 +262,9 @@ class Communicator:
         if self._comm is not None:
             code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(_lib.AsyncError()))
             _lib.check(self._lib, self._comm, code, "device error")
-        elif self._id:  # closed: the record outlives the communicator
+        elif self._last_comm_id:  # closed: the record outlives the communicator
             record = _lib.AsyncError()
-            code = self._lib.tpc_id_async_error(self._id, ctypes.byref(record))
+            code = self._lib.tpc_id_async_error(self._last_comm_id, ctypes.byref(record))
             if record.code != _lib.OK:
                 _lib.check(self._lib, None, code, "device error")
 
@@ -326,7 +326,7 @@ class Communicator:
         return True
 
     def _release(self, fn, what):
-        comm, self._comm, self.handle, self._caps = self._comm, None, 0, None
+        comm, self._comm, self.comm_id, self._caps = self._comm, None, 0, None
         _lib.check(self._lib, comm, fn(comm), what)
 
     def __repr__(self):
@@ -336,7 +336,7 @@ class Communicator:
 
     def _check_open(self):
         if self._closed:
-            raise CommunicatorClosed(f"tpcomm: the communicator (id {self._id}) is closed")
+            raise CommunicatorClosed(f"tpcomm: the communicator (comm_id {self._last_comm_id}) is closed")
 
     def _check_input(self, x, what):
         # The common case in cheap tests, without making a torch.device.
