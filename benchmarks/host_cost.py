@@ -50,14 +50,14 @@ def paths(comm, x):
     }
     if algo is not None:
         out["torch.ops._tpcomm.all_reduce (internal op, id and kernel)"] = \
-            lambda: torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
+            lambda: torch.ops._tpcomm.all_reduce(x, comm.comm_id, algo)
         # Where the internal op's time goes: the same call on its OpOverload,
         # the out= variant (no allocation), and the C core alone through ctypes.
         raw = torch.ops._tpcomm.all_reduce.default
         raw_out = torch.ops._tpcomm.all_reduce_out.default
         y = torch.empty_like(x)
-        out["  .default overload"] = lambda: raw(x, comm.handle, algo)
-        out["  all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.handle, algo)
+        out["  .default overload"] = lambda: raw(x, comm.comm_id, algo)
+        out["  all_reduce_out.default (no allocation)"] = lambda: raw_out(x, y, comm.comm_id, algo)
         c_all_reduce = comm._lib.tpc_all_reduce
         c_all_reduce.restype = ctypes.c_int
         c_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
@@ -70,14 +70,14 @@ def paths(comm, x):
         # both behind the same Kernels.all_reduce_runner, and the fast path's
         # C call alone.
         from tpcomm.backends.kernels import Kernels
-        through_op = Kernels(comm.handle, x.get_device())
+        through_op = Kernels(comm.comm_id, x.get_device())
         through_op._fastpath = None
         run, run_op = comm.kernels.all_reduce_runner(x.dtype, route), through_op.all_reduce_runner(x.dtype, route)
         out["  the route's callable, fast path"] = lambda: run(x)
         out["  the route's callable, the _out op instead"] = lambda: run_op(x)
         fast = comm.kernels._fastpath
         if fast is not None:
-            fast_args = (comm.handle, *args[1:])  # the id instead of the pointer
+            fast_args = (comm.comm_id, *args[1:])  # the id instead of the pointer
             out["  tpcomm._fastpath.all_reduce alone (no allocation)"] = lambda: fast.all_reduce(*fast_args)
     z = torch.zeros_like(x)
     out["reference: z.add_(1.0), one native torch kernel"] = lambda: z.add_(1.0)

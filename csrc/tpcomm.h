@@ -15,9 +15,9 @@
  *                        (queued ops and graph replays exit), tell the peers,
  *                        and leave the GPU memory mapped (a kernel may still run)
  *
- * Every communicator has a process-unique id that is never reused. The torch
- * ops take that id, not a pointer: tpc_comm_acquire looks it up, so a closed or
- * unknown id is an error naming it, never a dangling pointer. Kernels check a
+ * Every communicator has a process-unique comm_id that is never reused. The torch
+ * ops take that comm_id, not a pointer: tpc_comm_acquire looks it up, so a closed or
+ * unknown comm_id is an error naming it, never a dangling pointer. Kernels check a
  * per-communicator "alive" word kept in memory that is never freed before they
  * touch any buffer, so a CUDA graph replayed after destroy records
  * TPC_ERR_CLOSED and writes nothing.
@@ -75,7 +75,7 @@ typedef enum {
   TPC_ERR_TIMEOUT = 5,      /* device: a peer did not arrive in time       */
   TPC_ERR_MISMATCH = 6,     /* device: peers disagree on the op or size    */
   TPC_ERR_TOO_LARGE = 7,    /* larger than the registered buffers take     */
-  TPC_ERR_CLOSED = 8        /* closed, aborted, unknown id, or a graph replayed after close */
+  TPC_ERR_CLOSED = 8        /* closed, aborted, unknown comm_id, or a graph replayed after close */
 } tpc_result;
 
 typedef enum { TPC_FLOAT32 = 0, TPC_FLOAT16 = 1, TPC_BFLOAT16 = 2 } tpc_dtype;
@@ -123,25 +123,25 @@ tpc_result tpc_comm_open_peer(tpc_comm *comm, int peer, const void *handle);
 tpc_result tpc_comm_ready(tpc_comm *comm);
 tpc_result tpc_comm_destroy(tpc_comm *comm);
 /* Never blocks and needs no peer: marks the communicator failed on the device
- * (its queued ops and graph replays exit; peers are told), retires its id and
+ * (its queued ops and graph replays exit; peers are told), retires its comm_id and
  * frees the host state. The registered buffer stays allocated and mapped,
  * because kernels may still be running on it: it is released when the process
  * exits. */
 tpc_result tpc_comm_abort(tpc_comm *comm);
 
-/* The process-unique id of a communicator (never 0, never reused). */
+/* The process-unique comm_id of a communicator (never 0, never reused). */
 uint64_t tpc_comm_id(const tpc_comm *comm);
-/* Looks up an open communicator by id and claims it for one op from this
+/* Looks up an open communicator by comm_id and claims it for one op from this
  * thread: another thread that acquires it before tpc_comm_release gets
- * TPC_ERR_STATE; a closed or unknown id gets TPC_ERR_CLOSED naming it. The
+ * TPC_ERR_STATE; a closed or unknown comm_id gets TPC_ERR_CLOSED naming it. The
  * message of a failed acquire is read with tpc_comm_last_error(NULL). */
-tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out);
+tpc_result tpc_comm_acquire(uint64_t comm_id, tpc_comm **comm_out);
 void tpc_comm_release(tpc_comm *comm);
-/* The device error record of any id ever created, open or closed (a graph
+/* The device error record of any comm_id ever created, open or closed (a graph
  * replayed after close records TPC_ERR_CLOSED there). Returns the record's
  * code, with its message in tpc_comm_last_error(NULL); TPC_ERR_CLOSED with a
- * clean record for a closed id; TPC_ERR_INVALID_ARG for an unknown one. */
-tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out);
+ * clean record for a closed comm_id; TPC_ERR_INVALID_ARG for an unknown one. */
+tpc_result tpc_id_async_error(uint64_t comm_id, tpc_async_error *out);
 
 /* Real P2P check: write a token into every peer's buffer, then (after the
  * caller's host barrier) read which peers' tokens arrived in ours. */
@@ -155,11 +155,11 @@ tpc_result tpc_comm_probe_read(tpc_comm *comm, uint32_t *arrived_mask);
 tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbytes,
                           tpc_dtype dtype, tpc_algo algo, void *stream);
 
-/* tpc_all_reduce on the communicator of an id, claimed for the call
+/* tpc_all_reduce on the communicator of a comm_id, claimed for the call
  * (tpc_comm_acquire) and released after it: the eager fast path's one call
  * per op. Any failure's message, the acquire's or the op's, is in
  * tpc_comm_last_error(NULL). */
-tpc_result tpc_id_all_reduce(uint64_t id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
+tpc_result tpc_id_all_reduce(uint64_t comm_id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
                              tpc_algo algo, void *stream);
 
 /* All-reduce, residual add and RMSNorm of the rows of a 16-bit tensor (the

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _lib, _testing, add_rms_norm, policy, routing
+from tpcomm import _lib, _testing, add_rms_norm, routing, routing_table
 from tpcomm.config import Config
 from tpcomm.reference import rank_order_sum, reference_add_rms_norm, ulp_distance
 
@@ -158,7 +158,7 @@ def test_errors_name_what_is_wrong():
 def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=2, forbid=()):
     comm = object.__new__(tpcomm.Communicator)
     comm.config = Config(fused_kernel=fused_kernel)
-    comm._routes = policy.effective_routes(policy.load_table(None), world_size, {}, forbid)
+    comm._routes = routing_table.effective_routes(routing_table.load_table(None), world_size, {}, forbid)
     comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None
     return comm
 
@@ -207,14 +207,14 @@ def test_internal_op_schema_and_fake():
     tpcomm.load()
     schema = torch.ops._tpcomm.all_reduce_add_rms_norm_out.default._schema
     assert str(schema) == ("_tpcomm::all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
-                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()")
+                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm_id) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["normed", "residual_out"]
     with _testing.stand_in(2) as comm, FakeTensorMode():
         x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
         out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
             x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
-            torch.empty_like(x), torch.empty_like(x), comm.handle)
+            torch.empty_like(x), torch.empty_like(x), comm.comm_id)
         assert out is None
 
 
@@ -233,7 +233,7 @@ def test_dispatcher_op_schema_and_fake_shapes():
 def test_policy_does_not_route_the_fused_op():
     """The fused op has its own route (shape and configuration), not a band
     of the routing table: the table's ops stay the three collectives."""
-    assert "all_reduce_add_rms_norm" not in policy.OPS
+    assert "all_reduce_add_rms_norm" not in routing.OPS
 
 
 class _Layer(torch.nn.Module):

@@ -41,5 +41,5 @@ def test_fast_path_refuses_codes_that_do_not_fit_a_c_enum():
         with pytest.raises(ValueError, match="is not a C enum value"):
             fast.all_reduce(1, 0, 0, 16, dtype, algo, 0)
     # in range: the core answers (here: no communicator has this id)
-    with pytest.raises(RuntimeError, match=r"communicator id 123456789 is unknown.*\[tpc_result 8\]"):
+    with pytest.raises(RuntimeError, match=r"comm_id 123456789 is unknown.*\[tpc_result 8\]"):
         fast.all_reduce(123456789, 0, 0, 16, 0, 1, 0)

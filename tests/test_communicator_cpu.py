@@ -144,7 +144,7 @@ def _check_errors(comm, rank, world_size):
 
 def _check_disabled(comm, reason_needle):
     assert comm.enabled is False
-    assert comm.handle == 0
+    assert comm.comm_id == 0
     assert reason_needle in comm.disabled_reason, comm.disabled_reason
     assert "NCCL only" in repr(comm)
     comm.check()  # nothing to check without the custom path
@@ -222,7 +222,7 @@ def _body_serials_per_group(rank, world_size):
     {0,2} and creates their communicators in the opposite order from the
     order in which the groups were made; each group's ranks still agree. A
     rank whose count on a group really is off is told so."""
-    from tpcomm import _setup
+    from tpcomm import _group_setup
 
     g01 = dist.new_group([0, 1])
     g02 = dist.new_group([0, 2])
@@ -240,7 +240,7 @@ def _body_serials_per_group(rank, world_size):
         # rank 1 skips a number on this group (as if it had created one the
         # other rank did not): the next communicator says so on both ranks
         if rank == 1:
-            next(_setup.serials[_setup.group_key(g01)])
+            next(_group_setup.serials[_group_setup.group_key(g01)])
         off = tpcomm.Communicator(g01, device="cpu")
         assert "different orders" in off.disabled_reason, off.disabled_reason
         assert "[2, 3]" in off.disabled_reason, off.disabled_reason
@@ -254,20 +254,20 @@ def _body_serials_per_group(rank, world_size):
 def _body_close_barrier_is_bounded(rank, world_size):
     """close()'s meeting with the peers gives up after its timeout and names
     the ranks that did not come (a peer that died never calls close)."""
-    from tpcomm import _setup
+    from tpcomm import _group_setup
 
     comm = tpcomm.Communicator(device="cpu")
     prefix = "tpcomm/test/close-barrier"
     if rank == 0:
         start = time.monotonic()
-        missing = _setup.meet_peers(comm.group, rank, prefix, 1.0)
+        missing = _group_setup.meet_peers(comm.group, rank, prefix, 1.0)
         took = time.monotonic() - start
         assert missing == list(range(1, world_size)), missing
         assert 1.0 <= took < 3.0, took
     dist.barrier()
     if rank:  # the late ranks arrive now: rank 0's mark is there, nobody is missing
         start = time.monotonic()
-        assert _setup.meet_peers(comm.group, rank, prefix, 30.0) == []
+        assert _group_setup.meet_peers(comm.group, rank, prefix, 30.0) == []
         assert time.monotonic() - start < 10.0
     comm.close()
 

@@ -122,17 +122,17 @@ def test_ranks_that_would_route_differently_all_raise():
 # ------------------------------------------- where the custom path is declined
 #
 # On CPU every rank has a local reason ("device is cpu") that comes first;
-# these bodies take it away (tpcomm._setup.local_reason says the rank could
+# these bodies take it away (tpcomm._group_setup.local_reason says the rank could
 # run the kernels) to reach the checks of the whole group: another node, GPUs
 # without NVLink between every pair, NVML unavailable, a shared GPU.
 
 def _gpu_like(opened="the custom path was opened"):
     """Every rank's own checks pass; opening the C communicator only says
     `opened` (it is never reached when the group declines)."""
-    from tpcomm import _setup
+    from tpcomm import _group_setup
 
-    _setup.local_reason = lambda config, world_size, device: (None, None)
-    _setup.open_custom = lambda *args: (None, opened)
+    _group_setup.local_reason = lambda config, world_size, device: (None, None)
+    _group_setup.open_custom = lambda *args: (None, opened)
 
 
 def _facts(host, uuid):
@@ -208,16 +208,16 @@ def test_shared_gpu_is_no_part_of_the_production_config(monkeypatch):
 def _body_each_rank_names_the_rank_with_the_reason(rank, world_size):
     """A verdict names the rank it comes from: a rank with a reason of its
     own names itself; the others name the first rank that has one."""
-    from tpcomm import _setup
+    from tpcomm import _group_setup
 
-    local = _setup.local_reason
+    local = _group_setup.local_reason
     reasons = {0: None, 1: "no GPU here", 2: "nor here"}
-    _setup.local_reason = lambda config, world_size, device: (reasons[rank], None)
+    _group_setup.local_reason = lambda config, world_size, device: (reasons[rank], None)
     comm = tpcomm.Communicator(device="cpu")
     expected = {0: "rank 1: no GPU here", 1: "rank 1: no GPU here", 2: "rank 2: nor here"}[rank]
     assert comm.disabled_reason == expected and not comm.enabled, comm.disabled_reason
     comm.close()
-    _setup.local_reason = local
+    _group_setup.local_reason = local
     comm = tpcomm.Communicator(device="cpu")  # every rank has its own reason on CPU
     assert comm.disabled_reason == f"rank {rank}: device is cpu: the custom kernels need CUDA GPUs"
     comm.close()

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _constants, _lib, _testing, policy, routing
+from tpcomm import _constants, _lib, _testing, routing, routing_table
 from tpcomm.backends import kernels as kernels_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,11 +22,11 @@ KiB = 1024
 MiB = 1024 * KiB
 
 SCHEMAS = {
-    "all_reduce": "_tpcomm::all_reduce(Tensor input, int comm, int algo) -> Tensor",
-    "all_reduce_out": "_tpcomm::all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()",
-    "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm, int algo) -> Tensor",
-    "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm, int algo) -> Tensor",
-    "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor",
+    "all_reduce": "_tpcomm::all_reduce(Tensor input, int comm_id, int algo) -> Tensor",
+    "all_reduce_out": "_tpcomm::all_reduce_out(Tensor input, Tensor(a!) out, int comm_id, int algo) -> ()",
+    "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor",
+    "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor",
+    "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor",
 }
 P, L, B = _lib.ALGO_PACKET, _lib.ALGO_LINE, _lib.ALGO_BULK
 
@@ -41,7 +41,7 @@ def handle():
     """handle(world_size): the id of a made-up open communicator the fake ops
     find in tpcomm._registry (removed after the test)."""
     with contextlib.ExitStack() as stack:
-        yield lambda world_size: stack.enter_context(_testing.stand_in(world_size)).handle
+        yield lambda world_size: stack.enter_context(_testing.stand_in(world_size)).comm_id
 
 
 # ---------------------------------------------------------------- loading
@@ -248,7 +248,7 @@ def test_fastpath_is_bound_and_raises_the_ops_errors(lib):
     registry, with the message and the tag the torch ops' errors carry."""
     fast = _lib.fastpath()
     assert fast is not None
-    with pytest.raises(RuntimeError, match=r"communicator id 987654321 is unknown .*\[tpc_result 8\]$") as info:
+    with pytest.raises(RuntimeError, match=r"comm_id 987654321 is unknown .*\[tpc_result 8\]$") as info:
         fast.all_reduce(987654321, 0, 0, 64, 2, _lib.ALGO_PACKET, 0)
     err = _lib.translated(info.value)
     assert isinstance(err, tpcomm.CommunicatorClosed) and err.code == _lib.ERR_CLOSED
@@ -290,16 +290,16 @@ def test_ctypes_structs_and_constants_match_the_header(tmp_path):
     assert {c: int(seen[c]) for c in codes} == {c: getattr(_constants, c) for c in codes}
 
 
-# ------------------------------------------------------------------ policy
+# ------------------------------------------------------------------ routing table
 
-SHIPPED = policy.load_table()
+SHIPPED = routing_table.load_table()
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", ["*", "float32", "float16", "bfloat16"])
 def test_policy_boundaries(op, world_size, dtype):
-    rows = policy.bands_for(SHIPPED, op, world_size, dtype)
+    rows = routing_table.bands_for(SHIPPED, op, world_size, dtype)
     assert rows == sorted(rows, key=lambda r: r[0])
     for i, (limit, backend) in enumerate(rows):
         assert routing.choose(rows, limit) == backend
@@ -314,43 +314,43 @@ def test_policy_shipped_table():
     both ops, a "*" row, increasing limits that are multiples of 16, packet
     bands before bulk bands, nothing past the benchmark's largest size
     (64 MiB) and no packet band past the default packet_max_bytes (1 MiB)."""
-    assert os.path.exists(policy.DEFAULT_TABLE)
+    assert os.path.exists(routing_table.DEFAULT_TABLE)
     assert "H200" in SHIPPED["about"]
-    for op in policy.OPS:
+    for op in routing.OPS:
         assert "*" in SHIPPED["routes"][op]
         for world, by_dtype in SHIPPED["routes"][op].items():
             for dtype, rows in by_dtype.items():
                 limits = [limit for limit, _ in rows]
                 backends = [backend for _, backend in rows]
-                assert set(backends) <= set(policy.KERNELS), (op, world, dtype)
+                assert set(backends) <= set(routing.KERNELS), (op, world, dtype)
                 assert backends == sorted(backends, key=lambda b: b != "packet"), (op, world, dtype)
                 assert limits[-1] <= 64 * MiB and all(limit % 16 == 0 for limit in limits)
                 # reduce_scatter's bands are its input per rank; the packet cap is on one chunk
                 chunks = (int(world) if world != "*" else 2) if op == "reduce_scatter" else 1
-                assert policy.packet_cutover(rows) // chunks <= 1 * MiB
+                packet_cutover = max((limit for limit, b in rows if b in routing.PACKET_SLOT_KERNELS), default=0)
+                assert packet_cutover // chunks <= 1 * MiB
 
 
 def test_policy_lookup_falls_back_to_star():
-    table = policy.load_table({"routes": {
+    table = routing_table.load_table({"routes": {
         "all_reduce": {"3": {"*": [[100, "bulk"], [200, "packet"], [300, "bulk"]], "float16": [[50, "packet"]]},
                        "*": {"*": [[10, "bulk"]]}},
         "all_gather": {"*": {"*": [[32, "packet"], [64, "packet"], [128, "bulk"]]}}}})
-    rows = policy.bands_for(table, "all_reduce", 3, "float32")
+    rows = routing_table.bands_for(table, "all_reduce", 3, "float32")
     assert [routing.choose(rows, n) for n in (100, 101, 201, 301)] == ["bulk", "packet", "bulk", "nccl"]
-    assert policy.bands_for(table, "all_reduce", 3, "float16") == [(50, "packet")]
-    assert policy.bands_for(table, "all_reduce", 2, "float16") == [(10, "bulk")]
-    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 3)) == 200
-    assert policy.packet_cutover(policy.bands_for(table, "all_reduce", 5)) == 0
-    assert policy.packet_cutover(policy.bands_for(table, "all_gather", 7)) == 64
+    assert routing_table.bands_for(table, "all_reduce", 3, "float16") == [(50, "packet")]
+    assert routing_table.bands_for(table, "all_reduce", 2, "float16") == [(10, "bulk")]
+    assert routing_table.bands_for(table, "all_reduce", 5) == [(10, "bulk")]
+    assert routing_table.bands_for(table, "all_gather", 7) == [(32, "packet"), (64, "packet"), (128, "bulk")]
 
 
 def test_policy_effective_routes_and_flatten():
-    routes = policy.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
-    assert set(routes) == set(policy.OPS)
+    routes = routing_table.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
+    assert set(routes) == set(routing.OPS)
     assert set(routes["all_reduce"]) == {"*", "float32", "float16", "bfloat16"}
     assert routes["all_gather"]["*"] == [(1 << 62, "nccl")]
     assert all(b != "bulk" for bands in routes["all_reduce"].values() for _, b in bands)
-    flat = policy.flatten(routes)
+    flat = routing_table.flatten(routes)
     assert flat["all_reduce/*/0"] == f"{routes['all_reduce']['*'][0][0]} packet"
     assert len(flat) == sum(len(b) for by_dtype in routes.values() for b in by_dtype.values())
 
@@ -379,12 +379,12 @@ def test_policy_effective_routes_and_flatten():
      "all_gather/*/*: all_gather has no two_shot kernel"),
 ])
 def test_policy_bad_tables_name_the_entry(routes, needle):
-    with pytest.raises(policy.TableError, match=re.escape(needle)):
-        policy.load_table({"routes": routes})
+    with pytest.raises(routing_table.TableError, match=re.escape(needle)):
+        routing_table.load_table({"routes": routes})
 
 
 def test_policy_ops_a_table_lacks_come_from_the_shipped_one():
-    table = policy.load_table({"routes": {"all_reduce": {"*": {"*": [[64, "bulk"]]}}}})
+    table = routing_table.load_table({"routes": {"all_reduce": {"*": {"*": [[64, "bulk"]]}}}})
     assert table["routes"]["all_reduce"]["*"]["*"] == [(64, "bulk")]
     for op in ("all_gather", "reduce_scatter"):
         assert table["routes"][op] == SHIPPED["routes"][op]
@@ -394,13 +394,13 @@ def test_policy_table_files(tmp_path):
     good = tmp_path / "good.json"
     good.write_text('{"about": "test", "routes": {"all_reduce": {"*": {"*": [[64, "packet"]]}}, '
                     '"all_gather": {"*": {"*": [[64, "bulk"]]}}}}')
-    assert policy.load_table(str(good))["about"] == "test"
-    with pytest.raises(policy.TableError, match="cannot be read"):
-        policy.load_table(str(tmp_path / "missing.json"))
+    assert routing_table.load_table(str(good))["about"] == "test"
+    with pytest.raises(routing_table.TableError, match="cannot be read"):
+        routing_table.load_table(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(policy.TableError, match="is not JSON"):
-        policy.load_table(str(bad))
+    with pytest.raises(routing_table.TableError, match="is not JSON"):
+        routing_table.load_table(str(bad))
 
 
 class _RecordingFastpath:
@@ -490,7 +490,7 @@ def _body_communicator_fast_path(rank, world_size):
     through_op = []
     kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, algo))
     kernels_module._raw_stream = lambda device: 1234
-    comm.handle, comm._kernels = 77, kernels
+    comm.comm_id, comm._kernels = 77, kernels
     comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, True)
     x = torch.ones(64, dtype=torch.bfloat16)
     route = comm.route_all_reduce(x)
@@ -520,7 +520,7 @@ def _body_communicator_fast_path(rank, world_size):
         assert e.code == _lib.ERR_TIMEOUT and "peer 1 did not arrive" in str(e)
     wide = torch.full((8,), float(rank + 1), dtype=torch.float64)  # not reducible by the kernels: NCCL (gloo)
     assert comm.all_reduce(wide).tolist() == [3.0] * 8 and len(fast.calls) == 4
-    comm.handle, comm._kernels, comm._caps = 0, None, None
+    comm.comm_id, comm._kernels, comm._caps = 0, None, None
     comm.close()
     try:
         comm.all_reduce(x)

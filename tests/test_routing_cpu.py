@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpcomm
-from tpcomm import Config, policy, routing
+from tpcomm import Config, routing, routing_table
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -22,7 +22,7 @@ LINE_TABLE = {"routes": {op: {"*": {"*": [[4 * KiB, "packet"], [1 * MiB, "line"]
 
 
 def _routes(table=TABLE, world_size=2, force=None, forbid=()):
-    return policy.effective_routes(policy.load_table(table), world_size, force, forbid)
+    return routing_table.effective_routes(routing_table.load_table(table), world_size, force, forbid)
 
 
 def _comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=(),
@@ -271,10 +271,10 @@ def test_route_default_tables(world_size):
     """With the shipped table, a size the table gives to a kernel goes to
     that kernel (on a communicator whose caps hold it), and past the table to
     NCCL."""
-    shipped = policy.load_table()
+    shipped = routing_table.load_table()
     c = _comm(world_size=world_size, table=None, max_bytes=64 * MiB)
     for dtype in (torch.float32, torch.bfloat16):
-        rows = policy.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
+        rows = routing_table.bands_for(shipped, "all_reduce", world_size, str(dtype).split(".")[1])
         for limit, backend in rows:
             assert c.route_all_reduce(_t(limit, dtype)) == backend
         assert c.route_all_reduce(_t(rows[-1][0] + 16, dtype)) == "nccl"
@@ -324,5 +324,15 @@ def test_summary_logged_at_init_names_every_band():
 def test_algo_codes_are_the_headers():
     from tpcomm import _constants as C
 
-    assert routing.ALGO_CODES == {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
-                                  "bulk": C.TPC_ALGO_BULK}
+    header = {name[len("TPC_ALGO_"):].lower(): value for name, value in vars(C).items() if name.startswith("TPC_ALGO_")}
+    # every algorithm of the header's tpc_algo is a kernel routing can name, under the header's name
+    assert routing.ALGO_CODES == header
+    assert set(routing.KERNELS) <= set(routing.ALGO_CODES)
+
+
+def test_aiter_is_offered_every_all_reduce_and_dim0_all_gathers_that_fit():
+    assert routing.aiter_first("all_reduce", 4, 1 * MiB, 64 * MiB)
+    assert routing.aiter_first("all_gather", 4, 1 * MiB, 256 * 1024, dim=0)
+    assert not routing.aiter_first("all_gather", 4, 1 * MiB, 256 * 1024 + 16, dim=0)  # output over max_bytes
+    assert not routing.aiter_first("all_gather", 4, 1 * MiB, 1024, dim=1)  # not AITER's flat layout
+    assert not routing.aiter_first("reduce_scatter", 4, 1 * MiB, 1024)

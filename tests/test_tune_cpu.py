@@ -10,7 +10,7 @@ import tomllib
 
 import pytest
 
-from tpcomm import policy, tune
+from tpcomm import routing, routing_table, tune
 
 import source_tree
 
@@ -83,7 +83,7 @@ def test_table_from_a_hand_written_run():
         "reduce_scatter": {"*": {"*": [[4096, "packet"]]}, "3": {"*": rs, "float16": rs}},
     }
     assert table["about"].startswith("python -m tpcomm.tune: 3x NVIDIA H200")
-    assert policy.load_table(table) is not None
+    assert routing_table.load_table(table) is not None
 
 
 def test_results_without_a_world_size_are_refused():
@@ -99,8 +99,8 @@ def test_the_shipped_table_is_what_tune_derives_from_the_committed_runs(run):
         results = json.load(f)
     world = str(results["env"]["world_size"])
     derived = tune.derive_table(results)["routes"]
-    shipped = policy.load_table()["routes"]
-    for op in policy.OPS:
+    shipped = routing_table.load_table()["routes"]
+    for op in routing.OPS:
         assert {d: [list(b) for b in bands] for d, bands in shipped[op][world].items()} == derived[op][world], op
         assert derived[op][world]["*"][0][1] == "packet"  # decode sizes: the packet kernel was the fastest measured
 
@@ -112,7 +112,7 @@ def test_command_writes_a_table_the_communicator_loads(tmp_path):
                           env=source_tree.subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"TPCOMM_TABLE={out}" in proc.stdout
-    assert policy.load_table(str(out))["routes"]["all_gather"]["2"]["*"][0][1] == "packet"
+    assert routing_table.load_table(str(out))["routes"]["all_gather"]["2"]["*"][0][1] == "packet"
 
 
 def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
@@ -120,7 +120,7 @@ def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
     replaces only its own; without --out the file is named for the GPU model."""
     out = tmp_path / "h200.json"
     mine = {"about": "test", "routes": {op: {"*": {"*": [[16, "nccl"]]}, "2": {"*": [[32, "packet"]]},
-                                            "8": {"*": [[48, "bulk"]]}} for op in policy.OPS}}
+                                            "8": {"*": [[48, "bulk"]]}} for op in routing.OPS}}
     out.write_text(json.dumps(mine))
     env = source_tree.subprocess_env()
     run4 = os.path.join(ROOT, "benchmarks", "results", "h200x4.json")
@@ -128,10 +128,10 @@ def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"extended {out} (world size 4)" in proc.stdout
-    routes = policy.load_table(str(out))["routes"]
-    for op in policy.OPS:
+    routes = routing_table.load_table(str(out))["routes"]
+    for op in routing.OPS:
         assert routes[op]["2"]["*"] == [(32, "packet")] and routes[op]["8"]["*"] == [(48, "bulk")], op
-        assert routes[op]["4"] == policy.load_table()["routes"][op]["4"], op  # as derived from that run
+        assert routes[op]["4"] == routing_table.load_table()["routes"][op]["4"], op  # as derived from that run
     proc = subprocess.run([sys.executable, "-m", "tpcomm.tune", "--from", COMMITTED], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -139,15 +139,15 @@ def test_runs_at_several_world_sizes_extend_one_file(tmp_path):
 
 
 def test_tables_are_named_for_the_gpu_model():
-    assert [policy.gpu_model(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+    assert [routing_table.gpu_model(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
                                           "AMD Instinct MI300X", "NVIDIA H200 NVL")] == \
         ["h200", "h100", "a100", "mi300x", "h200"]
-    assert policy.table_for_device("NVIDIA H200") == os.path.join(policy.TABLES, "h200.json") == policy.DEFAULT_TABLE
-    assert policy.table_for_device("NVIDIA H200 NVL") == policy.DEFAULT_TABLE
-    assert policy.table_for_device("NVIDIA A100-SXM4-80GB") == policy.DEFAULT_TABLE  # none shipped: the H200 one
-    assert policy.table_for_device(None) == policy.DEFAULT_TABLE
-    shipped = {os.path.splitext(f)[0] for f in os.listdir(policy.TABLES) if f.endswith(".json")}
-    assert shipped == {"h200"}, "a table file per GPU model, named by policy.gpu_model"
+    assert routing_table.table_for_device("NVIDIA H200") == os.path.join(routing_table.TABLES, "h200.json") == routing_table.DEFAULT_TABLE
+    assert routing_table.table_for_device("NVIDIA H200 NVL") == routing_table.DEFAULT_TABLE
+    assert routing_table.table_for_device("NVIDIA A100-SXM4-80GB") == routing_table.DEFAULT_TABLE  # none shipped: the H200 one
+    assert routing_table.table_for_device(None) == routing_table.DEFAULT_TABLE
+    shipped = {os.path.splitext(f)[0] for f in os.listdir(routing_table.TABLES) if f.endswith(".json")}
+    assert shipped == {"h200"}, "a table file per GPU model, named by routing_table.gpu_model"
 
 
 def test_live_mode_without_gpus_measures_nothing(tmp_path):

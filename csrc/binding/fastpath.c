@@ -47,15 +47,15 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-/* all_reduce(id, in_ptr, out_ptr, nbytes, dtype, algo, stream): tpc_all_reduce
- * of the communicator id on the raw stream. A failure raises RuntimeError
+/* all_reduce(comm_id, in_ptr, out_ptr, nbytes, dtype, algo, stream): tpc_all_reduce
+ * of comm_id on the raw stream. A failure raises RuntimeError
  * whose message ends in "[tpc_result N]", as the torch ops' errors do
  * (ops.cpp's check), so Python maps both to the same tpcomm exception. */
 static PyObject *all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 7) return PyErr_Format(PyExc_TypeError, "all_reduce takes 7 arguments, got %zd", nargs);
   if (!id_all_reduce) return PyErr_Format(PyExc_RuntimeError, "tpcomm._fastpath: bind() was not called");
-  const unsigned long long id = PyLong_AsUnsignedLongLong(args[0]);
+  const unsigned long long comm_id = PyLong_AsUnsignedLongLong(args[0]);
   void *in = address(args[1]), *out = address(args[2]);
   const size_t nbytes = PyLong_AsSize_t(args[3]);
   const long dtype = PyLong_AsLong(args[4]), algo = PyLong_AsLong(args[5]);
@@ -68,7 +68,7 @@ static PyObject *all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t na
   tpc_result r;
   /* the launch never waits for the GPU, but a first call may load modules */
   Py_BEGIN_ALLOW_THREADS
-  r = id_all_reduce(id, in, out, nbytes, (tpc_dtype)dtype, (tpc_algo)algo, stream);
+  r = id_all_reduce(comm_id, in, out, nbytes, (tpc_dtype)dtype, (tpc_algo)algo, stream);
   Py_END_ALLOW_THREADS
   if (r != TPC_OK)
     return PyErr_Format(PyExc_RuntimeError, "tpcomm: %s: %s [tpc_result %d]", result_string(r), last_error(NULL),
@@ -80,7 +80,7 @@ static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(id_all_reduce, last_error, result_string): C core addresses"},
     {"all_reduce", (PyCFunction)(void (*)(void))all_reduce, METH_FASTCALL,
-     "all_reduce(id, in_ptr, out_ptr, nbytes, dtype, algo, stream)"},
+     "all_reduce(comm_id, in_ptr, out_ptr, nbytes, dtype, algo, stream)"},
     {NULL, NULL, 0, NULL},
 };
 

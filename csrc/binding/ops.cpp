@@ -43,12 +43,12 @@ void check(tpc_comm *comm, tpc_result r) {
     fail("tpcomm: %s: %s [tpc_result %d]", tpc_result_string(r), tpc_comm_last_error(comm), static_cast<int>(r));
 }
 
-// Holds the communicator of an id for one op (tpc_comm_acquire): a closed or
-// unknown id (0 and negative ones included) raises naming it, and the
+// Holds the communicator of a comm_id for one op (tpc_comm_acquire): a closed or
+// unknown comm_id (0 and negative ones included) raises naming it, and the
 // communicator cannot be destroyed by another thread while the op runs.
 class Held {
  public:
-  explicit Held(int64_t id) { check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(id), &comm_)); }
+  explicit Held(int64_t comm_id) { check(nullptr, tpc_comm_acquire(static_cast<uint64_t>(comm_id), &comm_)); }
   ~Held() { tpc_comm_release(comm_); }
   Held(const Held &) = delete;
   Held &operator=(const Held &) = delete;
@@ -146,8 +146,8 @@ Tensor new_output(const Tensor &like, const std::vector<int64_t> &sizes, bool fl
 }
 Tensor contiguous_input(const Tensor &t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
-void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) {
-  Held held(id);
+void all_reduce_into(const Tensor &input, Tensor out, int64_t comm_id, int64_t algo) {
+  Held held(comm_id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
   check_tensor(comm, out, "out");
@@ -163,14 +163,14 @@ void all_reduce_into(const Tensor &input, Tensor out, int64_t id, int64_t algo) 
   if (!aligned16(out)) torch::stable::copy_(out, dst);
 }
 
-Tensor all_reduce(Tensor input, int64_t comm, int64_t algo) {
+Tensor all_reduce(Tensor input, int64_t comm_id, int64_t algo) {
   Tensor out = new_output(input, sizes_of(input));
-  all_reduce_into(input, out, comm, algo);
+  all_reduce_into(input, out, comm_id, algo);
   return out;
 }
 
-void all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
-  all_reduce_into(input, out, comm, algo);
+void all_reduce_out(Tensor input, Tensor out, int64_t comm_id, int64_t algo) {
+  all_reduce_into(input, out, comm_id, algo);
 }
 
 // The sum of input over the ranks plus residual, and its RMSNorm over the last
@@ -178,8 +178,8 @@ void all_reduce_out(Tensor input, Tensor out, int64_t comm, int64_t algo) {
 // and input themselves: the in-place variant). Misaligned views are copied,
 // as for all_reduce, so the kernel's choice never depends on a pointer.
 void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
-                                 Tensor residual_out, int64_t id) {
-  Held held(id);
+                                 Tensor residual_out, int64_t comm_id) {
+  Held held(comm_id);
   tpc_comm *comm = held.get();
   const Tensor *all[] = {&input, &residual, &weight, &normed, &residual_out};
   const char *names[] = {"input", "residual", "weight", "normed", "residual_out"};
@@ -213,8 +213,8 @@ void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, d
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
 // (NCCL's reduce_scatter_tensor layout); the output is the sum of part r, in
 // the input's dtype or (float32) as the fp32 sums, not rounded.
-Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool float32) {
-  Held held(id);
+Tensor reduce_scatter_into(const Tensor &input, int64_t comm_id, int64_t algo, bool float32) {
+  Held held(comm_id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
   const tpc_dtype dtype = reduce_dtype(input, "reduce_scatter");
@@ -235,16 +235,16 @@ Tensor reduce_scatter_into(const Tensor &input, int64_t id, int64_t algo, bool f
   return out;
 }
 
-Tensor reduce_scatter(Tensor input, int64_t id, int64_t algo) { return reduce_scatter_into(input, id, algo, false); }
+Tensor reduce_scatter(Tensor input, int64_t comm_id, int64_t algo) { return reduce_scatter_into(input, comm_id, algo, false); }
 
-Tensor reduce_scatter_f32(Tensor input, int64_t id, int64_t algo) {
-  return reduce_scatter_into(input, id, algo, true);
+Tensor reduce_scatter_f32(Tensor input, int64_t comm_id, int64_t algo) {
+  return reduce_scatter_into(input, comm_id, algo, true);
 }
 
 // Concatenation of every rank's input along `dim`, contiguous: what NCCL's
 // all_gather_into_tensor along dim 0 followed by a move to `dim` returns.
-Tensor all_gather(Tensor input, int64_t dim, int64_t id, int64_t algo) {
-  Held held(id);
+Tensor all_gather(Tensor input, int64_t dim, int64_t comm_id, int64_t algo) {
+  Held held(comm_id);
   tpc_comm *comm = held.get();
   check_tensor(comm, input, "input");
   const int64_t ndim = input.dim();
@@ -290,15 +290,15 @@ void all_reduce_add_rms_norm_out_not_cuda(Tensor input, Tensor, Tensor, double, 
 
 // Internal ops: the Communicator (Python) picks `algo`, a tpc_algo; model code
 // uses the group-name ops torch.ops.tpcomm.* instead. `comm` is a
-// communicator id (Communicator.handle), looked up on every call.
+// comm_id (Communicator.comm_id), looked up on every call.
 STABLE_TORCH_LIBRARY(_tpcomm, m) {
-  m.def("all_reduce(Tensor input, int comm, int algo) -> Tensor");
-  m.def("all_reduce_out(Tensor input, Tensor(a!) out, int comm, int algo) -> ()");
-  m.def("all_gather(Tensor input, int dim, int comm, int algo) -> Tensor");
-  m.def("reduce_scatter(Tensor input, int comm, int algo) -> Tensor");
-  m.def("reduce_scatter_f32(Tensor input, int comm, int algo) -> Tensor");
+  m.def("all_reduce(Tensor input, int comm_id, int algo) -> Tensor");
+  m.def("all_reduce_out(Tensor input, Tensor(a!) out, int comm_id, int algo) -> ()");
+  m.def("all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor");
+  m.def("reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor");
+  m.def("reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor");
   m.def("all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
-        "Tensor(a!) normed, Tensor(b!) residual_out, int comm) -> ()");
+        "Tensor(a!) normed, Tensor(b!) residual_out, int comm_id) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {

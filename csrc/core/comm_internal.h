@@ -26,7 +26,7 @@ struct tpc_comm {
   uint32_t opened_mask;         /* peers whose handles are open (buffer and control chunk) */
   char *peer_chunks[TPC_MAX_RANKS];        /* peers' control pool chunks, as opened */
   tpc_control *peer_control[TPC_MAX_RANKS]; /* peers' control slots inside them */
-  tpc_entry *entry;             /* id, control slot, error record (registry.c) */
+  tpc_entry *entry;             /* comm_id, control slot, error record (registry.c) */
   int ready;
   int failed;
   int multiprocessors;          /* of the device: the packet kernels' block cap */

@@ -9,7 +9,7 @@
 #include "comm_internal.h"
 
 /* The message of a failed call that has no communicator to hold it (create,
- * acquire, an id's op): per thread, so threads do not read each other's. */
+ * acquire, a comm_id's op): per thread, so threads do not read each other's. */
 static _Thread_local char thread_error[TPC_ERROR_BYTES];
 
 tpc_result tpc_fail(tpc_comm *comm, tpc_result code, const char *fmt, ...) {
@@ -80,7 +80,7 @@ static const char *differing_field(const tpc_async_error *e) {
 }
 
 /* Turns a device error record into the error's code and message. */
-static tpc_result describe(tpc_comm *comm, int rank, uint64_t id, uint64_t timeout_ns,
+static tpc_result describe(tpc_comm *comm, int rank, uint64_t comm_id, uint64_t timeout_ns,
                            const tpc_async_error *e) {
   const char *tail = "the communicator is unusable: abort() or close() it and create a new one";
   switch (e->code) {
@@ -89,32 +89,32 @@ static tpc_result describe(tpc_comm *comm, int rank, uint64_t id, uint64_t timeo
     case TPC_ERR_TIMEOUT:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                        "rank %d: peer %d gave up op #%u on communicator %llu (a rank did not arrive "
+                        "rank %d: peer %d gave up op #%u on comm_id %llu (a rank did not arrive "
                         "within %.3f s); this rank's output of that op is NaN; %s",
-                        rank, e->peer, e->epoch, (unsigned long long)id, timeout_ns / 1e9, tail);
+                        rank, e->peer, e->epoch, (unsigned long long)comm_id, timeout_ns / 1e9, tail);
       return tpc_fail(comm, TPC_ERR_TIMEOUT,
-                      "rank %d: peer %d did not arrive within %.3f s (op #%u on communicator %llu); %s",
-                      rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)id, tail);
+                      "rank %d: peer %d did not arrive within %.3f s (op #%u on comm_id %llu); %s",
+                      rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)comm_id, tail);
     case TPC_ERR_MISMATCH:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_MISMATCH,
                         "rank %d: peer %d found that the ranks called different ops at op #%u on "
-                        "communicator %llu; %s", rank, e->peer, e->epoch, (unsigned long long)id, tail);
+                        "comm_id %llu; %s", rank, e->peer, e->epoch, (unsigned long long)comm_id, tail);
       return tpc_fail(comm, TPC_ERR_MISMATCH,
-                      "rank %d: peer %d called a different op at op #%u on communicator %llu: the %s "
+                      "rank %d: peer %d called a different op at op #%u on comm_id %llu: the %s "
                       "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
-                      rank, e->peer, e->epoch, (unsigned long long)id, differing_field(e),
+                      rank, e->peer, e->epoch, (unsigned long long)comm_id, differing_field(e),
                       op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
                       op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
     case TPC_ERR_CLOSED:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_CLOSED,
-                        "rank %d: peer %d aborted communicator %llu (noticed at op #%u); %s", rank,
-                        e->peer, (unsigned long long)id, e->epoch, tail);
+                        "rank %d: peer %d aborted comm_id %llu (noticed at op #%u); %s", rank,
+                        e->peer, (unsigned long long)comm_id, e->epoch, tail);
       return tpc_fail(comm, TPC_ERR_CLOSED,
-                      "rank %d: an op of communicator %llu ran after it was closed or aborted (a CUDA "
+                      "rank %d: an op of comm_id %llu ran after it was closed or aborted (a CUDA "
                       "graph captured on it was replayed): it wrote nothing but NaN into a floating-point output",
-                      rank, (unsigned long long)id);
+                      rank, (unsigned long long)comm_id);
   }
   return tpc_fail(comm, (tpc_result)e->code, "rank %d: device error %d involving peer %d (op #%u)", rank,
                   e->code, e->peer, e->epoch);
@@ -142,20 +142,20 @@ tpc_result tpc_comm_async_error(tpc_comm *comm, tpc_async_error *out) {
   if (out) *out = copy;
   if (copy.code == TPC_OK) return TPC_OK;
   comm->failed = 1;
-  return describe(comm, comm->cfg.rank, comm->entry->id, comm->cfg.timeout_ns, &copy);
+  return describe(comm, comm->cfg.rank, comm->entry->comm_id, comm->cfg.timeout_ns, &copy);
 }
 
-tpc_result tpc_id_async_error(uint64_t id, tpc_async_error *out) {
+tpc_result tpc_id_async_error(uint64_t comm_id, tpc_async_error *out) {
   tpc_registry_lock();
-  tpc_entry *e = tpc_registry_find(id);
+  tpc_entry *e = tpc_registry_find(comm_id);
   const tpc_entry_state state = e ? e->state : TPC_ENTRY_CLOSED;
   const tpc_async_error copy = e ? tpc_read_record(e->record) : (tpc_async_error){0};
   tpc_registry_unlock();
   if (out) *out = copy;
-  if (!e) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "communicator id %llu is unknown", (unsigned long long)id);
-  if (copy.code != TPC_OK) return describe(NULL, e->rank, id, e->timeout_ns, &copy);
+  if (!e) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "comm_id %llu is unknown", (unsigned long long)comm_id);
+  if (copy.code != TPC_OK) return describe(NULL, e->rank, comm_id, e->timeout_ns, &copy);
   if (state != TPC_ENTRY_OPEN)
-    return tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
+    return tpc_fail(NULL, TPC_ERR_CLOSED, "comm_id %llu is %s", (unsigned long long)comm_id,
                     state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
   return TPC_OK;
 }

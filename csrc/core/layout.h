@@ -40,7 +40,7 @@
  * never freed, never reused (registry.c). Read by thread 0 of every block
  * in one 16-byte load before anything else. */
 typedef struct {
-  uint32_t alive;   /* the communicator's id (low 32 bits) while open; 0 once closed */
+  uint32_t alive;   /* the communicator's comm_id (low 32 bits) while open; 0 once closed */
   uint32_t epoch;   /* the last op's number; advanced by the device */
   uint32_t failed;  /* 0, or the first error's tpc_result: later ops exit at once */
   /* Written by peers (the pool chunk is IPC-mapped by every peer): nonzero

@@ -90,18 +90,18 @@ tpc_result tpc_comm_create(const tpc_config *config, tpc_comm **comm_out) {
     r = tpc_runtime_fail(NULL, rt, code, "synchronising after set-up");
     goto undo;
   }
-  /* Last: an id is only handed out to a communicator that exists. */
+  /* Last: a comm_id is only handed out to a communicator that exists. */
   if ((code = tpc_registry_add(rt, config->device, &comm->entry)) != 0) {
     r = code < 0 ? tpc_fail(NULL, TPC_ERR_RUNTIME, "out of host memory for the communicator registry")
                  : tpc_runtime_fail(NULL, rt, code, "allocating the control pool");
     goto undo;
   }
   /* The slot is fresh (never used by another communicator): epoch and failed
-   * are 0; alive becomes this id, which the kernels compare with theirs. */
-  const tpc_control control = {(uint32_t)comm->entry->id, 0, 0, 0};
+   * are 0; alive becomes this comm_id, which the kernels compare with theirs. */
+  const tpc_control control = {(uint32_t)comm->entry->comm_id, 0, 0, 0};
   if ((code = rt->memcpy_any(comm->entry->control, &control, sizeof control)) != 0) {
     r = tpc_runtime_fail(NULL, rt, code, "initialising the control slot");
-    goto undo; /* the id stays retired: it was never open */
+    goto undo; /* the comm_id stays retired: it was never open */
   }
   tpc_registry_lock();
   comm->entry->rank = config->rank;
@@ -118,7 +118,7 @@ undo:
   return r;
 }
 
-uint64_t tpc_comm_id(const tpc_comm *comm) { return comm ? comm->entry->id : 0; }
+uint64_t tpc_comm_id(const tpc_comm *comm) { return comm ? comm->entry->comm_id : 0; }
 
 /* The exported blob: [0, 64) the buffer's handle, [64, 128) the control
  * chunk's handle, [128, 136) the control slot's offset in that chunk. */
@@ -183,7 +183,7 @@ tpc_result tpc_comm_ready(tpc_comm *comm) {
   return TPC_OK;
 }
 
-/* Retires the id: later lookups say "closed". Refused while another thread
+/* Retires the comm_id: later lookups say "closed". Refused while another thread
  * holds the communicator for an op. */
 static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
   tpc_registry_lock();
@@ -193,8 +193,8 @@ static tpc_result retire(tpc_comm *comm, tpc_entry_state state) {
     comm->entry->state = state;
   }
   tpc_registry_unlock();
-  return busy ? tpc_fail(comm, TPC_ERR_STATE, "communicator %llu is running an op (from another thread?)",
-                         (unsigned long long)comm->entry->id)
+  return busy ? tpc_fail(comm, TPC_ERR_STATE, "comm_id %llu is running an op (from another thread?)",
+                         (unsigned long long)comm->entry->comm_id)
               : TPC_OK;
 }
 
@@ -267,23 +267,23 @@ tpc_result tpc_comm_abort(tpc_comm *comm) {
   return free_host_state(comm, r);
 }
 
-tpc_result tpc_comm_acquire(uint64_t id, tpc_comm **comm_out) {
+tpc_result tpc_comm_acquire(uint64_t comm_id, tpc_comm **comm_out) {
   if (!comm_out) return tpc_fail(NULL, TPC_ERR_INVALID_ARG, "comm_out is NULL");
   *comm_out = NULL;
   tpc_registry_lock();
-  tpc_entry *e = tpc_registry_find(id);
+  tpc_entry *e = tpc_registry_find(comm_id);
   tpc_result r = TPC_OK;
   if (!e)
-    r = tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is unknown (never created in this process)",
-                 (unsigned long long)id);
+    r = tpc_fail(NULL, TPC_ERR_CLOSED, "comm_id %llu is unknown (never created in this process)",
+                 (unsigned long long)comm_id);
   else if (e->state != TPC_ENTRY_OPEN)
-    r = tpc_fail(NULL, TPC_ERR_CLOSED, "communicator id %llu is %s", (unsigned long long)id,
+    r = tpc_fail(NULL, TPC_ERR_CLOSED, "comm_id %llu is %s", (unsigned long long)comm_id,
                  e->state == TPC_ENTRY_ABORTED ? "aborted" : "closed");
   else if (e->in_use)
     r = tpc_fail(NULL, TPC_ERR_STATE,
-                 "communicator id %llu is already running an op (from another thread?): ops of one "
+                 "comm_id %llu is already running an op (from another thread?): ops of one "
                  "communicator must come from one thread at a time, in the same order on every rank",
-                 (unsigned long long)id);
+                 (unsigned long long)comm_id);
   else {
     e->in_use = 1;
     *comm_out = e->comm;

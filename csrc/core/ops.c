@@ -47,7 +47,7 @@ static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, 
   for (int p = 0; p < comm->cfg.world_size; ++p)
     if (p != comm->cfg.rank) a->peer_control[p] = comm->peer_control[p];
   a->err = comm->entry->record_device;
-  a->alive_id = (uint32_t)comm->entry->id;
+  a->alive_id = (uint32_t)comm->entry->comm_id;
   a->kind = tpc_kind_word(op, algo, dtype, row_bytes);
   a->poison = nan_pattern;
   a->poison_out = nan_pattern != 0;
@@ -164,10 +164,10 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
   return reduce_op(comm, TPC_OP_ALL_REDUCE, "all_reduce", in, out, nbytes, 1, dtype, algo, 0, stream);
 }
 
-tpc_result tpc_id_all_reduce(uint64_t id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
+tpc_result tpc_id_all_reduce(uint64_t comm_id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
                              tpc_algo algo, void *stream) {
   tpc_comm *comm = NULL;
-  tpc_result r = tpc_comm_acquire(id, &comm);
+  tpc_result r = tpc_comm_acquire(comm_id, &comm);
   if (r != TPC_OK) return r;
   r = tpc_to_thread_slot(comm, tpc_all_reduce(comm, in, out, nbytes, dtype, algo, stream));
   tpc_comm_release(comm);

@@ -26,9 +26,9 @@ static tpc_pool_chunk pools[TPC_MAX_DEVICES];
 void tpc_registry_lock(void) { pthread_mutex_lock(&registry_mutex); }
 void tpc_registry_unlock(void) { pthread_mutex_unlock(&registry_mutex); }
 
-tpc_entry *tpc_registry_find(uint64_t id) {
-  if (id == 0 || id > entries_used) return NULL;
-  const uint64_t index = id - 1;
+tpc_entry *tpc_registry_find(uint64_t comm_id) {
+  if (comm_id == 0 || comm_id > entries_used) return NULL;
+  const uint64_t index = comm_id - 1;
   return &entry_chunks[index / TPC_CHUNK][index % TPC_CHUNK];
 }
 
@@ -76,7 +76,7 @@ int tpc_registry_add(const tpc_runtime *rt, int device, tpc_entry **entry_out) {
   code = pool_slot(rt, device, &e->control, &e->control_chunk, &e->record, &e->record_device);
   if (code) goto out;
   entries_used++;
-  e->id = index + 1;
+  e->comm_id = index + 1;
   /* Not open until the caller has initialised the slot (tpc_comm_create). */
   e->comm = NULL;
   e->state = TPC_ENTRY_CLOSED;

@@ -1,10 +1,10 @@
 /*
  * Communicator ids and the memory that outlives every communicator.
  *
- * Each communicator gets a process-unique id (1, 2, 3, ...; never reused) and
+ * Each communicator gets a process-unique comm_id (1, 2, 3, ...; never reused) and
  * a control slot + error record from a per-device pool that is never freed.
- * The torch ops carry the id: looking it up under the registry lock turns a
- * closed or unknown id into an error instead of a dangling pointer, and the
+ * The torch ops carry the comm_id: looking it up under the registry lock turns a
+ * closed or unknown comm_id into an error instead of a dangling pointer, and the
  * kernels of a graph replayed after close() still find their control slot
  * (now marked dead) and their error record.
  */
@@ -25,11 +25,11 @@
 typedef enum { TPC_ENTRY_OPEN = 0, TPC_ENTRY_CLOSED = 1, TPC_ENTRY_ABORTED = 2 } tpc_entry_state;
 
 typedef struct {
-  uint64_t id;
+  uint64_t comm_id;
   struct tpc_comm *comm;            /* NULL once closed or aborted */
   tpc_entry_state state;
   int in_use;                       /* an op holds it (tpc_comm_acquire) */
-  int rank;                         /* for messages about a closed id */
+  int rank;                         /* for messages about a closed comm_id */
   uint64_t timeout_ns;
   tpc_control *control;             /* device memory */
   void *control_chunk;              /* the pool chunk holding it (what peers map) */
@@ -37,7 +37,7 @@ typedef struct {
   tpc_async_error *record_device;   /* the kernels' view of it */
 } tpc_entry;
 
-/* Takes a fresh id and control slot on `device` (the current device).
+/* Takes a fresh comm_id and control slot on `device` (the current device).
  * Returns 0, the runtime's error code, or -1 when host memory ran out. The
  * entry is not open yet: the caller initialises the slot, then sets comm and
  * state under the lock. */
@@ -46,7 +46,7 @@ int tpc_registry_add(const tpc_runtime *rt, int device, tpc_entry **entry_out);
 /* The registry lock: held around every lookup and state change. */
 void tpc_registry_lock(void);
 void tpc_registry_unlock(void);
-/* The entry of an id ever handed out, or NULL. Call with the lock held. */
-tpc_entry *tpc_registry_find(uint64_t id);
+/* The entry of a comm_id ever handed out, or NULL. Call with the lock held. */
+tpc_entry *tpc_registry_find(uint64_t comm_id);
 
 #endif /* TPCOMM_REGISTRY_H */

@@ -27,7 +27,7 @@ from ._log import log_once as _log_once
 from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
-from . import fusion, ops, policy
+from . import fusion, ops, routing_table
 from .compile_pass import compile_backend
 from .torch_collectives import install
 
@@ -42,5 +42,5 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "compile_backend", "fusion", "install", "load", "policy"]
+           "compile_backend", "fusion", "install", "load", "routing_table"]
 from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)

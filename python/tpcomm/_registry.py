@@ -11,15 +11,15 @@ _by_id = {}
 
 def register(comm):
     _by_name[comm.group_name] = comm
-    if comm.handle:
-        _by_id[comm.handle] = comm
+    if comm.comm_id:
+        _by_id[comm.comm_id] = comm
 
 
 def unregister(comm):
     if _by_name.get(comm.group_name) is comm:
         del _by_name[comm.group_name]
-    for cid in [cid for cid, c in _by_id.items() if c is comm]:
-        del _by_id[cid]
+    for comm_id in [comm_id for comm_id, c in _by_id.items() if c is comm]:
+        del _by_id[comm_id]
 
 
 def find(group_name):
@@ -41,9 +41,9 @@ def communicator_for(group_name):
     return comm
 
 
-def by_id(cid):
+def by_id(comm_id):
     """The open Communicator with that id; ValueError when none is open."""
-    comm = _by_id.get(cid)
+    comm = _by_id.get(comm_id)
     if comm is None:
-        raise ValueError(f"tpcomm: handle {cid} is not an open communicator")
+        raise ValueError(f"tpcomm: comm_id {comm_id} is not an open communicator")
     return comm

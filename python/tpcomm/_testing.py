@@ -36,9 +36,9 @@ def stand_in(world_size):
     """A made-up open communicator of `world_size` ranks in tpcomm._registry,
     under a fresh id and group name, for as long as the context lasts: what
     the fake implementations find by id, in tests without a process group.
-    Yields it (.handle, .group_name, .world_size)."""
+    Yields it (.comm_id, .group_name, .world_size)."""
     n = next(_stand_ins)
-    comm = types.SimpleNamespace(handle=0x7F00_0000_0000 + n, group_name=f"tpcomm-stand-in-{n}",
+    comm = types.SimpleNamespace(comm_id=0x7F00_0000_0000 + n, group_name=f"tpcomm-stand-in-{n}",
                                  world_size=world_size)
     _registry.register(comm)
     try:

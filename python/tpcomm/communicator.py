@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _lib, _registry, _setup, add_rms_norm, policy, routing
+from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._log import log_once
 from ._shapes import checked_dim
 from .backends import aiter
@@ -39,7 +39,7 @@ class Communicator:
         packet_max_bytes: cap on the input bytes per rank of the packet kernels;
             registers 4 * world_size * packet_max_bytes per rank.
         timeout_s: bound on every device-side wait for a peer.
-        table: routing table, a path or a parsed dict (see tpcomm.policy).
+        table: routing table, a path or a parsed dict (see tpcomm.routing_table).
         config: a tpcomm.Config; default: Config.from_env(), the TPCOMM_*
             variables. The arguments above, when given, override it.
 
@@ -64,7 +64,7 @@ class Communicator:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.device = _setup.resolve_device(device)
+        self.device = _group_setup.resolve_device(device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None  # for _check_input
         self.config = (config or Config.from_env()).replace(
             max_bytes=max_bytes, packet_max_bytes=packet_max_bytes, timeout_s=timeout_s,
@@ -72,11 +72,11 @@ class Communicator:
         self.max_bytes = self.config.max_bytes
         self.packet_max_bytes = min(self.config.packet_max_bytes, self.max_bytes)
         self.timeout_s = float(self.config.timeout_s)
-        self.table = policy.load_table(_setup.table_source(table if isinstance(table, dict) else self.config.table,
+        self.table = routing_table.load_table(_group_setup.table_source(table if isinstance(table, dict) else self.config.table,
                                                            self.device))
-        self._routes = policy.effective_routes(self.table, self.world_size, dict(self.config.force),
+        self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                self.config.forbid)
-        self.handle = self._id = 0  # the id the internal ops take (0: off or closed); _id outlives close
+        self.comm_id = self._last_comm_id = 0  # the id the internal ops take (0: off or closed); _last_comm_id outlives close
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
         self._nccl = Nccl(self.group)  # the fallback
@@ -85,20 +85,20 @@ class Communicator:
         # call seen, as the callable that runs it (routing is not walked again).
         self._memo = {op: {} for op in routing.OPS}
         self._all_reduce_memo = self._memo["all_reduce"]  # read on every all_reduce
-        self._group_key = _setup.group_key(self.group)
+        self._group_key = _group_setup.group_key(self.group)
         self.group_name = str(self._group_key)  # what the group-name ops torch.ops.tpcomm.* take
-        self.serial = next(_setup.serials[self._group_key])  # this group's communicators before it
+        self.serial = next(_group_setup.serials[self._group_key])  # this group's communicators before it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            self._lib, self._comm, self.disabled_reason = _setup.open_group(  # collective
+            self._lib, self._comm, self.disabled_reason = _group_setup.open_group(  # collective
                 self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
                 self.max_bytes, self.packet_max_bytes)
             if self._comm is not None:
-                self.handle = self._id = int(self._lib.tpc_comm_id(self._comm))
-                self._kernels = Kernels(self.handle, self._cuda_index)
+                self.comm_id = self._last_comm_id = int(self._lib.tpc_comm_id(self._comm))
+                self._kernels = Kernels(self.comm_id, self._cuda_index)
                 self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
-                functools.partial(_setup.agreed_error, self.group, self.rank, self.world_size))
+                functools.partial(_group_setup.agreed_error, self.group, self.rank, self.world_size))
         _registry.register(self)
         if self.disabled_reason is not None:
             log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
@@ -109,7 +109,7 @@ class Communicator:
 
     @property
     def enabled(self) -> bool:
-        return self.handle != 0
+        return self.comm_id != 0
 
     @property
     def kernels(self) -> "Kernels | None":
@@ -222,13 +222,14 @@ class Communicator:
     def _remember(self, op, key, x, nbytes, backend, dim=0):
         """Memoises the route of a call like x (a few thousand shapes at most:
         a serving engine sees a handful per batch size) as (stats cell, run).
-        AITER, where it is open and takes the call, is tried first; what it
-        declines runs on `backend` and is counted there."""
+        AITER, where it is open, routing offers it the call and it takes it,
+        is tried first; what it declines runs on `backend` and is counted there."""
         memo = self._memo[op]
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
-        if self._aiter is not None and self._aiter.takes(op, x, dim, self.max_bytes):
+        if (self._aiter is not None and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
+                and self._aiter.takes(op, x)):
             aiter_cell = self._cell(op, "aiter")
             cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
         memo[key] = (cell, run)
@@ -261,9 +262,9 @@ class Communicator:
         if self._comm is not None:
             code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(_lib.AsyncError()))
             _lib.check(self._lib, self._comm, code, "device error")
-        elif self._id:  # closed: the record outlives the communicator
+        elif self._last_comm_id:  # closed: the record outlives the communicator
             record = _lib.AsyncError()
-            code = self._lib.tpc_id_async_error(self._id, ctypes.byref(record))
+            code = self._lib.tpc_id_async_error(self._last_comm_id, ctypes.byref(record))
             if record.code != _lib.OK:
                 _lib.check(self._lib, None, code, "device error")
 
@@ -294,7 +295,7 @@ class Communicator:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
-        missing = _setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
+        missing = _group_setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
         if missing:
             self._release(self._lib.tpc_comm_abort, "abort")
             raise CollectiveTimeout(
@@ -325,7 +326,7 @@ class Communicator:
         return True
 
     def _release(self, fn, what):
-        comm, self._comm, self.handle, self._caps = self._comm, None, 0, None
+        comm, self._comm, self.comm_id, self._caps = self._comm, None, 0, None
         _lib.check(self._lib, comm, fn(comm), what)
 
     def __repr__(self):
@@ -335,7 +336,7 @@ class Communicator:
 
     def _check_open(self):
         if self._closed:
-            raise CommunicatorClosed(f"tpcomm: the communicator (id {self._id}) is closed")
+            raise CommunicatorClosed(f"tpcomm: the communicator (comm_id {self._last_comm_id}) is closed")
 
     def _check_input(self, x, what):
         # The common case in cheap tests, without making a torch.device.

@@ -25,7 +25,7 @@ import dataclasses
 import os
 
 from . import _constants as C
-from . import policy
+from . import routing
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -85,13 +85,13 @@ class Config:
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive")
         for op, backend in self.force:
-            if op not in policy.OPS or backend not in policy.BACKENDS:
-                raise ValueError(f"tpcomm: force {op}={backend}: ops are {policy.OPS}, backends {policy.BACKENDS}")
-            if op not in policy.KERNEL_OPS.get(backend, policy.OPS):
+            if op not in routing.OPS or backend not in routing.BACKENDS:
+                raise ValueError(f"tpcomm: force {op}={backend}: ops are {routing.OPS}, backends {routing.BACKENDS}")
+            if op not in routing.KERNEL_OPS.get(backend, routing.OPS):
                 raise ValueError(f"tpcomm: force {op}={backend}: {op} has no {backend} kernel")
         for backend in self.forbid:
-            if backend not in policy.KERNELS:
-                raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {policy.KERNELS} can be forbidden")
+            if backend not in routing.KERNELS:
+                raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {routing.KERNELS} can be forbidden")
         return self
 
     def describe(self):

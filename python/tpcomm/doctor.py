@@ -258,22 +258,22 @@ def _routing_facts(report, world_size, config):
     report.section(f"routing (world size {world_size})")
     import torch
 
-    from . import _setup, policy, routing
+    from . import _group_setup, routing, routing_table
     source = getattr(config, "table", None) if config is not None else None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    path = _setup.table_source(source, torch.device("cuda", 0) if gpu else torch.device("cpu"))
+    path = _group_setup.table_source(source, torch.device("cuda", 0) if gpu else torch.device("cpu"))
     try:
-        table = policy.load_table(path)
+        table = routing_table.load_table(path)
     except Exception as e:  # noqa: BLE001 - a bad table is a finding
         report.problem("table", str(e))
         return
-    report.line("table", source or f"{path} (shipped, for {policy.gpu_model(gpu) if gpu else 'no GPU'})")
+    report.line("table", source or f"{path} (shipped, for {routing_table.gpu_model(gpu) if gpu else 'no GPU'})")
     about = table.get("about", "")
     if about:
         report.line("measured on", about.split(":", 1)[1].split(",", 2)[0].strip() if ":" in about else about[:120])
     force = dict(getattr(config, "force", ()) or ())
     forbid = getattr(config, "forbid", ()) or ()
-    routes = policy.effective_routes(table, world_size, force, forbid)
+    routes = routing_table.effective_routes(table, world_size, force, forbid)
     from .config import Config
 
     defaults = Config()

@@ -121,7 +121,7 @@ def refusal(op, kernel, caps, dtype, nbytes, row=0):
 
 def route(routes, caps, op, dtype, nbytes, row=0):
     """The backend of this call: the table's band for nbytes (routes: what
-    policy.effective_routes gives), or, where that kernel cannot take it, the
+    routing_table.effective_routes gives), or, where that kernel cannot take it, the
     first of its FALLBACKS that can; NCCL when none can or caps is None."""
     if caps is None or _no_kernel(op, caps, dtype, nbytes, row):
         return "nccl"
@@ -131,6 +131,17 @@ def route(routes, caps, op, dtype, nbytes, row=0):
         if _kernel_refusal(op, kernel, caps, nbytes, row) is None:
             return kernel
     return "nccl"
+
+
+def aiter_first(op, world_size, max_bytes, nbytes, dim=0):
+    """Whether AITER's custom all-reduce, where it is open (ROCm), is tried
+    before the routed backend: every all_reduce, and an all_gather along dim
+    0 (AITER's flat layout) whose output (nbytes input per rank) fits
+    max_bytes. AITER itself may still decline the call (its own size and
+    alignment rules); what it declines runs on the routed backend."""
+    if op == "all_reduce":
+        return True
+    return op == "all_gather" and dim == 0 and nbytes * world_size <= max_bytes
 
 
 def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):

@@ -20,12 +20,12 @@ import os
 import sys
 import tempfile
 
-from . import policy
+from . import routing, routing_table
 
 # Benchmark backend names -> the routing table's backend names.
-ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in policy.KERNELS}, "nccl": "nccl"}
+ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in routing.KERNELS}, "nccl": "nccl"}
 # On a tie (equal medians) the earlier one wins: tpcomm's kernels first.
-PREFERENCE = policy.BACKENDS
+PREFERENCE = routing.BACKENDS
 
 
 def winners(rows, op, dtype):
@@ -57,19 +57,19 @@ def bands(won):
 
 
 def derive_table(results, base=None):
-    """A routing table (policy's format) from benchmark results: a row for
+    """A routing table (routing_table's format) from benchmark results: a row for
     the measured world size, one per measured dtype (its "*" row is
     bfloat16's, the dtype of serving), and every other world size kept from
     `base` (default: the shipped table)."""
-    base = policy.load_table(base)
+    base = routing_table.load_table(base)
     env = results.get("env", {})
     world = str(env.get("world_size", ""))
     if not world.isdigit():
         raise ValueError("the benchmark results name no world size (env.world_size)")
     rows = results.get("rows", [])
     routes = {}
-    for op in policy.OPS:
-        dtypes = sorted({r["dtype"] for r in rows if r.get("op") == op and r.get("dtype") in policy.DTYPES})
+    for op in routing.OPS:
+        dtypes = sorted({r["dtype"] for r in rows if r.get("op") == op and r.get("dtype") in routing_table.DTYPES})
         by_dtype = {d: bands(winners(rows, op, d)) for d in dtypes}
         by_dtype = {d: b for d, b in by_dtype.items() if b}
         # the base table's rows, as JSON lists; the measured world size replaces its own
@@ -83,7 +83,7 @@ def derive_table(results, base=None):
              f"torch {env.get('torch', '?')}, NCCL {env.get('nccl', '?')}, {env.get('date', '?')}: fastest correct "
              f"of {', '.join(PREFERENCE)} per op, dtype and size (CUDA graphs, median per op)")
     table = {"about": about, "routes": routes}
-    policy.load_table(table)  # what we write must load
+    routing_table.load_table(table)  # what we write must load
     return table
 
 
@@ -115,13 +115,13 @@ def main(argv=None):
             with open(path) as f:
                 results = json.load(f)
     env = results.get("env", {})
-    out = args.out or f"tpcomm_table_{policy.gpu_model(str(env.get('gpu', 'gpu')))}.json"
+    out = args.out or f"tpcomm_table_{routing_table.gpu_model(str(env.get('gpu', 'gpu')))}.json"
     extended = os.path.exists(out)
-    table = derive_table(results, out if extended else policy.table_for_device(env.get("gpu")))
+    table = derive_table(results, out if extended else routing_table.table_for_device(env.get("gpu")))
     with open(out, "w") as f:
         json.dump(table, f, indent=2)
         f.write("\n")
-    for op in policy.OPS:
+    for op in routing.OPS:
         for world, by_dtype in sorted(table["routes"][op].items()):
             for dtype, bs in sorted(by_dtype.items()):
                 print(f"{op:11s} world {world:2s} {dtype:9s} " + ", ".join(f"{b} to {n} B" for n, b in bs))

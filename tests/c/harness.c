@@ -43,8 +43,8 @@ int make_world(world *w, int n, int connect) {
         fprintf(stderr, "make_world: create of rank %d failed: %s\n", r, tpc_comm_last_error(NULL));
       return 0;
     }
-    w->id[r] = tpc_comm_id(w->comm[r]);
-    const tpc_entry *e = entry_of(w->id[r]);
+    w->comm_id[r] = tpc_comm_id(w->comm[r]);
+    const tpc_entry *e = entry_of(w->comm_id[r]);
     if (!e) return 0;
     w->control[r] = e->control;
     w->chunk[r] = e->control_chunk;
@@ -113,7 +113,7 @@ void check_args(const world *w, int rank, const void *in, void *out, size_t nbyt
    * own address); none for this rank or past the world */
   for (int p = 0; p < TPC_MAX_RANKS; ++p)
     CHECK_PTR(a->peer_control[p], p < w->n && p != rank ? w->control[p] : NULL);
-  CHECK_EQ(a->alive_id, (uint32_t)w->id[rank]);
+  CHECK_EQ(a->alive_id, (uint32_t)w->comm_id[rank]);
   CHECK_EQ(a->alive_id, w->control[rank]->alive); /* the open slot matches */
   CHECK_EQ(a->max_blocks, FAKE_MULTIPROCESSORS); /* the device's count, read at creation */
   CHECK_EQ(fake.last_algo, algo);

@@ -119,7 +119,7 @@ typedef struct {
   int n;
   tpc_comm *comm[TPC_MAX_RANKS];
   char *buf[TPC_MAX_RANKS];                /* each rank's registered buffer */
-  uint64_t id[TPC_MAX_RANKS];
+  uint64_t comm_id[TPC_MAX_RANKS];
   tpc_control *control[TPC_MAX_RANKS];     /* each rank's control slot */
   void *chunk[TPC_MAX_RANKS];              /* the pool chunk it lies in */
   tpc_async_error *err_host[TPC_MAX_RANKS];

@@ -120,7 +120,7 @@ void test_describe(void) {
   tpc_comm *c = w.comm[r];
   volatile tpc_async_error *rec = w.err_host[r];
   char id_text[64];
-  snprintf(id_text, sizeof id_text, "communicator %" PRIu64, w.id[r]);
+  snprintf(id_text, sizeof id_text, "comm_id %" PRIu64, w.comm_id[r]);
   const uint32_t ar_pk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_PACKET, TPC_FLOAT32, 256);
   const uint32_t ar_bk_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_BULK, TPC_FLOAT32, 256);
   const uint32_t ar_ln_f32 = tpc_kind_word(TPC_OP_ALL_REDUCE, TPC_ALGO_LINE, TPC_FLOAT32, 256);
@@ -181,7 +181,7 @@ void test_describe(void) {
     for (int k = 0; k < 4 && cases[i].needles[k]; ++k) CHECK_MSG(c, cases[i].needles[k]);
     /* the same message through the id */
     memset(&e, 0, sizeof e);
-    CHECK_RC(NULL, tpc_id_async_error(w.id[r], &e), (tpc_result)cases[i].code);
+    CHECK_RC(NULL, tpc_id_async_error(w.comm_id[r], &e), (tpc_result)cases[i].code);
     CHECK_EQ(e.code, cases[i].code);
     CHECK_EQ(e.peer, cases[i].peer);
     CHECK_EQ(strcmp(tpc_comm_last_error(NULL), tpc_comm_last_error(c)), 0);
@@ -193,7 +193,7 @@ void test_describe(void) {
 
   /* a closed communicator's record is still read through its id: a graph
    * replayed after close records TPC_ERR_CLOSED there */
-  const uint64_t id = w.id[r];
+  const uint64_t id = w.comm_id[r];
   volatile tpc_async_error *closed_rec = rec;
   memset((void *)closed_rec, 0, sizeof *closed_rec);
   destroy_world(&w);

@@ -117,7 +117,7 @@ void test_create_destroy(void) {
   const tpc_entry *entry = entry_of(id);
   CHECK(entry != NULL);
   if (!entry) return;
-  CHECK_EQ(entry->id, id);
+  CHECK_EQ(entry->comm_id, id);
   CHECK_PTR(entry->comm, comm);
   CHECK_EQ(entry->state, TPC_ENTRY_OPEN);
   CHECK_EQ(entry->in_use, 0);
@@ -487,9 +487,9 @@ void test_destroy_failures(void) {
     /* the id is retired whatever failed; the slot is dead unless writing it
      * was the step that failed */
     tpc_comm *got = NULL;
-    CHECK_RC(NULL, tpc_comm_acquire(w.id[0], &got), TPC_ERR_CLOSED);
+    CHECK_RC(NULL, tpc_comm_acquire(w.comm_id[0], &got), TPC_ERR_CLOSED);
     CHECK_MSG(NULL, "closed");
-    CHECK_EQ(w.control[0]->alive, steps[i].entry == FK_MEMCPY_ANY ? (uint32_t)w.id[0] : 0u);
+    CHECK_EQ(w.control[0]->alive, steps[i].entry == FK_MEMCPY_ANY ? (uint32_t)w.comm_id[0] : 0u);
   }
 }
 
@@ -673,7 +673,7 @@ void test_peer_control(void) {
       if (p == r) continue;
       /* chunk (as opened) + offset (from the blob) */
       CHECK_EQ((char *)a.peer_control[p] - (char *)w.chunk[p], (long long)blob_offset(w.handle[p]));
-      CHECK_PTR(a.peer_control[p], entry_of(w.id[p])->control);
+      CHECK_PTR(a.peer_control[p], entry_of(w.comm_id[p])->control);
       CHECK(a.peer_control[p] != a.control);
       if (a.peer_control[p] != w.control[p]) continue; /* not a slot to write through */
       /* a write through the mapping lands in the peer's own slot, and only
@@ -681,8 +681,8 @@ void test_peer_control(void) {
       const uint32_t word = 0xab000000u | (uint32_t)(r << 8) | (uint32_t)(p + 1);
       a.peer_control[p]->stopped = word;
       CHECK_EQ(w.control[p]->stopped, word);
-      CHECK_EQ(entry_of(w.id[p])->control->stopped, word);
-      CHECK_EQ(w.control[p]->alive, (uint32_t)w.id[p]);
+      CHECK_EQ(entry_of(w.comm_id[p])->control->stopped, word);
+      CHECK_EQ(w.control[p]->alive, (uint32_t)w.comm_id[p]);
       CHECK_EQ(w.control[p]->failed, 0);
       for (int q = 0; q < 4; ++q)
         if (q != p) CHECK_EQ(w.control[q]->stopped, 0);
@@ -792,7 +792,7 @@ void test_debug_set_epoch(void) {
   const int from = fake.n_events;
   CHECK_RC(c, tpc_comm_debug_set_epoch(c, TPC_EPOCH_LAST - 2), TPC_OK);
   CHECK_EQ(slot->epoch, TPC_EPOCH_LAST - 2);
-  CHECK_EQ(slot->alive, (uint32_t)w.id[1]);
+  CHECK_EQ(slot->alive, (uint32_t)w.comm_id[1]);
   CHECK_EQ(slot->failed, 0);
   CHECK_EQ(w.control[0]->epoch, 0);
   CHECK_EQ(fake.calls[FK_DEVICE_SYNCHRONIZE], syncs + 1);

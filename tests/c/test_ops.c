@@ -543,7 +543,7 @@ void test_id_all_reduce(void) {
   world w;
   CHECK(make_world(&w, 2, 1));
   unsigned char *in = scratch_in, *out = scratch_out;
-  const uint64_t id = w.id[0];
+  const uint64_t id = w.comm_id[0];
 
   /* an open id: one launch, with that communicator's arguments, and released */
   int launches = fake.launches;

@@ -37,7 +37,7 @@ void test_ids(void) {
   for (int i = 0; i < n; ++i) {
     CHECK_EQ(slots[i]->alive, 0);
     const tpc_entry *e = entry_of(ids[i]);
-    CHECK(e != NULL && e->id == ids[i] && e->state == TPC_ENTRY_CLOSED && e->comm == NULL);
+    CHECK(e != NULL && e->comm_id == ids[i] && e->state == TPC_ENTRY_CLOSED && e->comm == NULL);
   }
   CHECK(entry_of(0) == NULL);
   CHECK(entry_of(ids[n - 1] + 1) == NULL); /* not handed out yet */
@@ -118,7 +118,7 @@ void test_acquire(void) {
   world w;
   CHECK(make_world(&w, 2, 1));
   unsigned char *in = scratch_in, *out = scratch_out;
-  const uint64_t id = w.id[0];
+  const uint64_t id = w.comm_id[0];
   char id_text[64];
   snprintf(id_text, sizeof id_text, "id %" PRIu64, id);
 
@@ -127,7 +127,7 @@ void test_acquire(void) {
   CHECK_RC(NULL, tpc_comm_acquire(id, &got), TPC_OK);
   CHECK_PTR(got, w.comm[0]);
   CHECK_EQ(entry_of(id)->in_use, 1);
-  CHECK_EQ(entry_of(w.id[1])->in_use, 0); /* only that one */
+  CHECK_EQ(entry_of(w.comm_id[1])->in_use, 0); /* only that one */
   /* it runs ops while held */
   CHECK_RC(got, tpc_all_reduce(got, in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
 
@@ -140,7 +140,7 @@ void test_acquire(void) {
   CHECK_EQ(entry_of(id)->in_use, 1);
   /* the other rank's id is independent */
   tpc_comm *other = NULL;
-  CHECK_RC(NULL, tpc_comm_acquire(w.id[1], &other), TPC_OK);
+  CHECK_RC(NULL, tpc_comm_acquire(w.comm_id[1], &other), TPC_OK);
   CHECK_PTR(other, w.comm[1]);
   tpc_comm_release(other);
 
@@ -174,7 +174,7 @@ void test_acquire(void) {
   CHECK_RC(NULL, tpc_comm_acquire(0, &got), TPC_ERR_CLOSED);
   CHECK_PTR(got, NULL);
   CHECK_MSG(NULL, "id 0 is unknown");
-  const uint64_t never = w.id[1] + 1000;
+  const uint64_t never = w.comm_id[1] + 1000;
   char never_text[64];
   snprintf(never_text, sizeof never_text, "id %" PRIu64 " is unknown", never);
   CHECK_RC(NULL, tpc_comm_acquire(never, &got), TPC_ERR_CLOSED);
@@ -195,7 +195,7 @@ void test_acquire(void) {
   CHECK(make_world(&w, 2, 1));
   tpc_async_error e;
   memset(&e, 0x5a, sizeof e);
-  CHECK_RC(NULL, tpc_id_async_error(w.id[0], &e), TPC_OK);
+  CHECK_RC(NULL, tpc_id_async_error(w.comm_id[0], &e), TPC_OK);
   CHECK_EQ(e.code, TPC_OK);
   CHECK_EQ(e.peer, 0);
   CHECK_EQ(e.peer_kind, 0);
@@ -253,12 +253,12 @@ void test_destroy_control_slot(void) {
   CHECK_EQ(slot_writes, 1);
   CHECK_EQ(fake.calls[FK_WRITE_ASYNC], 0); /* destroy blocks: no async writes */
   /* the other ranks' slots are untouched */
-  CHECK_EQ(w.control[0]->alive, (uint32_t)w.id[0]);
-  CHECK_EQ(w.control[2]->alive, (uint32_t)w.id[2]);
+  CHECK_EQ(w.control[0]->alive, (uint32_t)w.comm_id[0]);
+  CHECK_EQ(w.control[2]->alive, (uint32_t)w.comm_id[2]);
   CHECK_EQ(w.control[0]->stopped, 0);
   CHECK_EQ(w.control[2]->stopped, 0);
   /* the device's failure is still readable by id after close */
-  CHECK_RC(NULL, tpc_id_async_error(w.id[1], NULL), TPC_ERR_CLOSED);
+  CHECK_RC(NULL, tpc_id_async_error(w.comm_id[1], NULL), TPC_ERR_CLOSED);
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }
@@ -272,7 +272,7 @@ void test_abort(void) {
   CHECK(make_world(&w, 4, 1));
   unsigned char *in = scratch_in, *out = scratch_out;
   const int r = 2;
-  const uint64_t id = w.id[r];
+  const uint64_t id = w.comm_id[r];
   tpc_control *slot = w.control[r];
   CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(w.comm[r], tpc_all_reduce(w.comm[r], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_B), TPC_OK);
@@ -309,7 +309,7 @@ void test_abort(void) {
   const uint32_t stop = ((uint32_t)TPC_ERR_CLOSED << 8) | (uint32_t)(r + 1);
   for (int p = 0; p < 4; ++p) {
     CHECK_EQ(w.control[p]->stopped, p == r ? 0u : stop);
-    CHECK_PTR(entry_of(w.id[p])->control, w.control[p]);
+    CHECK_PTR(entry_of(w.comm_id[p])->control, w.control[p]);
     if (p == r) continue;
     CHECK_EQ(w.control[p]->alive, peer_slots_before[p].alive);
     CHECK_EQ(w.control[p]->epoch, peer_slots_before[p].epoch);
@@ -363,7 +363,7 @@ void test_abort(void) {
   CHECK_PTR(entry_of(id)->comm, NULL);
   /* the other ranks still work, and close normally */
   for (int p = 0; p < 4; ++p)
-    if (p != r) CHECK_RC(NULL, tpc_id_async_error(w.id[p], NULL), TPC_OK);
+    if (p != r) CHECK_RC(NULL, tpc_id_async_error(w.comm_id[p], NULL), TPC_OK);
   CHECK_RC(w.comm[0], tpc_all_reduce(w.comm[0], in, out, 64, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   destroy_world(&w); /* comm[r] is NULL: a no-op for it */
   /* what abort left: its own buffer and its three peers' handles (buffer and
@@ -402,7 +402,7 @@ void test_abort(void) {
   CHECK_RC(NULL, tpc_comm_abort(w.comm[1]), TPC_ERR_RUNTIME);
   w.comm[1] = NULL;
   CHECK_MSG(NULL, "marking the communicator aborted on the device failed: fake error 71");
-  CHECK_RC(NULL, tpc_comm_acquire(w.id[1], &got), TPC_ERR_CLOSED);
+  CHECK_RC(NULL, tpc_comm_acquire(w.comm_id[1], &got), TPC_ERR_CLOSED);
   CHECK_MSG(NULL, "aborted");
   /* a peer that refuses its stop word is not an error */
   fake_fail_nth(FK_WRITE_ASYNC, 3, 72);
@@ -420,7 +420,7 @@ void test_abort(void) {
 /* ------------------------------------------------------------- threads */
 
 typedef struct {
-  uint64_t id;
+  uint64_t comm_id;
   int do_acquire, do_release;
   tpc_comm *release_this;
   tpc_result rc;
@@ -431,7 +431,7 @@ typedef struct {
 static void *thread_run(void *arg) {
   thread_job *j = arg;
   if (j->do_acquire) {
-    j->rc = tpc_comm_acquire(j->id, &j->got);
+    j->rc = tpc_comm_acquire(j->comm_id, &j->got);
     /* the message of a failed acquire is this thread's own */
     snprintf(j->msg, sizeof j->msg, "%s", tpc_comm_last_error(NULL));
   }
@@ -450,7 +450,7 @@ static void run_thread(thread_job *j) {
 
 static atomic_int holders, max_holders, total_ok, total_busy;
 typedef struct {
-  uint64_t id;
+  uint64_t comm_id;
   int rounds;
 } hammer_job;
 
@@ -458,7 +458,7 @@ static void *hammer(void *arg) {
   const hammer_job *j = arg;
   for (int i = 0; i < j->rounds; ++i) {
     tpc_comm *c = NULL;
-    const tpc_result r = tpc_comm_acquire(j->id, &c);
+    const tpc_result r = tpc_comm_acquire(j->comm_id, &c);
     if (r == TPC_OK) {
       const int h = atomic_fetch_add(&holders, 1) + 1;
       int m = atomic_load(&max_holders);
@@ -480,21 +480,21 @@ void test_acquire_threads(void) {
   fake_reset();
   world w;
   CHECK(make_world(&w, 2, 1));
-  const uint64_t id = w.id[0];
+  const uint64_t id = w.comm_id[0];
   char id_text[64];
   snprintf(id_text, sizeof id_text, "id %" PRIu64, id);
 
   tpc_comm *mine = NULL;
   CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_OK);
   /* another thread while this one holds it */
-  thread_job a = {.id = id, .do_acquire = 1};
+  thread_job a = {.comm_id = id, .do_acquire = 1};
   run_thread(&a);
   CHECK_EQ(a.rc, TPC_ERR_STATE);
   CHECK_PTR(a.got, NULL);
   CHECK(strstr(a.msg, id_text) != NULL && strstr(a.msg, "another thread") != NULL);
   /* released here: the other thread gets it and keeps it */
   tpc_comm_release(mine);
-  thread_job b = {.id = id, .do_acquire = 1};
+  thread_job b = {.comm_id = id, .do_acquire = 1};
   run_thread(&b);
   CHECK_EQ(b.rc, TPC_OK);
   CHECK_PTR(b.got, w.comm[0]);
@@ -502,7 +502,7 @@ void test_acquire_threads(void) {
   CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_ERR_STATE);
   CHECK_RC(w.comm[0], tpc_comm_destroy(w.comm[0]), TPC_ERR_STATE);
   /* the holder releases from its thread */
-  thread_job c = {.id = id, .do_release = 1, .release_this = b.got};
+  thread_job c = {.comm_id = id, .do_release = 1, .release_this = b.got};
   run_thread(&c);
   CHECK_RC(NULL, tpc_comm_acquire(id, &mine), TPC_OK);
   tpc_comm_release(mine);

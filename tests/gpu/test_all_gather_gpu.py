@@ -88,7 +88,7 @@ def _check(comm, shape, dtype, dim, seed, world, rank, what, rng, algo=None, cal
     if algo is None:
         y = comm.all_gather(x, dim)
     else:
-        y = torch.ops._tpcomm.all_gather(x, dim, comm.handle, ALGO[algo])
+        y = torch.ops._tpcomm.all_gather(x, dim, comm.comm_id, ALGO[algo])
     overwrite(x)
     if calls is not None and algo is None:
         calls.expect("all_gather", route)
@@ -145,7 +145,7 @@ def body_size_bands(rank, world):
     assert all(seen[n] != "nccl" for n in seen if n <= 64 * KiB), seen
     assert seen[max(1 * MiB, per_rank_cap) + 16] == "nccl", seen
     with pytest.raises(RuntimeError, match="over the"):
-        torch.ops._tpcomm.all_gather(torch.zeros(per_rank_cap // 4 + 4, device="cuda"), 0, comm.handle, ALGO["bulk"])
+        torch.ops._tpcomm.all_gather(torch.zeros(per_rank_cap // 4 + 4, device="cuda"), 0, comm.comm_id, ALGO["bulk"])
     comm.check()
     comm.close()
 

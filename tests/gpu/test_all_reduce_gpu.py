@@ -63,7 +63,7 @@ def body_eager_matches_nccl(rank, world):
                     calls.expect("all_reduce", route)
                     assert nbytes > 64 * KiB or route != "nccl", (nbytes, route)  # decode sizes: a kernel
                 else:
-                    y = torch.ops._tpcomm.all_reduce(xi, comm.handle, ALGO[algo])
+                    y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, ALGO[algo])
                 overwrite(xi)
                 assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
             # in place
@@ -187,7 +187,7 @@ def body_bulk_half_and_whole(rank, world):
         x = int_valued(nbytes // 2, torch.bfloat16, gen)
         inputs.append(x.clone())
         delay_random_rank(rank, world, rng)
-        outputs.append(torch.ops._tpcomm.all_reduce(x, comm.handle, BULK))
+        outputs.append(torch.ops._tpcomm.all_reduce(x, comm.comm_id, BULK))
         overwrite(x)
     for i, (x, y) in enumerate(zip(inputs, outputs)):
         assert_bits_equal(y, nccl_all_reduce(x), f"bulk op {i}, {2 * x.numel()} B")
@@ -213,7 +213,7 @@ def body_nan_inf(rank, world):
             for algo in (PACKET, BULK):
                 xi = x.clone()
                 delay_random_rank(rank, world, rng)
-                y = torch.ops._tpcomm.all_reduce(xi, comm.handle, algo)
+                y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, algo)
                 overwrite(xi)
                 assert torch.isnan(y[1]) and torch.isnan(y[3]), (dtype, numel, algo, y[:6])
                 assert y[2] == float("inf") and y[4] == float("-inf"), (dtype, y[:6])
@@ -230,7 +230,7 @@ def body_two_communicators(rank, world):
     buffers and caps; stats() shows each ran its own calls on the kernels."""
     a = tpcomm.Communicator()
     b = tpcomm.Communicator(max_bytes=4 * MiB, packet_max_bytes=64 * KiB)
-    assert a.enabled and b.enabled and a.handle != b.handle
+    assert a.enabled and b.enabled and a.comm_id != b.comm_id
     gen = torch.Generator(device="cuda").manual_seed(5 + rank)
     rng = shared_rng(37)
     for i in range(20):
@@ -278,16 +278,16 @@ def body_errors(rank, world):
     assert calls.ran("all_reduce", "nccl") == 1 and calls.ran("all_reduce", route) == 1, comm.stats()
     # internal op misuse raises from the C core, naming what is wrong
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops._tpcomm.all_reduce(torch.ones(5, device="cuda"), comm.handle, PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(5, device="cuda"), comm.comm_id, PACKET)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
-        torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.handle, PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.comm_id, PACKET)
     with pytest.raises(RuntimeError, match="over the"):
-        torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.handle, PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.comm_id, PACKET)
     for bad in (0, 5, -1):  # the kernels are 1 to 4; there is no automatic choice in the C core
         with pytest.raises(RuntimeError, match=f"algorithm {bad}"):
-            torch.ops._tpcomm.all_reduce(x, comm.handle, bad)
+            torch.ops._tpcomm.all_reduce(x, comm.comm_id, bad)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
-        torch.ops._tpcomm.all_reduce(torch.ones(64), comm.handle, PACKET)
+        torch.ops._tpcomm.all_reduce(torch.ones(64), comm.comm_id, PACKET)
 
     # peers disagree on the size: both ranks get an error naming the other
     mismatched = torch.ones(64 if rank == 0 else 128, device="cuda")
@@ -301,7 +301,7 @@ def body_errors(rank, world):
     # the same over several blocks of packets (32 and 64 KiB), where headers are
     # checked inside the first data wait beside the peers' packets
     folded = tpcomm.Communicator(timeout_s=2.0)
-    torch.ops._tpcomm.all_reduce(torch.ones(8192 if rank == 0 else 16384, device="cuda"), folded.handle, PACKET)
+    torch.ops._tpcomm.all_reduce(torch.ones(8192 if rank == 0 else 16384, device="cuda"), folded.comm_id, PACKET)
     torch.cuda.synchronize()
     with pytest.raises(tpcomm.CollectiveMismatch, match=f"peer {1 - rank if world == 2 else ''}"):
         folded.check()
@@ -400,7 +400,7 @@ def body_eager_fast_path(rank, world):
     with pytest.raises(tpcomm.CommunicatorClosed):
         comm.all_reduce(static)
     with pytest.raises(RuntimeError, match=r"closed.*\[tpc_result 8\]"):
-        counting.fast.all_reduce(comm._id, static.data_ptr(), captured.data_ptr(), 8192, 2, PACKET, 0)
+        counting.fast.all_reduce(comm._last_comm_id, static.data_ptr(), captured.data_ptr(), 8192, 2, PACKET, 0)
 
 
 def body_sizes_for_any_world(rank, world):
@@ -417,7 +417,7 @@ def body_sizes_for_any_world(rank, world):
                 continue
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            y = torch.ops._tpcomm.all_reduce(x, comm.handle, ALGO[algo])
+            y = torch.ops._tpcomm.all_reduce(x, comm.comm_id, ALGO[algo])
             overwrite(x)
             assert_bits_equal(y, nccl_all_reduce(kept), f"{nbytes} B on {algo} at {world} ranks")
     comm.check()
@@ -439,14 +439,14 @@ def body_line_kernels_in_place_and_mismatch(rank, world):
                 continue
             ref = nccl_all_reduce(x)
             delay_random_rank(rank, world, rng)
-            torch.ops._tpcomm.all_reduce_out(x, x, comm.handle, ALGO[algo])
+            torch.ops._tpcomm.all_reduce_out(x, x, comm.comm_id, ALGO[algo])
             assert_bits_equal(x, ref, f"{nbytes} B on {algo} in place at {world} ranks")
     comm.check()
     comm.close()
     for algo in ("line", "two_shot"):
         bad = tpcomm.Communicator(max_bytes=CAP, timeout_s=2.0)
         x = torch.ones((32 * KiB if rank == 0 else 64 * KiB) // 2, dtype=torch.bfloat16, device="cuda")
-        torch.ops._tpcomm.all_reduce(x, bad.handle, ALGO[algo])
+        torch.ops._tpcomm.all_reduce(x, bad.comm_id, ALGO[algo])
         torch.cuda.synchronize()  # returns: every wait is bounded
         with pytest.raises(tpcomm.TpcommError):
             bad.check()

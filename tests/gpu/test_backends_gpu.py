@@ -10,8 +10,8 @@ import torch.distributed as dist
 import multiproc
 import tpcomm
 from tpcomm.backends.nccl import Nccl
-from tpcomm.backends.nccl_window import NcclWindow
-from tpcomm.backends.symm_mem import SymmMem
+from tpcomm.bench.nccl_window import NcclWindow
+from tpcomm.bench.symm_mem import SymmMem
 from gpu_checks import assert_bits_equal, delay_random_rank, int_valued, overwrite, shared_rng
 
 pytestmark = pytest.mark.gpu

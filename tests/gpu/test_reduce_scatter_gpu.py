@@ -50,7 +50,7 @@ def body_sizes_dtypes_algos(rank, world):
                     continue
                 xi = x.clone()
                 delay_random_rank(rank, world, rng)
-                y = torch.ops._tpcomm.reduce_scatter(xi, comm.handle, ALGO[algo])
+                y = torch.ops._tpcomm.reduce_scatter(xi, comm.comm_id, ALGO[algo])
                 overwrite(xi)
                 assert_bits_equal(y, ref, f"{algo} {part} B per part {dtype}")
     x = int_valued(8 * 256 * world, torch.bfloat16, gen).view(8, 256 * world)
@@ -71,7 +71,7 @@ def body_sizes_dtypes_algos(rank, world):
     calls.expect("reduce_scatter", route)
     assert_bits_equal(y, nccl_reduce_scatter(data), "misaligned on rank 0")
     with pytest.raises(RuntimeError, match="multiple of 16"):  # parts of 8 bytes: no kernel takes them
-        torch.ops._tpcomm.reduce_scatter(int_valued(4 * world, torch.float16, gen), comm.handle, ALGO["packet"])
+        torch.ops._tpcomm.reduce_scatter(int_valued(4 * world, torch.float16, gen), comm.comm_id, ALGO["packet"])
     comm.check()
     comm.close()
 
@@ -137,14 +137,14 @@ def body_bulk_back_to_back(rank, world):
             x = int_valued(chunk_numel(world, dtype, part), dtype, gen)
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            y = (ops.reduce_scatter_f32 if f32 else ops.reduce_scatter)(x, comm.handle, ALGO["bulk"])
+            y = (ops.reduce_scatter_f32 if f32 else ops.reduce_scatter)(x, comm.comm_id, ALGO["bulk"])
             overwrite(x)
             done.append((f"op {i}: {part} B per part {dtype}, out {y.dtype}", kept, y, nccl_reduce_scatter))
         if i % 3 == 2:
             x = int_valued(CAP // 2, torch.bfloat16, gen)
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            y = ops.all_reduce(x, comm.handle, ALGO["bulk"])
+            y = ops.all_reduce(x, comm.comm_id, ALGO["bulk"])
             overwrite(x)
             done.append((f"all_reduce after op {i}", kept, y, nccl_all_reduce))
     for what, kept, y, reference in done:

@@ -56,7 +56,7 @@ def body_stale_handle_and_replay_after_close(rank, world):
         assert_bits_equal(y, nccl_all_reduce(x), f"replay before close, {x.numel()} elements")
     assert_bits_equal(g_out, nccl_all_gather(g_kept, 1), "all_gather replay before close")
 
-    stale = comm.handle
+    stale = comm.comm_id
     comm.close()
     x = torch.ones(64, device="cuda")
     with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
@@ -74,7 +74,7 @@ def body_stale_handle_and_replay_after_close(rank, world):
     comm.check()  # closed, but nothing ran after close yet
 
     fresh = tpcomm.Communicator(timeout_s=5.0)  # created between close and the stale replay
-    assert fresh.enabled and fresh.handle not in (0, stale)
+    assert fresh.enabled and fresh.comm_id not in (0, stale)
     for y in outs + [g_out]:
         y.zero_()
     graph.replay()  # its kernels find the slot dead: NaN out, nothing else touched
@@ -189,9 +189,9 @@ def body_epoch_wrap(rank, world):
         if late == rank:
             sleep_us(300)  # the peer reads its slots before this rank's packets land
         if gather:
-            y = torch.ops._tpcomm.all_gather(x, 0, comm.handle, algo)
+            y = torch.ops._tpcomm.all_gather(x, 0, comm.comm_id, algo)
         else:
-            y = torch.ops._tpcomm.all_reduce(x, comm.handle, algo)
+            y = torch.ops._tpcomm.all_reduce(x, comm.comm_id, algo)
         overwrite(x)  # right after the op, on the stream
         return ("ag" if gather else "ar", kept, y)
 
@@ -209,7 +209,7 @@ def body_epoch_wrap(rank, world):
              for i in range(8)]  # epochs 2..9: flags reused
     verify(done, "across the wrap")
     x = int_valued(3 * MiB // 2, torch.bfloat16, gen)
-    assert_bits_equal(torch.ops._tpcomm.all_reduce(x, comm.handle, BULK), nccl_all_reduce(x), "bulk after the wrap")
+    assert_bits_equal(torch.ops._tpcomm.all_reduce(x, comm.comm_id, BULK), nccl_all_reduce(x), "bulk after the wrap")
     comm.check()
     comm.close()
 

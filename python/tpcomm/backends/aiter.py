@@ -71,14 +71,11 @@ class AiterAllReduce:
     def can_take(self, x):
         return bool(self.impl.should_custom_ar(x))
 
-    def takes(self, op, x, dim, max_bytes):
-        """Whether the dispatcher tries AITER first for this call: an
-        all_reduce AITER takes, or an all_gather along dim 0 (AITER's flat
-        layout; the input made contiguous) whose output fits max_bytes."""
-        if op == "all_reduce":
-            return self.can_take(x)
-        return (op == "all_gather" and dim == 0 and x.numel() * x.element_size() * self.world_size <= max_bytes
-                and self.can_take(x.contiguous()))
+    def takes(self, op, x):
+        """Whether AITER takes this call (tpcomm.routing.aiter_first says
+        which calls are offered to it): all_gather offers the input made
+        contiguous, AITER's flat layout."""
+        return self.can_take(x if op == "all_reduce" else x.contiguous())
 
     def all_reduce(self, x, out=None):
         """The sum (written into `out` when given), or None when AITER

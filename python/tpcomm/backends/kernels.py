@@ -26,8 +26,8 @@ def _op(name):
 
 
 class Kernels:
-    def __init__(self, handle, device_index):
-        self.handle = handle  # the communicator id the ops take
+    def __init__(self, comm_id, device_index):
+        self.comm_id = comm_id  # the communicator's id, which the ops take
         self.device_index = device_index  # of the communicator's CUDA device: its current stream
         self._all_reduce_out = _op("all_reduce_out")
         self._norm_out = _op("all_reduce_add_rms_norm_out")
@@ -52,7 +52,7 @@ class Kernels:
             return run
         call = self._fastpath.all_reduce if self._fastpath is not None else None
         through_op = self._all_reduce_out
-        cid, dtype_code, algo_code, device = self.handle, _dtypes.CODE[dtype], ALGOS[algo], self.device_index
+        comm_id, dtype_code, algo_code, device = self.comm_id, _dtypes.CODE[dtype], ALGOS[algo], self.device_index
 
         def run(x, out=None):
             if out is None:
@@ -61,9 +61,9 @@ class Kernels:
                 if call is not None and not _is_compiling():
                     src, dst = x.data_ptr(), out.data_ptr()
                     if not (src | dst) & 15:
-                        call(cid, src, dst, x.nbytes, dtype_code, algo_code, _raw_stream(device))
+                        call(comm_id, src, dst, x.nbytes, dtype_code, algo_code, _raw_stream(device))
                         return out
-                through_op(x, out, cid, algo_code)
+                through_op(x, out, comm_id, algo_code)
                 return out
             except RuntimeError as e:
                 raise _lib.translated(e) from None
@@ -79,26 +79,26 @@ class Kernels:
         """The fused kernel: writes normed and residual_out (they may be x and
         residual); every tensor contiguous, of x's 16-bit dtype."""
         try:
-            self._norm_out(x, residual, weight, float(eps), normed, residual_out, self.handle)
+            self._norm_out(x, residual, weight, float(eps), normed, residual_out, self.comm_id)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def all_gather(self, x, dim, algo):
         try:
-            return self._all_gather(x, dim, self.handle, ALGOS[algo])
+            return self._all_gather(x, dim, self.comm_id, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter(self, parts, algo):
         """Part `rank` of the sum; parts: dim 0 holds world_size equal parts."""
         try:
-            return self._reduce_scatter(parts, self.handle, ALGOS[algo])
+            return self._reduce_scatter(parts, self.comm_id, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter_f32(self, parts, algo):
         """The same part as fp32 sums, not rounded to the dtype."""
         try:
-            return self._reduce_scatter_f32(parts, self.handle, ALGOS[algo])
+            return self._reduce_scatter_f32(parts, self.comm_id, ALGOS[algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None

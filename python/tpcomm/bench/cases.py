@@ -16,7 +16,7 @@ skipped):
 * tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk
   (tpcomm.backends.kernels.Kernels of that communicator, kernel forced): one
   Communicator whose max_bytes covers the largest all-gather output.
-* nccl_window: tpcomm.backends.nccl_window.NcclWindow (its doc says how the
+* nccl_window: tpcomm.bench.nccl_window.NcclWindow (its doc says how the
   window is made); cases run on views of it.
 * nccl_nomix, nccl_window_nomix: the same calls as nccl and nccl_window, in
   processes whose NCCL was started with NCCL_GRAPH_MIXING_SUPPORT=0 (NCCL's
@@ -24,7 +24,7 @@ skipped):
   tpcomm.bench runs them in a second set of processes, graph mode only, and
   merges their rows (measure.py, --merge-from). In any other process they
   are off, with that reason.
-* symm_one_shot, symm_two_shot: tpcomm.backends.symm_mem.SymmMem on views
+* symm_one_shot, symm_two_shot: tpcomm.bench.symm_mem.SymmMem on views
   at offset 0 of its buffer, the input placed there before timing. All-reduce
   only. symm_two_shot_copied: the same two-shot timed with the copy of the
   input in and of the result out, what a dispatcher pays for a tensor that
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from .. import routing
 from ..backends import Unavailable
 from ..backends.nccl import Nccl
-from ..backends.nccl_window import NcclWindow
-from ..backends.symm_mem import SymmMem
+from .nccl_window import NcclWindow
+from .symm_mem import SymmMem
 
 TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk")
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")

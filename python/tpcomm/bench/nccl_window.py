@@ -14,7 +14,7 @@ collective."""
 import torch
 import torch.distributed as dist
 
-from . import Unavailable
+from ..backends import Unavailable
 
 
 def _round_up(n, k):

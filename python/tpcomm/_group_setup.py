@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _lib, _testing, policy, topology
+from . import _lib, _testing, routing_table, topology
 
 # Communicators created so far on each group (keyed by group_key): every rank
 # of a group must create them in the same order, whatever other groups (TP
@@ -46,10 +46,10 @@ def resolve_device(device):
 def table_source(table, device):
     """What a Communicator loads its routing table from: `table` (a path or
     a parsed dict) when given, else the shipped table of the device's GPU
-    model (tpcomm.policy.table_for_device)."""
+    model (tpcomm.routing_table.table_for_device)."""
     if table is not None:
         return table
-    return policy.table_for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    return routing_table.table_for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
 
 def open_group(group, rank, world_size, device, serial, config, routes, max_bytes, packet_max_bytes):
@@ -57,7 +57,7 @@ def open_group(group, rank, world_size, device, serial, config, routes, max_byte
     the group's verdict). The communicator is open on every rank, or the
     verdict (the same on every rank, see agree()) says why not."""
     reason, lib = local_reason(config, world_size, device)
-    routing = {**policy.flatten(routes), **config.describe()}
+    routing = {**routing_table.flatten(routes), **config.describe()}
     reason = agree(group, rank, world_size, device, serial, routing, reason)
     if reason is not None:
         return lib, None, reason

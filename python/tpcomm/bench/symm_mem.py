@@ -8,7 +8,7 @@ in. All-reduce only; fp32 and bf16 in torch 2.11 (fp16 raises).
 Set-up: allocate() is local, rendezvous() collective."""
 import torch
 
-from . import Unavailable
+from ..backends import Unavailable
 
 KINDS = ("one_shot", "two_shot")
 

@@ -1,6 +1,6 @@
 """The routing table, kept as data: reading and checking table files, and
-the effective bands once a Config is applied. tpcomm.routing decides each call
-from those bands.
+the effective bands once a Config is applied. tpcomm.routing, the only
+routing module, decides each call from those bands.
 
 A table file maps op x world size x dtype to bands of (largest input bytes
 per rank, backend), tried in order; sizes past the last band go to NCCL. One
@@ -22,8 +22,7 @@ import os
 import re
 
 from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
-# Config and tune read some of these here
-from .routing import BACKENDS, KERNEL_OPS, KERNELS, OPS, PACKET_SLOT_KERNELS  # noqa: F401
+from .routing import BACKENDS, KERNEL_OPS, OPS
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
@@ -154,11 +153,6 @@ def effective_routes(table, world_size, force=None, forbid=()):
         routes[op] = {name: apply_config(bands_for(table, op, world_size, name), force.get(op), forbid)
                       for name in names}
     return routes
-
-
-def packet_cutover(bands):
-    """Largest size the bands send to the kernels that use the packet slots."""
-    return max((limit for limit, backend in bands if backend in PACKET_SLOT_KERNELS), default=0)
 
 
 def flatten(routes):
