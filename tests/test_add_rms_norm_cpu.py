@@ -362,7 +362,7 @@ def _body_pass(rank, world_size):
     # the backend itself, with inductor after the pass
     torch._dynamo.reset()
     model = _UnfusedLayer(comm.group_name, weight)
-    h, z = torch.compile(model, backend=tpcomm.fusion.backend(), fullgraph=True)(y, residual)
+    h, z = torch.compile(model, backend=tpcomm.compile_backend(), fullgraph=True)(y, residual)
     eager = model(y, residual)
     assert torch.equal(z, eager[1])
     torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)

@@ -4,6 +4,10 @@ all-reduce, so models need no edit to use the fused op:
     compiled = torch.compile(model, backend=tpcomm.compile_backend())            # inductor after the pass
     compiled = torch.compile(model, backend=tpcomm.compile_backend("aot_eager"))
 
+(tpcomm.compile_pass runs this fusion after it has put the collectives on
+tpcomm; this module does not import it: the pass depends on the fusion, not
+the other way round.)
+
 In the graph Dynamo captures, every (torch's own all_reduce included, which
 tpcomm.compile_pass first puts on tpcomm)
 
@@ -202,10 +206,3 @@ def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
         gm.recompile()
     return fused
 
-
-def backend(inner="inductor"):
-    """A torch.compile backend: tpcomm.compile_backend(inner), which puts
-    torch's functional collectives on tpcomm and then runs this fusion."""
-    from .compile_pass import compile_backend  # compile_pass imports this module
-
-    return compile_backend(inner)
