@@ -74,6 +74,8 @@ def _body_unfused_matches_the_reference(rank, world_size):
     assert torch.equal(x, normed) and torch.equal(residual, summed)
     stats = comm.stats()
     assert stats[("all_reduce_add_rms_norm", "unfused")]["calls"] == 3 * len(SHAPES) * 3 + 2
+    # a fused call counts once, under its own key: its all-reduce is not counted again
+    assert set(stats) == {("all_reduce_add_rms_norm", "unfused")}, stats
     comm.close()
 
 
