@@ -26,6 +26,7 @@ Python layers (autograd, aliasing checks) add host time to every eager call
 """
 import torch
 
+from . import norm_patterns
 from ._registry import communicator_for
 from ._shapes import checked_dim
 
@@ -93,3 +94,18 @@ def all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
     group named group_name (new tensors)."""
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
+
+
+def _all_reduce_norm_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+    return torch.empty_like(x), torch.empty_like(residual)
+
+
+@_op("_all_reduce_norm(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, float eps, float next_eps, "
+     "float weight_offset, int pattern, str group_name) -> (Tensor, Tensor)", _all_reduce_norm_fake)
+def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+    """Private: the fusion pattern `pattern` (tpcomm.norm_patterns.Pattern)
+    of the all-reduce of x with the residual add and RMSNorm(s) around it,
+    (normed, stream) as new tensors. tpcomm.fusion puts it in a graph; model
+    code calls the public all_reduce_add_rms_norm."""
+    return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
+                             next_eps, weight_offset)
