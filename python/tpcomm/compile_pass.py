@@ -49,6 +49,7 @@ import operator
 import torch
 
 from . import _registry, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
+from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
 _ALL_REDUCE = (_F.all_reduce, _F.all_reduce.default)
@@ -61,7 +62,7 @@ _WAIT = (_F.wait_tensor, _F.wait_tensor.default)
 _KEPT_META = ("example_value", "val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-COUNTED = COLLECTIVES + ("all_reduce_add_rms_norm",)
+COUNTED = COLLECTIVES + tuple(STATS_KEY.values())  # the collectives, then the fusion patterns
 
 
 def _bound(node, names):
@@ -188,11 +189,18 @@ def _storage(value):
 
 def _aliased(graph, dst, value):
     """Whether a node other than dst and its users holds a tensor sharing
-    dst's storage (x.detach() or a view dst was taken from, say)."""
+    dst's storage (x.detach() or a view dst was taken from, say) that is
+    read after dst: a node whose every use leads only into dst (MoE code's
+    `out = h.to(dtype)`, the same tensor as h, all-reduced in place) is
+    read before the copy, never through it."""
     storage = _storage(value)
+    into_dst = {dst}
+    for node in reversed(graph.nodes):
+        if node.users and all(u in into_dst for u in node.users):
+            into_dst.add(node)
     for node in graph.nodes:
         other = _value(node)
-        if node is not dst and dst not in node.all_input_nodes and other is not None \
+        if node not in into_dst and dst not in node.all_input_nodes and other is not None \
                 and _storage(other) == storage:
             return True
     return False
@@ -230,7 +238,8 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
         counts[what] += n
     module = graph.owning_module
     if fuse and isinstance(module, torch.fx.GraphModule):
-        counts["all_reduce_add_rms_norm"] += fusion.fuse_all_reduce_add_rms_norm(module)
+        for key, n in fusion.fuse(module).items():
+            counts[key] += n
         module.recompile()
 
 
