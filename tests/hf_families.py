@@ -23,6 +23,8 @@ SHAPE = dict(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_ke
 LAYERS = 2
 # The TP styles whose module ends in an all-reduce of its partial sums
 ROW_PARALLEL = ("rowwise", "rowwise_split_input", "moe_tp_experts")
+# The TP styles whose module's output DTensor all-gathers (Shard -> Replicate)
+GATHERED = ("colwise_gather_output",)
 
 
 def model_class(family):
@@ -36,14 +38,13 @@ def model_class(family):
             }[family]
 
 
-def row_parallel_modules(model):
-    """The modules the model's TP plan makes row-parallel (their output is
-    an all-reduce of partial sums), by name."""
+def planned_modules(model, styles):
+    """The modules the model's TP plan gives one of `styles`, by name."""
     plan = dict(getattr(model, "tp_plan", None) or model.config.base_model_tp_plan)
     names = []
     for name, _ in model.named_modules():
         for pattern, style in plan.items():
-            if style in ROW_PARALLEL and (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, "model." + pattern)):
+            if style in styles and (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, "model." + pattern)):
                 names.append(name)
                 break
     return names
@@ -75,7 +76,9 @@ def main():
         return {f"{op}/{how}": v["calls"] for (op, how), v in comm.stats().items()}
 
     plain = tokens(model)
-    result = {"row_parallel_per_forward": len(row_parallel_modules(model)), "modes": {}}
+    result = {"row_parallel_per_forward": len(planned_modules(model, ROW_PARALLEL)),
+              "gathered_per_forward": len(planned_modules(model, GATHERED)),
+              "plan": dict(getattr(model, "tp_plan", None) or {}), "modes": {}}
     for mode in ("install", "compiled", "compiled_install"):
         torch._dynamo.reset()
         before = calls()

@@ -265,8 +265,38 @@ class compile_backend:
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+                return compile_fx(gm, example_inputs, config_patches=self._with_post_grad_pass())
+            if self.inner == "aot_eager":
+                return self._aot_eager()(gm, example_inputs)
             return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+    # DTensor's collectives (redistribute: the LM head's and colwise_gather_output's all-gathers, the
+    # embedding's all-reduce) are not in the graph Dynamo captures: Dynamo keeps DTensor operations whole,
+    # and AOT autograd turns them into functional collectives. So the collectives are rewritten once more
+    # on the graph AOT produces: by inductor's post-grad pass, or aot_eager's forward compiler.
+    def _with_post_grad_pass(self):
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        from .inductor_pass import TpcommPass
+
+        patches = dict(self.inductor_options)
+        then = patches.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
+        if then is None or (isinstance(then, CustomGraphPass) and not isinstance(then, TpcommPass)):
+            patches["post_grad_custom_post_pass"] = TpcommPass(then=then, counts=self.counts)
+        return patches
+
+    def _aot_eager(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def forward(gm, example_inputs):
+            for what, n in rewrite_collectives(gm.graph).items():
+                self.counts[what] += n
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+
+        return aot_autograd(fw_compiler=forward)
 
 
 def world_tag(graph: torch.fx.Graph) -> str:
