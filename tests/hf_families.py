@@ -8,7 +8,7 @@ counts tpcomm's stats() and the compile pass report, and the number of
 row-parallel all-reduces a forward runs, derived from the model's modules
 and its TP plan.
 
-    torchrun --nproc-per-node=2 tests/hf_families.py FAMILY DIR OUT.json
+    torchrun --nproc-per-node=2 tests/hf_families.py FAMILY[,FAMILY...] DIR OUT.json
 """
 import fnmatch
 import json
@@ -51,11 +51,19 @@ def planned_modules(model, styles):
 
 
 def main():
-    family, model_dir, out = sys.argv[1:4]
+    families, model_dir, out = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    results = {family: run_family(family, os.path.join(model_dir, family)) for family in families.split(",")}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+def run_family(family, model_dir):
     import tpcomm
     from transformers import DistributedConfig
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     config_cls, model_cls, extra = model_class(family)
     if rank == 0 and not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -76,7 +84,10 @@ def main():
         return {f"{op}/{how}": v["calls"] for (op, how), v in comm.stats().items()}
 
     plain = tokens(model)
+    layer = model.model.layers[0]
     result = {"row_parallel_per_forward": len(planned_modules(model, ROW_PARALLEL)),
+              "embedding_all_reduces": len(planned_modules(model, ("embedding_rowwise",))),
+              "sandwich_norm": hasattr(layer, "post_feedforward_layernorm"),
               "gathered_per_forward": len(planned_modules(model, GATHERED)),
               "plan": dict(getattr(model, "tp_plan", None) or {}), "modes": {}}
     for mode in ("install", "compiled", "compiled_install"):
@@ -95,10 +106,7 @@ def main():
             "calls": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)},
             "pass": dict(backend.counts) if backend else None}
     comm.close()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
