@@ -76,8 +76,8 @@ def check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_
 def run(comm, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset):
     """(normed, stream) of `pattern` over comm's group (see the module's doc);
     counted once in comm.stats() under STATS_KEY[pattern]."""
-    pattern = Pattern(pattern)
     check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset)
+    pattern = Pattern(pattern)
     if pattern == Pattern.ADD_NORM and not weight_offset:
         return comm.all_reduce_add_rms_norm(x, residual, weight, eps)
     cell = comm._cell(STATS_KEY[pattern], "unfused")
