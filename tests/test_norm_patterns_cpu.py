@@ -1,5 +1,5 @@
 """Every fusion pattern of tpcomm.norm_patterns through the private op
-torch.ops.tpcomm._all_reduce_norm on gloo ranks (no kernel: the all-reduce
+torch.ops._tpcomm.all_reduce_norm on gloo ranks (no kernel: the all-reduce
 in fp32, the rest in torch): the fp32 reference bit for bit, the same bits
 on every rank, each call counted once under its pattern's key and nothing
 else; bad arguments raise before anything collective; and the compile
@@ -43,7 +43,7 @@ def _body_patterns(rank, world_size):
                     x = _inputs(rank, shape, dtype, seed, world_size)
                     residual, weight, next_weight = _shared(shape, dtype, seed)
                     nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                    normed, stream = torch.ops.tpcomm._all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset,
+                    normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset,
                                                                        int(pattern), comm.group_name)
                     expected[STATS_KEY[pattern]] += 1
                     ref = reference_all_reduce_norm([_inputs(r, shape, dtype, seed, world_size)
@@ -62,12 +62,12 @@ def _body_patterns(rank, world_size):
     assert {op: v["calls"] for (op, _), v in stats.items()} == {k: n for k, n in expected.items() if n}, stats
     x = torch.ones(2, 64)
     with pytest.raises(ValueError, match="next_weight"):
-        torch.ops.tpcomm._all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, int(Pattern.NORM_ADD_NORM),
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, int(Pattern.NORM_ADD_NORM),
                                           comm.group_name)
     with pytest.raises(ValueError, match="weight_offset"):
-        torch.ops.tpcomm._all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.5, int(Pattern.NORM_ADD), comm.group_name)
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.5, int(Pattern.NORM_ADD), comm.group_name)
     with pytest.raises(ValueError, match="pattern"):
-        torch.ops.tpcomm._all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, 7, comm.group_name)
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, 7, comm.group_name)
     comm.close()
 
 

@@ -239,7 +239,7 @@ def _weight_ok(weight, ty, order, before):
 
 def _match_sandwich(ar, a, ty, group, order):
     """ar (through identities, as a) -> RMSNorm -> add of a residual
-    [-> the next RMSNorm]: (pattern, args of _all_reduce_norm but the group,
+    [-> the next RMSNorm]: (pattern, args of _tpcomm.all_reduce_norm but the group,
     the add, {node replaced: output index}, nodes erased), or None."""
     norm = _any_norm(a, ty.dtype, ty.shape[-1])
     if norm is None:
@@ -336,7 +336,7 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
                 call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
                                            (y, residual, weight, eps, group))
             else:
-                call = graph.call_function(torch.ops.tpcomm._all_reduce_norm.default,
+                call = graph.call_function(torch.ops._tpcomm.all_reduce_norm.default,
                                            (y, residual, weight, next_weight, eps, next_eps, offset, int(pattern),
                                             group))
         outputs = {}

@@ -1,6 +1,6 @@
 """The fusion patterns of an all-reduce with the residual add and RMSNorm
 around it, as one enum: what tpcomm.fusion matches in a graph and the
-private op torch.ops.tpcomm._all_reduce_norm computes. With
+private op torch.ops._tpcomm.all_reduce_norm computes. With
 s = all_reduce(y) (the ranks' inputs summed in fp32, in rank order),
 norm_w(v) = v * rsqrt(mean(v^2, -1) + eps) * (w + weight_offset):
 

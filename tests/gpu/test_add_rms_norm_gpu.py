@@ -164,7 +164,7 @@ def body_graph_and_skew(rank, world):
 
 
 def body_patterns(rank, world):
-    """Every fusion pattern through the private op torch.ops.tpcomm._all_reduce_norm
+    """Every fusion pattern through the private op torch.ops._tpcomm.all_reduce_norm
     against tpcomm.reference.reference_all_reduce_norm: ADD_NORM with weight w
     on the fused kernel (stream bit for bit, normed within 1 ulp), the others
     (the all-reduce in fp32 on tpcomm's kernels, the norms in torch, fp32)
@@ -187,7 +187,7 @@ def body_patterns(rank, world):
                 nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
                 inputs = _gathered(x)
                 delay_random_rank(rank, world, rng)
-                normed, stream = torch.ops.tpcomm._all_reduce_norm(x, residual, weight, nw, EPS, 1e-6, offset,
+                normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, EPS, 1e-6, offset,
                                                                    int(pattern), comm.group_name)
                 overwrite(x)
                 kernel = pattern == Pattern.ADD_NORM and not offset
