@@ -137,3 +137,16 @@ def _body_compiled(rank, world_size):
 
 def test_compiled_patterns_on_two_ranks():
     run_ranks(2, _body_compiled)
+
+
+def test_fusion_does_not_import_the_compile_pass():
+    """compile_pass imports fusion, never the other way round (no import circle)."""
+    import ast
+
+    import tpcomm.fusion
+
+    tree = ast.parse(open(tpcomm.fusion.__file__).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names} | {node.module or "" for node in ast.walk(tree)
+                                            if isinstance(node, ast.ImportFrom)}
+    assert not any("compile_pass" in name for name in imported), imported
