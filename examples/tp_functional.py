@@ -185,10 +185,9 @@ def build(rank, world, group, dims=None, dtype=torch.float32, device="cpu", seed
 
 def collectives(all_reduce_only=False, layers=SMALL["layers"]):
     """What one forward issues, by tpcomm's op names:
-    "dist": the torch.distributed calls (what tpcomm.install routes; funcol's
-            are C++ and bypass it): per block one dist.all_reduce, and the
-            tail's reduce_scatter_tensor + all_gather_into_tensor or one more
-            dist.all_reduce;
+    "dist": what tpcomm.install routes: the torch.distributed calls and the
+            functional collectives (tpcomm.functional_collectives) alike, so
+            every collective of "rewrites";
     "rewrites": what tpcomm.compile_backend rewrites (Dynamo traces dist.* and
             funcol alike): per block two all-reduces, the tail's collectives,
             and the head's funcol all-gather or all-reduce;
@@ -196,10 +195,10 @@ def collectives(all_reduce_only=False, layers=SMALL["layers"]):
             (every block's two; the tail's all-reduce, which final_norm follows;
             never the head's)."""
     if all_reduce_only:
-        return {"dist": {"all_reduce": layers + 1},
+        return {"dist": {"all_reduce": 2 * layers + 2},
                 "rewrites": {"all_reduce": 2 * layers + 2, "all_gather": 0, "reduce_scatter": 0},
                 "fused": 2 * layers + 1}
-    return {"dist": {"all_reduce": layers, "reduce_scatter": 1, "all_gather": 1},
+    return {"dist": {"all_reduce": 2 * layers, "reduce_scatter": 1, "all_gather": 2},
             "rewrites": {"all_reduce": 2 * layers, "all_gather": 2, "reduce_scatter": 1},
             "fused": 2 * layers}
 

@@ -74,6 +74,8 @@ def _body_unfused_matches_the_reference(rank, world_size):
     assert torch.equal(x, normed) and torch.equal(residual, summed)
     stats = comm.stats()
     assert stats[("all_reduce_add_rms_norm", "unfused")]["calls"] == 3 * len(SHAPES) * 3 + 2
+    # a fused call counts once, under its own key: its all-reduce is not counted again
+    assert set(stats) == {("all_reduce_add_rms_norm", "unfused")}, stats
     comm.close()
 
 
@@ -362,7 +364,7 @@ def _body_pass(rank, world_size):
     # the backend itself, with inductor after the pass
     torch._dynamo.reset()
     model = _UnfusedLayer(comm.group_name, weight)
-    h, z = torch.compile(model, backend=tpcomm.fusion.backend(), fullgraph=True)(y, residual)
+    h, z = torch.compile(model, backend=tpcomm.compile_backend(), fullgraph=True)(y, residual)
     eager = model(y, residual)
     assert torch.equal(z, eager[1])
     torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)

@@ -46,7 +46,7 @@ def run(comm, how, x, residual, weight, eps, in_place):
     elif how == "split":
         normed, summed = by_rows(comm, x, residual, weight, eps)
     else:
-        normed, summed = from_sums(comm.all_reduce(x.float()), residual, weight, eps, x.dtype)
+        normed, summed = from_sums(uncounted(comm, "all_reduce", x.float()), residual, weight, eps, x.dtype)
     if not in_place:
         return normed, summed
     if normed is not x:
@@ -67,8 +67,17 @@ def by_rows(comm, x, residual, weight, eps):
     sums = comm.kernels.reduce_scatter_f32(flat, comm.route_reduce_scatter(flat))
     mine = residual.reshape(rows, hidden)[comm.rank * part:(comm.rank + 1) * part]
     normed, summed = from_sums(sums, mine, weight, eps, x.dtype)
-    both = comm.all_gather(torch.stack((normed, summed)), dim=1)  # (2, rows, hidden), contiguous
+    both = uncounted(comm, "all_gather", torch.stack((normed, summed)), 1)  # (2, rows, hidden), contiguous
     return both[0].view(x.shape), both[1].view(x.shape)
+
+
+def uncounted(comm, op, x, *args):
+    """comm's all_reduce(x) or all_gather(x, dim) on the route the
+    Communicator would take, not counted in stats(): a part of a fused call,
+    which counts once, under its own key."""
+    x = x.contiguous()
+    route = comm.route_all_reduce(x) if op == "all_reduce" else comm.route_all_gather(x, *args)
+    return comm._runner(op, x.dtype, route)(x, *args)
 
 
 def from_sums(sums, residual, weight, eps, dtype):

@@ -49,6 +49,7 @@ import operator
 import torch
 
 from . import _registry, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
+from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
 _ALL_REDUCE = (_F.all_reduce, _F.all_reduce.default)
@@ -61,7 +62,7 @@ _WAIT = (_F.wait_tensor, _F.wait_tensor.default)
 _KEPT_META = ("example_value", "val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-COUNTED = COLLECTIVES + ("all_reduce_add_rms_norm",)
+COUNTED = COLLECTIVES + tuple(STATS_KEY.values())  # the collectives, then the fusion patterns
 
 
 def _bound(node, names):
@@ -188,11 +189,18 @@ def _storage(value):
 
 def _aliased(graph, dst, value):
     """Whether a node other than dst and its users holds a tensor sharing
-    dst's storage (x.detach() or a view dst was taken from, say)."""
+    dst's storage (x.detach() or a view dst was taken from, say) that is
+    read after dst: a node whose every use leads only into dst (MoE code's
+    `out = h.to(dtype)`, the same tensor as h, all-reduced in place) is
+    read before the copy, never through it."""
     storage = _storage(value)
+    into_dst = {dst}
+    for node in reversed(graph.nodes):
+        if node.users and all(u in into_dst for u in node.users):
+            into_dst.add(node)
     for node in graph.nodes:
         other = _value(node)
-        if node is not dst and dst not in node.all_input_nodes and other is not None \
+        if node not in into_dst and dst not in node.all_input_nodes and other is not None \
                 and _storage(other) == storage:
             return True
     return False
@@ -230,7 +238,8 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
         counts[what] += n
     module = graph.owning_module
     if fuse and isinstance(module, torch.fx.GraphModule):
-        counts["all_reduce_add_rms_norm"] += fusion.fuse_all_reduce_add_rms_norm(module)
+        for key, n in fusion.fuse(module).items():
+            counts[key] += n
         module.recompile()
 
 
@@ -256,8 +265,38 @@ class compile_backend:
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_options))
+                return compile_fx(gm, example_inputs, config_patches=self._with_post_grad_pass())
+            if self.inner == "aot_eager":
+                return self._aot_eager()(gm, example_inputs)
             return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+    # DTensor's collectives (redistribute: the LM head's and colwise_gather_output's all-gathers, the
+    # embedding's all-reduce) are not in the graph Dynamo captures: Dynamo keeps DTensor operations whole,
+    # and AOT autograd turns them into functional collectives. So the collectives are rewritten once more
+    # on the graph AOT produces: by inductor's post-grad pass, or aot_eager's forward compiler.
+    def _with_post_grad_pass(self):
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        from .inductor_pass import TpcommPass
+
+        patches = dict(self.inductor_options)
+        then = patches.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
+        if then is None or (isinstance(then, CustomGraphPass) and not isinstance(then, TpcommPass)):
+            patches["post_grad_custom_post_pass"] = TpcommPass(then=then, counts=self.counts)
+        return patches
+
+    def _aot_eager(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def forward(gm, example_inputs):
+            for what, n in rewrite_collectives(gm.graph).items():
+                self.counts[what] += n
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+
+        return aot_autograd(fw_compiler=forward)
 
 
 def world_tag(graph: torch.fx.Graph) -> str:

@@ -4,6 +4,10 @@ all-reduce, so models need no edit to use the fused op:
     compiled = torch.compile(model, backend=tpcomm.compile_backend())            # inductor after the pass
     compiled = torch.compile(model, backend=tpcomm.compile_backend("aot_eager"))
 
+(tpcomm.compile_pass runs this fusion after it has put the collectives on
+tpcomm; this module does not import it: the pass depends on the fusion, not
+the other way round.)
+
 In the graph Dynamo captures, every (torch's own all_reduce included, which
 tpcomm.compile_pass first puts on tpcomm)
 
@@ -36,7 +40,8 @@ import operator
 
 import torch
 
-from . import ops  # noqa: F401 - registers torch.ops.tpcomm.all_reduce and the fused op
+from . import ops  # noqa: F401 - registers torch.ops.tpcomm.all_reduce and the fused ops
+from .norm_patterns import STATS_KEY, Pattern
 
 _ALL_REDUCE = (torch.ops.tpcomm.all_reduce, torch.ops.tpcomm.all_reduce.default)
 _ADD = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
@@ -132,80 +137,224 @@ def _written_norm(z, dtype):
     return None
 
 
-def _match(ar, order):
-    """One all_reduce -> add -> norm: (y, residual, weight, eps, group, add,
-    the node the normed output replaces, the nodes to erase), or None."""
-    if len(ar.users) != 1:
-        return None
-    (add,) = ar.users
-    if add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
-        return None
-    residual = add.args[1] if add.args[0] is ar else add.args[0]
-    if residual is ar or not isinstance(residual, torch.fx.Node):
-        return None
-    y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
-    group = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("group_name")
-    ty, tr = _example(y), _example(residual)
-    if ty is None or tr is None or not isinstance(group, str) or ty.dim() < 1 \
-            or ty.shape != tr.shape or ty.dtype != tr.dtype:
-        return None
-    norm = _functional_norm(add, ty.shape[-1]) or _written_norm(add, ty.dtype)
+_DROPOUT = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
+_LAYOUT_METHODS = ("view", "reshape", "contiguous")
+
+
+def _identity(node):
+    """Whether node gives its first argument's values unchanged at inference:
+    dropout with p = 0 or training off, a view / reshape / contiguous (the
+    layout of a contiguous tensor kept: same elements in the same order)."""
+    if node.op == "call_function" and node.target in _DROPOUT:
+        names = ("input", "p", "train" if node.target is torch.dropout or node.target in _DROPOUT[2:] else "training")
+        values = dict(zip(names, node.args))
+        values.update(node.kwargs)
+        return values.get("p", 0.5) == 0.0 or values.get(names[2], True) is False
+    if node.op == "call_method" and node.target in _LAYOUT_METHODS and not node.kwargs:
+        before, after = _example(node.args[0]), _example(node)
+        return before is not None and after is not None and before.is_contiguous() and after.is_contiguous() \
+            and before.numel() == after.numel()
+    return False
+
+
+def _through_identities(ar):
+    """(the last node of the chain of single-user identity nodes after ar, the
+    chain): the value ar's sum reaches its consumer as."""
+    chain, node = [], ar
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not _identity(user) or user.args[0] is not node:
+            break
+        chain.append(user)
+        node = user
+    return node, chain
+
+
+def _reapplied(graph, y, chain):
+    """y with chain's layout changes applied (dropout skipped), inserted
+    before the chain's first node: the fused op's input of the consumer's shape."""
+    for node in chain:
+        if node.op == "call_method" and node.target in ("view", "reshape"):
+            with graph.inserting_before(chain[0]):
+                y = graph.call_method(node.target, (y,) + tuple(node.args[1:]))
+            if "example_value" in node.meta:
+                y.meta["example_value"] = node.meta["example_value"]
+    return y
+
+
+def _gemma_norm(z):
+    """The norm of Gemma-style model code on z: h = z.float();
+    (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + weight.float()),
+    .type_as(z). (weight, eps, the node to replace, the nodes to erase), or None."""
+    for up in z.users:
+        if not (_is_method(up, "float") or _is_method(up, "to", torch.float32)) or len(up.users) != 2:
+            continue
+        square = next((u for u in up.users if _is_method(u, "pow", 2)), None)
+        scaled = next((u for u in up.users if _is_call(u, (operator.mul, torch.mul))), None)
+        mean = square and _only_user(square)
+        if scaled is None or mean is None or not (_is_method(mean, "mean", -1, keepdim=True)
+                                                  or _is_method(mean, "mean", -1, True)):
+            continue
+        plus = _only_user(mean)
+        if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
+                or not isinstance(plus.args[1], float) or plus.kwargs:
+            continue
+        root = _only_user(plus)
+        if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
+                or set(scaled.args) != {up, root} or scaled.kwargs:
+            continue
+        times = _only_user(scaled)
+        if times is None or not _is_call(times, (operator.mul, torch.mul)) or times.args[0] is not scaled \
+                or times.kwargs:
+            continue
+        offset = times.args[1]
+        if not (isinstance(offset, torch.fx.Node) and _is_call(offset, (operator.add, torch.add))
+                and offset.args[0] == 1.0 and len(offset.users) == 1 and not offset.kwargs):
+            continue
+        wf = offset.args[1]
+        if not (isinstance(wf, torch.fx.Node) and _is_method(wf, "float") and len(wf.users) == 1):
+            continue
+        out = _only_user(times)
+        if out is None or not (out.op == "call_method" and out.target == "type_as" and out.args == (times, z)):
+            continue
+        return wf.args[0], plus.args[1], out, [out, times, offset, wf, scaled, root, plus, mean, square, up]
+    return None
+
+
+def _any_norm(z, dtype, hidden):
+    """(weight, eps, weight_offset, node replaced, nodes erased) of an RMSNorm of z, or None."""
+    found = _functional_norm(z, hidden) or _written_norm(z, dtype)
+    if found is not None:
+        return found[0], found[1], 0.0, found[2], found[3]
+    found = _gemma_norm(z)
+    if found is not None:
+        return found[0], found[1], 1.0, found[2], found[3]
+    return None
+
+
+def _weight_ok(weight, ty, order, before):
+    tw = _example(weight)
+    return tw is not None and tw.dtype == ty.dtype and tuple(tw.shape) == (ty.shape[-1],) and order[weight] < order[before]
+
+
+def _match_sandwich(ar, a, ty, group, order):
+    """ar (through identities, as a) -> RMSNorm -> add of a residual
+    [-> the next RMSNorm]: (pattern, args of _tpcomm.all_reduce_norm but the group,
+    the add, {node replaced: output index}, nodes erased), or None."""
+    norm = _any_norm(a, ty.dtype, ty.shape[-1])
     if norm is None:
         return None
-    weight, eps, out, erased = norm
-    tw = _example(weight)
-    if tw is None or tw.dtype != ty.dtype or tuple(tw.shape) != (ty.shape[-1],):
+    weight, eps, offset, out, erased = norm
+    add = _only_user(out)
+    if add is None or add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
         return None
-    if order[weight] > order[add]:  # the fused op goes where the add is: its inputs must exist there
+    residual = add.args[1] if add.args[0] is out else add.args[0]
+    tr = _example(residual)
+    if not isinstance(residual, torch.fx.Node) or residual is out or tr is None or tr.shape != ty.shape \
+            or tr.dtype != ty.dtype or not isinstance(eps, float) or not _weight_ok(weight, ty, order, add):
+        return None
+    y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
+    after = _any_norm(add, ty.dtype, ty.shape[-1])
+    if after is not None:
+        w2, eps2, offset2, out2, erased2 = after
+        if offset2 == offset and isinstance(eps2, float) and _weight_ok(w2, ty, order, add):
+            return (Pattern.NORM_ADD_NORM, (y, residual, weight, w2, eps, eps2, offset), add,
+                    {out2: 0, add: 1}, erased2 + erased)
+    return Pattern.NORM_ADD, (y, residual, weight, None, eps, eps, offset), add, {add: 1}, erased
+
+
+def _match(ar, order):
+    """One all_reduce (through identities) and the add and norm(s) around
+    it: (pattern, (y, residual, weight, next_weight, eps, next_eps,
+    weight_offset), group, the node the fused op goes after, {node replaced:
+    the fused op's output index}, the nodes erased with ar), or None."""
+    a, chain = _through_identities(ar)
+    y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
+    group = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("group_name")
+    ty, ta = _example(y), _example(a)
+    if ty is None or ta is None or not isinstance(group, str) or ta.dim() < 1 or ta.dtype != ty.dtype:
+        return None
+    ty = ta  # the consumer's shape: y goes in with the chain's layout changes applied
+    add = _only_user(a)
+    if add is None or add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
+        sandwich = _match_sandwich(ar, a, ty, group, order)
+        if sandwich is None:
+            return None
+        pattern, args, anchor, replaced, erased = sandwich
+        return pattern, args, group, anchor, replaced, erased + chain
+    residual = add.args[1] if add.args[0] is a else add.args[0]
+    if residual is a or not isinstance(residual, torch.fx.Node):
+        return None
+    tr = _example(residual)
+    if tr is None or ty.shape != tr.shape or ty.dtype != tr.dtype:
+        return None
+    norm = _any_norm(add, ty.dtype, ty.shape[-1])
+    if norm is None:
+        return None
+    weight, eps, offset, out, erased = norm
+    if not _weight_ok(weight, ty, order, add):  # the fused op goes where the add is: its inputs must exist there
         return None
     # Dynamo reads a symbolic eps (.item()) where the norm uses it, after the add: the read moves
-    # before the add (fuse_all_reduce_add_rms_norm), which its tensor must precede
-    if isinstance(eps, torch.fx.Node) and order[eps.args[0]] > order[add]:
+    # before the add (fuse), which its tensor must precede
+    if isinstance(eps, torch.fx.Node) and (offset or order[eps.args[0]] > order[add]):
         return None
-    return y, residual, weight, eps, group, add, out, erased
+    return Pattern.ADD_NORM, (y, residual, weight, None, eps, eps, offset), group, add, {out: 0, add: 1}, \
+        erased + chain
 
 
-def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
+def _erase(graph, nodes):
+    """Erases `nodes`, each once nothing uses it."""
+    left = list(dict.fromkeys(nodes))
+    while left:
+        free = [n for n in left if not n.users]
+        if not free:
+            raise RuntimeError(f"tpcomm.fusion: nodes still in use: {left}")
+        for node in free:
+            graph.erase_node(node)
+            left.remove(node)
+
+
+def fuse(gm: torch.fx.GraphModule) -> dict:
     """Rewrites gm's graph in place (see the module's doc); returns how many
-    all_reduce -> add -> rms_norm it fused."""
+    of each pattern it fused, by the pattern's stats key."""
     graph = gm.graph
-    fused = 0
+    fused = dict.fromkeys(STATS_KEY.values(), 0)
     for ar in list(graph.nodes):
-        if ar.op != "call_function" or ar.target not in _ALL_REDUCE:
+        if ar.op != "call_function" or ar.target not in _ALL_REDUCE or ar.graph is not graph:
             continue
         order = {node: i for i, node in enumerate(graph.nodes)}
         found = _match(ar, order)
         if found is None:
             continue
-        y, residual, weight, eps, group, add, out, erased = found
-        if isinstance(eps, torch.fx.Node) and order[eps] > order[add]:
-            add.prepend(eps)
-        with graph.inserting_after(add):
-            call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
-                                       (y, residual, weight, eps, group))
-        with graph.inserting_after(call):
-            normed = graph.call_function(operator.getitem, (call, 0))
-        with graph.inserting_after(normed):
-            summed = graph.call_function(operator.getitem, (call, 1))
-        for node, example in ((normed, out), (summed, add)):
-            if "example_value" in example.meta:
-                node.meta["example_value"] = example.meta["example_value"]
-        out.replace_all_uses_with(normed)
-        for node in erased:  # users first: each is unused once the ones after it are gone
-            graph.erase_node(node)
-        add.replace_all_uses_with(summed)
-        graph.erase_node(add)
-        graph.erase_node(ar)
-        fused += 1
-    if fused:
+        pattern, (y, residual, weight, next_weight, eps, next_eps, offset), group, anchor, replaced, erased = found
+        chain = [n for n in erased if n in _through_identities(ar)[1]]
+        y = _reapplied(graph, y, chain)
+        if isinstance(eps, torch.fx.Node) and order[eps] > order[anchor]:
+            anchor.prepend(eps)
+        with graph.inserting_after(anchor):
+            if pattern == Pattern.ADD_NORM and not offset:
+                call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
+                                           (y, residual, weight, eps, group))
+            else:
+                call = graph.call_function(torch.ops._tpcomm.all_reduce_norm.default,
+                                           (y, residual, weight, next_weight, eps, next_eps, offset, int(pattern),
+                                            group))
+        outputs = {}
+        for index in (1, 0):
+            with graph.inserting_after(call):
+                outputs[index] = graph.call_function(operator.getitem, (call, index))
+        for node, index in replaced.items():
+            if "example_value" in node.meta:
+                outputs[index].meta["example_value"] = node.meta["example_value"]
+            node.replace_all_uses_with(outputs[index])
+        _erase(graph, erased + list(replaced) + [ar])
+        fused[STATS_KEY[pattern]] += 1
+    if any(fused.values()):
         graph.lint()
         gm.recompile()
     return fused
 
 
-def backend(inner="inductor"):
-    """A torch.compile backend: tpcomm.compile_backend(inner), which puts
-    torch's functional collectives on tpcomm and then runs this fusion."""
-    from .compile_pass import compile_backend  # compile_pass imports this module
-
-    return compile_backend(inner)
+def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
+    """fuse(gm); how many all_reduce -> add / norm patterns it fused in all."""
+    return sum(fuse(gm).values())

@@ -20,14 +20,15 @@ from . import _registry, compile_pass, fusion
 
 class TpcommPass(CustomGraphPass):
     """compile_pass.apply on a graph, then `then` (another custom pass) if
-    given. `counts` holds what it rewrote so far (compile_pass.COUNTED)."""
+    given. `counts` (a dict given, or its own) holds what it rewrote so far
+    (compile_pass.COUNTED)."""
 
-    def __init__(self, then=None):
+    def __init__(self, then=None, counts=None):
         if then is not None and not isinstance(then, CustomGraphPass):
             raise TypeError(f"tpcomm: TpcommPass(then=...) takes a CustomGraphPass (what inductor can cache), "
                             f"got {type(then).__name__}")
         self.then = then
-        self.counts = dict.fromkeys(compile_pass.COUNTED, 0)
+        self.counts = counts if counts is not None else dict.fromkeys(compile_pass.COUNTED, 0)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         compile_pass.apply(graph, self.counts)
@@ -40,5 +41,6 @@ class TpcommPass(CustomGraphPass):
         digest = hashlib.sha256()
         for module in (compile_pass, fusion):
             digest.update(inspect.getsource(module).encode())
-        digest.update(repr(_registry.names()).encode())
+        digest.update(repr(sorted((name, _registry.find(name).world_size) for name in _registry.names()
+                                  if _registry.find(name) is not None)).encode())
         return digest.hexdigest(), self.then.uuid() if self.then is not None else None

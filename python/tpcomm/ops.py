@@ -26,22 +26,26 @@ Python layers (autograd, aliasing checks) add host time to every eager call
 """
 import torch
 
+from . import norm_patterns
 from ._registry import communicator_for
 from ._shapes import checked_dim
 
 _LIBRARY = torch.library.Library("tpcomm", "FRAGMENT")  # kept alive: it holds the registrations
+# The internal namespace (the C++ binding defines its ops taking a communicator id): the private op
+# the compile pass puts in graphs lives there, so torch.ops.tpcomm holds only the public family.
+_INTERNAL = torch.library.Library("_tpcomm", "FRAGMENT")
 
 
-def _op(schema, fake):
-    """Defines tpcomm::<schema> with the decorated function as its kernel on
+def _op(schema, fake, library=_LIBRARY):
+    """Defines <namespace>::<schema> with the decorated function as its kernel on
     every device (CompositeExplicitAutograd: no autograd, as for the other
     collectives) and `fake` as its shape function for torch.compile."""
     name = schema.split("(", 1)[0]
 
     def define(impl):
-        _LIBRARY.define(schema)
-        _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"tpcomm::{name}", fake, lib=_LIBRARY)
+        library.define(schema)
+        library.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{library.ns}::{name}", fake, lib=library)
         return impl
 
     return define
@@ -93,3 +97,18 @@ def all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
     group named group_name (new tensors)."""
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
+
+
+def _all_reduce_norm_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+    return torch.empty_like(x), torch.empty_like(residual)
+
+
+@_op("all_reduce_norm(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, float eps, float next_eps, "
+     "float weight_offset, int pattern, str group_name) -> (Tensor, Tensor)", _all_reduce_norm_fake, _INTERNAL)
+def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+    """Private: the fusion pattern `pattern` (tpcomm.norm_patterns.Pattern)
+    of the all-reduce of x with the residual add and RMSNorm(s) around it,
+    (normed, stream) as new tensors. tpcomm.fusion puts it in a graph; model
+    code calls the public all_reduce_add_rms_norm."""
+    return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
+                             next_eps, weight_offset)

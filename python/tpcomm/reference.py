@@ -6,7 +6,9 @@ rank order 0..n-1, from -0.0 (as the kernels start), not rounded.
 reference_add_rms_norm takes every rank's input, adds the residual to that
 sum, and normalises over the last dimension, rounding once at the end.
 ulp_distance measures how far apart two 16-bit or 32-bit float tensors are,
-in units in the last place of their dtype (0 where the bits are equal)."""
+in units in the last place of their dtype (0 where the bits are equal).
+reference_all_reduce_norm does the same for every fusion pattern of
+tpcomm.norm_patterns (the sandwich norm of Gemma among them)."""
 import torch
 
 
@@ -26,6 +28,30 @@ def reference_add_rms_norm(inputs, residual, weight, eps):
     z = rank_order_sum(inputs) + residual.float()
     normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return normed.to(inputs[0].dtype), z.to(inputs[0].dtype)
+
+
+def reference_all_reduce_norm(inputs, residual, weight, eps, pattern, weight_offset=0.0, next_weight=None,
+                              next_eps=None):
+    """(normed, stream) of tpcomm.norm_patterns' `pattern` for the ranks'
+    `inputs`, in their dtype: s = (((-0 + x_0) + x_1) + ...) in fp32, then
+      ADD_NORM       z = s + r, (z * rsqrt(mean(z^2) + eps) * (w + offset), z)
+      NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * (w + offset), (o, o)
+      NORM_ADD_NORM  o as NORM_ADD, (o * rsqrt(mean(o^2) + next_eps) * (next_w + offset), o)
+    all in fp32, each output rounded once."""
+    s = rank_order_sum(inputs)
+    r = residual.float()
+    dtype = inputs[0].dtype
+
+    def norm(v, w, e):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * (w.float() + weight_offset)
+
+    if int(pattern) == 0:
+        z = s + r
+        return norm(z, weight, eps).to(dtype), z.to(dtype)
+    o = r + norm(s, weight, eps)
+    if int(pattern) == 1:
+        return o.to(dtype), o.to(dtype)
+    return norm(o, next_weight, next_eps).to(dtype), o.to(dtype)
 
 
 _INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}

@@ -7,7 +7,9 @@
 that group's dist.all_reduce, dist.all_gather_into_tensor and
 dist.reduce_scatter_tensor (and the legacy _all_gather_base /
 _reduce_scatter_base) go through the group's open Communicator, as Hugging
-Face transformers' tensor parallelism issues them. Leaving the `with` (or
+Face transformers' tensor parallelism issues them, and its functional
+collectives (DTensor's redistribute: tpcomm.functional_collectives).
+Leaving the `with` (or
 uninstall()) restores torch's own path.
 
 tpcomm takes a call only when it gives the same result: the sum (all_reduce,
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import _registry
+from . import _registry, functional_collectives
 
 # The ProcessGroup methods dist's functions call, by what they do: torch
 # 2.10-2.14 gather and scatter through _allgather_base / _reduce_scatter_base,
@@ -190,6 +192,7 @@ class Installation:
             for name, method in _originals.items():
                 setattr(dist.ProcessGroup, name, method)
             _originals.clear()
+            functional_collectives.unhook()
 
     def __enter__(self):
         return self
@@ -227,4 +230,12 @@ def install(group=None) -> Installation:
             _originals[method] = dist.ProcessGroup.__dict__[method]
             setattr(dist.ProcessGroup, method, _wrapper(method))
     _installed[name] = handle = Installation(name)
+    # DTensor's and the functional collectives' eager calls (tpcomm.functional_collectives)
+    functional_collectives.hook(lambda group_name: _taker_by_name(group_name), _run)
     return handle
+
+
+def _taker_by_name(group_name):
+    if getattr(_inside, "active", False) or group_name not in _installed:
+        return None
+    return _registry.find(group_name)

@@ -1,0 +1,152 @@
+"""Every fusion pattern of tpcomm.norm_patterns through the private op
+torch.ops._tpcomm.all_reduce_norm on gloo ranks (no kernel: the all-reduce
+in fp32, the rest in torch): the fp32 reference bit for bit, the same bits
+on every rank, each call counted once under its pattern's key and nothing
+else; bad arguments raise before anything collective; and the compile
+pass's matchers on small graphs (the sandwich norm with its next norm, a
+dropout and a reshape between the all-reduce and the add)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpcomm
+from tpcomm.norm_patterns import STATS_KEY, Pattern
+from tpcomm.reference import reference_all_reduce_norm, ulp_distance
+
+from multiproc import run_ranks
+
+SHAPES = [(1, 64), (3, 128), (2, 2, 256)]
+
+
+def _inputs(rank, shape, dtype, seed, world_size):
+    """Multiples of 1/8 below 8: sums exact in fp32 in any order (gloo's
+    order is not the reference's rank order)."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return (torch.randint(-64, 65, shape, generator=g) / 8).to(dtype)
+
+
+def _shared(shape, dtype, seed):
+    g = torch.Generator().manual_seed(7919 * seed)
+    return (torch.randn(shape, generator=g).to(dtype), (torch.rand(shape[-1:], generator=g) - 0.5).to(dtype),
+            (torch.rand(shape[-1:], generator=g) + 0.5).to(dtype))
+
+
+def _body_patterns(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    expected = dict.fromkeys(STATS_KEY.values(), 0)
+    seed = 0
+    for pattern in Pattern:
+        for offset in (0.0, 1.0):
+            for shape in SHAPES:
+                for dtype in (torch.bfloat16, torch.float32):
+                    seed += 1
+                    x = _inputs(rank, shape, dtype, seed, world_size)
+                    residual, weight, next_weight = _shared(shape, dtype, seed)
+                    nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
+                    normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset,
+                                                                       int(pattern), comm.group_name)
+                    expected[STATS_KEY[pattern]] += 1
+                    ref = reference_all_reduce_norm([_inputs(r, shape, dtype, seed, world_size)
+                                                     for r in range(world_size)], residual, weight, 1e-5, pattern,
+                                                    offset, nw, 1e-6)
+                    what = f"{pattern.name} offset {offset} {dtype} {shape} on {world_size} ranks"
+                    assert int(ulp_distance(normed, ref[0]).max()) == 0, f"normed {what}"
+                    assert int(ulp_distance(stream, ref[1]).max()) == 0, f"stream {what}"
+                    assert normed.data_ptr() != stream.data_ptr()
+                    for t in (normed, stream):
+                        gathered = [torch.empty_like(t) for _ in range(world_size)]
+                        dist.all_gather(gathered, t)
+                        assert all(torch.equal(g, gathered[0]) for g in gathered), f"ranks differ: {what}"
+    stats = comm.stats()
+    # each call once, under its pattern's key; ADD_NORM with weight w is all_reduce_add_rms_norm itself
+    assert {op: v["calls"] for (op, _), v in stats.items()} == {k: n for k, n in expected.items() if n}, stats
+    x = torch.ones(2, 64)
+    with pytest.raises(ValueError, match="next_weight"):
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, int(Pattern.NORM_ADD_NORM),
+                                          comm.group_name)
+    with pytest.raises(ValueError, match="weight_offset"):
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.5, int(Pattern.NORM_ADD), comm.group_name)
+    with pytest.raises(ValueError, match="pattern"):
+        torch.ops._tpcomm.all_reduce_norm(x, x, x[0], None, 1e-5, 1e-5, 0.0, 7, comm.group_name)
+    comm.close()
+
+
+def test_patterns_on_two_ranks():
+    run_ranks(2, _body_patterns)
+
+
+def test_patterns_on_three_ranks():
+    run_ranks(3, _body_patterns)
+
+
+class _GemmaNorm(torch.nn.Module):
+    def __init__(self, weight, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight), eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class _Sandwich(torch.nn.Module):
+    """Gemma's sub-layer end: residual + post_norm(all_reduce(y)), then the next pre-norm."""
+
+    def __init__(self, group, w1, w2):
+        super().__init__()
+        self.group, self.post, self.pre = group, _GemmaNorm(w1), _GemmaNorm(w2)
+
+    def forward(self, y, residual):
+        h = residual + self.post(torch.ops.tpcomm.all_reduce(y, self.group))
+        return self.pre(h), h
+
+
+class _DropoutReshape(torch.nn.Module):
+    """Phi-3's dropout (p = 0) and MoE code's reshape between the all-reduce and the add."""
+
+    def __init__(self, group, w):
+        super().__init__()
+        self.group, self.w = group, torch.nn.Parameter(w)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, y, residual):
+        h = residual + self.drop(torch.ops.tpcomm.all_reduce(y, self.group).reshape(residual.shape))
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
+
+
+def _body_compiled(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    residual = torch.randn(2, 3, 64, generator=g)
+    y = (torch.randint(-64, 65, (2, 3, 64), generator=torch.Generator().manual_seed(rank)) / 8)
+    for model, args, key in ((_Sandwich(comm.group_name, w1, w2), (y, residual), "all_reduce_rms_norm_add_rms_norm"),
+                             (_DropoutReshape(comm.group_name, w1).eval(), (y.view(6, 64), residual),
+                              "all_reduce_add_rms_norm")):
+        torch._dynamo.reset()
+        backend = tpcomm.compile_backend("aot_eager")
+        with torch.no_grad():
+            got = torch.compile(model, backend=backend, fullgraph=True)(*args)
+            eager = model(*args)
+        assert backend.counts[key] == 1 and sum(backend.counts[k] for k in STATS_KEY.values()) == 1, backend.counts
+        assert torch.equal(got[1], eager[1]), type(model).__name__
+        torch.testing.assert_close(got[0], eager[0], rtol=2e-6, atol=2e-6)
+    comm.close()
+
+
+def test_compiled_patterns_on_two_ranks():
+    run_ranks(2, _body_compiled)
+
+
+def test_fusion_does_not_import_the_compile_pass():
+    """compile_pass imports fusion, never the other way round (no import circle)."""
+    import ast
+
+    import tpcomm.fusion
+
+    tree = ast.parse(open(tpcomm.fusion.__file__).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names} | {node.module or "" for node in ast.walk(tree)
+                                            if isinstance(node, ast.ImportFrom)}
+    assert not any("compile_pass" in name for name in imported), imported
