@@ -32,8 +32,8 @@ def test_import_alone_registers_the_ops():
     lines = out.stdout.splitlines()
     assert sum(line.startswith("tpcomm::") and "str group_name" in line for line in lines) == 4, out.stdout
     assert sum(line.startswith("_tpcomm::") and "int comm" in line for line in lines) == 6, out.stdout
-    assert lines[-1] == ("public: ['tpcomm::all_gather', 'tpcomm::all_reduce', 'tpcomm::all_reduce_add_rms_norm', "
-                         "'tpcomm::reduce_scatter']"), lines[-1]
+    assert lines[-1] == ("public: ['tpcomm::custom_all_gather', 'tpcomm::custom_all_reduce', "
+                         "'tpcomm::custom_all_reduce_add_rms_norm', 'tpcomm::custom_reduce_scatter']"), lines[-1]
 
 
 def test_console_script_and_metadata():

@@ -12,10 +12,10 @@ Inside a model's forward, under CUDA graphs and torch.compile, the torch ops
 taking the group's name route each call exactly as the Communicator does
 (tpcomm.ops):
 
-    y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
-    z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
-    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
-    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
+    y = torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.custom_all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.custom_reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
 CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.

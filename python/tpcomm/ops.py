@@ -1,10 +1,10 @@
 """The torch ops for model code and torch.compile: tpcomm's one public op
 family, taking the group's name.
 
-    y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
-    z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
-    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
-    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
+    y = torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.custom_all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.custom_reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
@@ -51,8 +51,8 @@ def _all_reduce_fake(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@_op("all_reduce(Tensor x, str group_name) -> Tensor", _all_reduce_fake)
-def all_reduce(x, group_name):
+@_op("custom_all_reduce(Tensor x, str group_name) -> Tensor", _all_reduce_fake)
+def custom_all_reduce(x, group_name):
     """Sum of x over the group named group_name (a new tensor)."""
     y = communicator_for(group_name).all_reduce(x)
     return y if y.data_ptr() != x.data_ptr() else y.clone()  # an op's output never aliases its input
@@ -64,8 +64,8 @@ def _all_gather_fake(x, dim, group_name):
     return x.new_empty(shape)
 
 
-@_op("all_gather(Tensor x, SymInt dim, str group_name) -> Tensor", _all_gather_fake)
-def all_gather(x, dim, group_name):
+@_op("custom_all_gather(Tensor x, SymInt dim, str group_name) -> Tensor", _all_gather_fake)
+def custom_all_gather(x, dim, group_name):
     """Concatenation of every rank's x along dim, contiguous."""
     return communicator_for(group_name).all_gather(x, dim)
 
@@ -76,8 +76,8 @@ def _reduce_scatter_fake(x, dim, group_name):
     return x.new_empty(shape)
 
 
-@_op("reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor", _reduce_scatter_fake)
-def reduce_scatter(x, dim, group_name):
+@_op("custom_reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor", _reduce_scatter_fake)
+def custom_reduce_scatter(x, dim, group_name):
     """This rank's part (along dim) of the sum over the group, contiguous."""
     y = communicator_for(group_name).reduce_scatter(x, dim)
     return y if y.data_ptr() != x.data_ptr() else y.clone()
@@ -87,9 +87,9 @@ def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
     return torch.empty_like(x), torch.empty_like(residual)
 
 
-@_op("all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
+@_op("custom_all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
      "-> (Tensor, Tensor)", _all_reduce_add_rms_norm_fake)
-def all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
+def custom_all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
     group named group_name (new tensors)."""
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
