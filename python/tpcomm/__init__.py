@@ -18,7 +18,8 @@ taking the group's name route each call exactly as the Communicator does
     normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
-CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.
+CollectiveMismatch, CommunicatorClosed and UnknownGroup (tpcomm.errors), all
+RuntimeErrors; tpcomm.TableError (a ValueError) for a bad routing table.
 """
 import logging as _logging
 
@@ -26,9 +27,10 @@ from ._lib import load
 from ._log import log_once as _log_once
 from .communicator import Communicator
 from .config import Config
-from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
+from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError, UnknownGroup
 from . import fusion, ops, policy
 from .compile_pass import compile_backend
+from .policy import TableError
 from .torch_collectives import install
 
 # The ops exist as soon as tpcomm is imported (a model can name
@@ -42,5 +44,5 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "compile_backend", "fusion", "install", "load", "policy"]
+           "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "policy"]
 from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)
