@@ -297,11 +297,15 @@ class Communicator:
         return functools.partial(getattr(self._kernels, op), algo=backend)
 
     def _cell(self, op, backend):
+        if backend == "nccl":  # counted under what really ran the fallback: the group's backend (gloo on CPU)
+            backend = self._nccl.backend
         return self._stat_cells.setdefault((op, backend), [0, 0])
 
     def stats(self) -> dict:
         """Calls and input bytes per rank so far, per (op, backend) that ran them:
-        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}."""
+        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}. The
+        fallback is named by the group's torch.distributed backend ("nccl",
+        "gloo"); a group of one counts under "single rank"."""
         return {key: {"calls": c[0], "bytes": c[1]} for key, c in self._stat_cells.items() if c[0]}
 
     # ------------------------------------------------------------ life cycle
