@@ -20,7 +20,7 @@ def test_import_alone_registers_the_ops():
     public group-name family torch.ops.tpcomm.* (and no other op in that
     namespace) and the internal torch.ops._tpcomm.*."""
     code = ("import torch, tpcomm\n"
-            "for name in ('all_reduce', 'all_gather', 'reduce_scatter', 'all_reduce_add_rms_norm'):\n"
+            "for name in ('custom_all_reduce', 'custom_all_gather', 'custom_reduce_scatter', 'custom_all_reduce_add_rms_norm'):\n"
             "    print(getattr(torch.ops.tpcomm, name).default._schema)\n"
             "for name in ('all_reduce', 'all_reduce_out', 'all_gather', 'reduce_scatter', 'reduce_scatter_f32',\n"
             "             'all_reduce_add_rms_norm_out'):\n"
