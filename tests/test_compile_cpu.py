@@ -22,7 +22,7 @@ def test_ops_are_registered_at_import():
 
 
 def test_unknown_group_name_raises():
-    with pytest.raises(RuntimeError, match="no open Communicator for group 'nobody'"):
+    with pytest.raises(tpcomm.UnknownGroup, match="no open Communicator for group 'nobody'"):
         torch.ops.tpcomm.custom_all_reduce(torch.ones(4), "nobody")
 
 
@@ -58,7 +58,7 @@ def _body_compiled_models(rank, world_size):
         for _ in range(2):  # the second call runs the compiled graph as it is
             assert_bits_equal(compiled(x), expected, f"compiled {kwargs}")
     comm.close()
-    with pytest.raises(RuntimeError, match="no open Communicator"):
+    with pytest.raises(tpcomm.CommunicatorClosed, match="is closed"):
         torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
 
 
