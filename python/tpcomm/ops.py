@@ -14,7 +14,10 @@ They are opaque to the compiler (ops with fake implementations), so
 fullgraph=True traces through them and mode="reduce-overhead" captures them
 in CUDA graphs (the kernels are graph-safe).
 
-The group's open Communicator is looked up in tpcomm._registry on every call.
+The group's open Communicator is looked up in tpcomm._registry on every call:
+a group whose Communicator was closed raises CommunicatorClosed, a name that
+never had one UnknownGroup (both TpcommErrors). The schemas live here, not in
+the C++ binding, so the ops exist where the build is missing (docs/design.md).
 The ops taking a communicator id and a kernel (torch.ops._tpcomm.*, defined by
 the C++ binding) are internal: the Communicator calls them with the kernel
 its routing picked.
