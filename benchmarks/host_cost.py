@@ -44,8 +44,8 @@ def paths(comm, x):
     algo = ALGO_CODES.get(route)
     out = {
         "Communicator.all_reduce": lambda: comm.all_reduce(x),
-        "torch.ops.tpcomm.all_reduce (dispatcher op, group name)":
-            lambda: torch.ops.tpcomm.all_reduce(x, comm.group_name),
+        "torch.ops.tpcomm.custom_all_reduce (dispatcher op, group name)":
+            lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.group_name),
         "torch.distributed.all_reduce (NCCL, in place)": lambda: dist.all_reduce(x),
     }
     if algo is not None:

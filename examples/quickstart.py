@@ -53,9 +53,9 @@ def main():
     say(f"reduce_scatter  {tuple(rows.shape)} per rank -> {tuple(mine.shape)}")
 
     # The group-name op: what model code and torch.compile'd graphs call.
-    z = torch.ops.tpcomm.all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
     assert torch.equal(z, y), z
-    say(f"torch.ops.tpcomm.all_reduce(x, {comm.group_name!r}) equals comm.all_reduce(x)")
+    say(f"torch.ops.tpcomm.custom_all_reduce(x, {comm.group_name!r}) equals comm.all_reduce(x)")
 
     # The all-reduce with the residual add and RMSNorm after it, in one call.
     residual = torch.ones(2, 64, dtype=torch.bfloat16, device=device)

@@ -36,7 +36,7 @@ its part):
 Printed per way: bit-equal to its reference (install to torch, the compiled
 ones to compiled), the largest difference, and tpcomm's calls by (op,
 backend) from Communicator.stats(): on GPUs its kernels (packet, line,
-bulk, fused), on the CPU its torch.distributed fallback ("nccl").
+bulk, fused), on the CPU its torch.distributed fallback ("gloo").
 """
 import argparse
 import os

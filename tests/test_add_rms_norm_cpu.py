@@ -63,7 +63,7 @@ def _body_unfused_matches_the_reference(rank, world_size):
         assert out[0] is xi and out[1] is ri
         assert torch.equal(xi, normed) and torch.equal(ri, summed), f"in place {what}"
         # the dispatcher-level op of the group
-        n2, s2 = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, comm.group_name)
+        n2, s2 = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, 1e-5, comm.group_name)
         assert torch.equal(n2, normed) and torch.equal(s2, summed), f"torch op {what}"
     # a non-contiguous input and residual, in place: written back through the views
     base = _inputs(rank, (4, 128), torch.bfloat16, 99, world_size)
@@ -221,12 +221,12 @@ def test_internal_op_schema_and_fake():
 
 
 def test_dispatcher_op_schema_and_fake_shapes():
-    schema = torch.ops.tpcomm.all_reduce_add_rms_norm.default._schema
-    assert str(schema) == ("tpcomm::all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, "
+    schema = torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default._schema
+    assert str(schema) == ("tpcomm::custom_all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, "
                            "str group_name) -> (Tensor, Tensor)")
     with FakeTensorMode():
         x = torch.empty(2, 3, 512, device="cuda", dtype=torch.float16)
-        normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(
+        normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(
             x, torch.empty_like(x), torch.empty(512, device="cuda", dtype=torch.float16), 1e-6, "any group")
         for t in (normed, summed):
             assert tuple(t.shape) == (2, 3, 512) and t.dtype == torch.float16 and t.device.type == "cuda"
@@ -247,7 +247,7 @@ class _Layer(torch.nn.Module):
         self.group_name, self.weight = group_name, weight
 
     def forward(self, x, residual):
-        return torch.ops.tpcomm.all_reduce_add_rms_norm(x * 2.0, residual, self.weight, 1e-5, self.group_name)
+        return torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x * 2.0, residual, self.weight, 1e-5, self.group_name)
 
 
 def _body_compiled(rank, world_size):
@@ -279,7 +279,7 @@ class _UnfusedLayer(torch.nn.Module):
         self.group_name, self.weight, self.order = group_name, weight, order
 
     def forward(self, y, residual):
-        reduced = torch.ops.tpcomm.all_reduce(y, self.group_name)
+        reduced = torch.ops.tpcomm.custom_all_reduce(y, self.group_name)
         z = residual + reduced if self.order == "residual first" else reduced + residual
         h = torch.nn.functional.rms_norm(z, (y.shape[-1],), self.weight, 1e-5)
         return h * 1.0, z
@@ -293,7 +293,7 @@ class _LlamaStyleLayer(torch.nn.Module):
         self.group_name, self.weight = group_name, weight
 
     def forward(self, y, residual):
-        z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+        z = residual + torch.ops.tpcomm.custom_all_reduce(y, self.group_name)
         h = z.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
         return self.weight * h.to(z.dtype), z
@@ -322,32 +322,32 @@ def _body_pass(rank, world_size):
         eager = model(y, residual)
         (h, z), seen = _capture(model, y, residual)
         assert seen["fused"] == 1, order
-        assert torch.ops.tpcomm.all_reduce_add_rms_norm.default in seen["targets"]
-        assert torch.ops.tpcomm.all_reduce not in seen["targets"]
+        assert torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default in seen["targets"]
+        assert torch.ops.tpcomm.custom_all_reduce not in seen["targets"]
         assert torch.equal(z, eager[1]), f"z {order}"  # the same fp32 sum, in another spelling
         torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)  # F.rms_norm vs the op's fp32 norm
     model = _LlamaStyleLayer(comm.group_name, weight)
     eager = model(y, residual)
     (h, z), seen = _capture(model, y, residual)
-    assert seen["fused"] == 1 and torch.ops.tpcomm.all_reduce_add_rms_norm.default in seen["targets"]
-    assert not any(t in seen["targets"] for t in (torch.rsqrt, torch.ops.tpcomm.all_reduce)), seen["targets"]
+    assert seen["fused"] == 1 and torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default in seen["targets"]
+    assert not any(t in seen["targets"] for t in (torch.rsqrt, torch.ops.tpcomm.custom_all_reduce)), seen["targets"]
     assert torch.equal(z, eager[1])
     torch.testing.assert_close(h, eager[0], rtol=2e-6, atol=2e-6)
     # not fused: the all-reduce's result used elsewhere, no weight, another dtype
     class KeepsSum(_UnfusedLayer):
         def forward(self, y, residual):
-            reduced = torch.ops.tpcomm.all_reduce(y, self.group_name)
+            reduced = torch.ops.tpcomm.custom_all_reduce(y, self.group_name)
             z = residual + reduced
             return torch.nn.functional.rms_norm(z, (y.shape[-1],), self.weight, 1e-5), reduced
 
     class NoWeight(_UnfusedLayer):
         def forward(self, y, residual):
-            z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+            z = residual + torch.ops.tpcomm.custom_all_reduce(y, self.group_name)
             return torch.nn.functional.rms_norm(z, (y.shape[-1],), None, 1e-5)
 
     class KeepsFloatCopy(_LlamaStyleLayer):  # the norm's fp32 intermediate is returned: not replaceable
         def forward(self, y, residual):
-            z = residual + torch.ops.tpcomm.all_reduce(y, self.group_name)
+            z = residual + torch.ops.tpcomm.custom_all_reduce(y, self.group_name)
             h = z.to(torch.float32)
             return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(z.dtype), h
 

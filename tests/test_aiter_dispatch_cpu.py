@@ -89,8 +89,8 @@ def _body_present(rank, world_size):
     with comm.capture():
         pass
     stats = comm.stats()
-    assert stats[("all_reduce", "aiter")]["calls"] == 2 and stats[("all_reduce", "nccl")]["calls"] == 1, stats
-    assert stats[("all_gather", "aiter")]["calls"] == 1 and stats[("all_gather", "nccl")]["calls"] == 1, stats
+    assert stats[("all_reduce", "aiter")]["calls"] == 2 and stats[("all_reduce", "gloo")]["calls"] == 1, stats
+    assert stats[("all_gather", "aiter")]["calls"] == 1 and stats[("all_gather", "gloo")]["calls"] == 1, stats
     assert ("capture", "enter") in events and ("capture", "exit") in events
     comm.close()
     assert events[-1] == ("close",)
@@ -112,8 +112,8 @@ def _body_declined_at_the_call(rank, world_size):
                                         for r in range(world_size)]), "declined all_gather")
     assert events.count(("all_reduce", DECLINE_AT_CALL)) == 2 and events.count(("all_gather", DECLINE_AT_CALL)) == 2
     nbytes = DECLINE_AT_CALL * 4
-    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 2, "bytes": 2 * nbytes},
-                            ("all_gather", "nccl"): {"calls": 2, "bytes": 2 * nbytes}}, comm.stats()
+    assert comm.stats() == {("all_reduce", "gloo"): {"calls": 2, "bytes": 2 * nbytes},
+                            ("all_gather", "gloo"): {"calls": 2, "bytes": 2 * nbytes}}, comm.stats()
     comm.all_reduce(torch.ones(16))  # taken: counted as AITER's
     assert comm.stats()[("all_reduce", "aiter")] == {"calls": 1, "bytes": 64}
     comm.close()
@@ -124,7 +124,7 @@ def _body_switched_off(rank, world_size):
     comm = tpcomm.Communicator(device="cpu", config=tpcomm.Config(aiter=False))
     assert "Config.aiter" in comm.aiter_reason and not events
     comm.all_reduce(torch.ones(4))
-    assert set(comm.stats()) == {("all_reduce", "nccl")}
+    assert set(comm.stats()) == {("all_reduce", "gloo")}
     comm.close()
 
 
@@ -140,7 +140,7 @@ def _body_absent(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     assert comm.aiter_reason.startswith("rank 1: aiter does not import"), comm.aiter_reason
     comm.all_reduce(torch.ones(4))
-    assert set(comm.stats()) == {("all_reduce", "nccl")}
+    assert set(comm.stats()) == {("all_reduce", "gloo")}
     comm.close()
 
 

@@ -146,7 +146,7 @@ def _check_disabled(comm, reason_needle):
     assert comm.enabled is False
     assert comm.comm_id == 0
     assert reason_needle in comm.disabled_reason, comm.disabled_reason
-    assert "NCCL only" in repr(comm)
+    assert "gloo only" in repr(comm)
     comm.check()  # nothing to check without the custom path
     # every rank holds the same verdict, each naming itself where it has the reason
     verdicts = [None] * comm.world_size

@@ -82,13 +82,13 @@ def _body_rewrites(rank, world_size):
     assert torch.compiler.config.cache_key_tag == ""
     targets = _targets(gm)
     assert not [t for t in targets if t.startswith("_c10d_functional::")], targets
-    assert targets.count("tpcomm::all_reduce") == 2 and targets.count("tpcomm::all_gather") == 2 \
-        and targets.count("tpcomm::reduce_scatter") == 2, targets
+    assert targets.count("tpcomm::custom_all_reduce") == 2 and targets.count("tpcomm::custom_all_gather") == 2 \
+        and targets.count("tpcomm::custom_reduce_scatter") == 2, targets
     # the copies into y, gathered and part (fresh tensors) are gone
     assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "copy_"]
     stats = comm.stats()  # both compiled calls (the eager reference ran torch's own collectives)
-    assert stats[("all_reduce", "nccl")]["calls"] == 2 * 2
-    assert stats[("all_gather", "nccl")]["calls"] == 2 * 2 and stats[("reduce_scatter", "nccl")]["calls"] == 2 * 2
+    assert stats[("all_reduce", "gloo")]["calls"] == 2 * 2
+    assert stats[("all_gather", "gloo")]["calls"] == 2 * 2 and stats[("reduce_scatter", "gloo")]["calls"] == 2 * 2
     comm.close()
 
 
@@ -179,8 +179,8 @@ def _body_fusion(rank, world_size):
                           **dict.fromkeys(STATS_KEY.values(), 0), "all_reduce_add_rms_norm": 1}, \
             (llama_style, dynamic)
         assert unfused_counts["all_reduce_add_rms_norm"] == 0
-        assert "tpcomm::all_reduce_add_rms_norm" in _targets(gm)
-        eps = next(n for n in gm.graph.nodes if _targets_of(n) == "tpcomm::all_reduce_add_rms_norm").args[3]
+        assert "tpcomm::custom_all_reduce_add_rms_norm" in _targets(gm)
+        eps = next(n for n in gm.graph.nodes if _targets_of(n) == "tpcomm::custom_all_reduce_add_rms_norm").args[3]
         # a constant, or under dynamic=True the .item() of the tensor Dynamo passes the attribute as
         assert eps == 1e-5 if not dynamic else (isinstance(eps, torch.fx.Node) and eps.target == "item")
         for a, b in zip(unfused, expected):
@@ -233,7 +233,7 @@ def _body_fusion_inductor_dynamic(rank, world_size):
     with torch.no_grad():
         expected = layer(x, residual)
         got = torch.compile(layer, backend=tpcomm.compile_backend(inductor), fullgraph=True, dynamic=True)(x, residual)
-    fused = [n for n in graphs[-1].graph.nodes if _targets_of(n) == "tpcomm::all_reduce_add_rms_norm"]
+    fused = [n for n in graphs[-1].graph.nodes if _targets_of(n) == "tpcomm::custom_all_reduce_add_rms_norm"]
     assert len(fused) == 1 and fused[0].args[3] == 1e-5, graphs[-1].graph
     assert torch.equal(got[1], expected[1])
     torch.testing.assert_close(got[0], expected[0], rtol=1.3e-6, atol=1e-5)
@@ -278,8 +278,8 @@ def _body_inductor_pass(rank, world_size):
     assert torch.equal(got, expected)
     assert tpcomm_pass.counts["all_reduce"] == 1 and tpcomm_pass.counts["all_gather"] == 1, tpcomm_pass.counts
     targets = _targets(graphs[0])
-    assert "tpcomm::all_reduce" in targets and not [t for t in targets if t.startswith("_c10d_functional")]
-    assert comm.stats()[("all_reduce", "nccl")]["calls"] == 1
+    assert "tpcomm::custom_all_reduce" in targets and not [t for t in targets if t.startswith("_c10d_functional")]
+    assert comm.stats()[("all_reduce", "gloo")]["calls"] == 1
 
     # AOT's graphs may place allocations and views between a collective and
     # its wait: still a synchronous use. Arithmetic there is an async one.

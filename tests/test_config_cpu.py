@@ -233,8 +233,8 @@ def _body_stats(rank, world_size):
     comm.all_reduce(torch.ones(8))                 # 32 bytes
     comm.all_reduce(torch.ones(4, dtype=torch.float64))  # 32 bytes
     comm.all_gather(torch.ones(2, 3), dim=1)       # 24 bytes
-    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 2, "bytes": 64},
-                            ("all_gather", "nccl"): {"calls": 1, "bytes": 24}}, comm.stats()
+    assert comm.stats() == {("all_reduce", "gloo"): {"calls": 2, "bytes": 64},
+                            ("all_gather", "gloo"): {"calls": 1, "bytes": 24}}, comm.stats()
     # Routes are memoised per (dtype, size) / (shape, dim) with their stats cell;
     # past the memo's bound it starts over and the counts stay right.
     from tpcomm import communicator
@@ -244,9 +244,9 @@ def _body_stats(rank, world_size):
         comm.all_reduce(torch.ones(n))
     comm.reduce_scatter(torch.ones(4 * world_size))
     assert len(comm._memo["all_reduce"]) <= 2
-    assert comm.stats() == {("all_reduce", "nccl"): {"calls": 8, "bytes": 64 + 4 * (8 + 16 + 24 + 8 + 32 + 16)},
-                            ("all_gather", "nccl"): {"calls": 1, "bytes": 24},
-                            ("reduce_scatter", "nccl"): {"calls": 1, "bytes": 16 * world_size}}, comm.stats()
+    assert comm.stats() == {("all_reduce", "gloo"): {"calls": 8, "bytes": 64 + 4 * (8 + 16 + 24 + 8 + 32 + 16)},
+                            ("all_gather", "gloo"): {"calls": 1, "bytes": 24},
+                            ("reduce_scatter", "gloo"): {"calls": 1, "bytes": 16 * world_size}}, comm.stats()
     comm.close()
 
 

@@ -237,7 +237,7 @@ def test_readme_torch_ops_are_registered():
     torch = pytest.importorskip("torch")
     importlib.import_module("tpcomm")
     ops = sorted(set(re.findall(r"torch\.ops\.tpcomm\.(\w+)", _readme_code())))
-    assert {"all_reduce", "all_gather", "reduce_scatter", "all_reduce_add_rms_norm"} <= set(ops)
+    assert {"custom_all_reduce", "custom_all_gather", "custom_reduce_scatter", "custom_all_reduce_add_rms_norm"} <= set(ops)
     for op in ops:
         assert hasattr(torch.ops.tpcomm, op), f"README.md names torch.ops.tpcomm.{op}, which is not registered"
 

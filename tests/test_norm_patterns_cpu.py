@@ -98,7 +98,7 @@ class _Sandwich(torch.nn.Module):
         self.group, self.post, self.pre = group, _GemmaNorm(w1), _GemmaNorm(w2)
 
     def forward(self, y, residual):
-        h = residual + self.post(torch.ops.tpcomm.all_reduce(y, self.group))
+        h = residual + self.post(torch.ops.tpcomm.custom_all_reduce(y, self.group))
         return self.pre(h), h
 
 
@@ -111,7 +111,7 @@ class _DropoutReshape(torch.nn.Module):
         self.drop = torch.nn.Dropout(0.0)
 
     def forward(self, y, residual):
-        h = residual + self.drop(torch.ops.tpcomm.all_reduce(y, self.group).reshape(residual.shape))
+        h = residual + self.drop(torch.ops.tpcomm.custom_all_reduce(y, self.group).reshape(residual.shape))
         return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
 
 

@@ -21,7 +21,7 @@ def test_import_alone_registers_the_ops():
     public group-name family torch.ops.tpcomm.* (and no other op in that
     namespace) and the internal torch.ops._tpcomm.*."""
     code = ("import torch, tpcomm\n"
-            "for name in ('all_reduce', 'all_gather', 'reduce_scatter', 'all_reduce_add_rms_norm'):\n"
+            "for name in ('custom_all_reduce', 'custom_all_gather', 'custom_reduce_scatter', 'custom_all_reduce_add_rms_norm'):\n"
             "    print(getattr(torch.ops.tpcomm, name).default._schema)\n"
             "for name in ('all_reduce', 'all_reduce_out', 'all_gather', 'reduce_scatter', 'reduce_scatter_f32',\n"
             "             'all_reduce_add_rms_norm_out'):\n"
@@ -33,8 +33,8 @@ def test_import_alone_registers_the_ops():
     lines = out.stdout.splitlines()
     assert sum(line.startswith("tpcomm::") and "str group_name" in line for line in lines) == 4, out.stdout
     assert sum(line.startswith("_tpcomm::") and "int comm_id" in line for line in lines) == 6, out.stdout
-    assert lines[-1] == ("public: ['tpcomm::all_gather', 'tpcomm::all_reduce', 'tpcomm::all_reduce_add_rms_norm', "
-                         "'tpcomm::reduce_scatter']"), lines[-1]
+    assert lines[-1] == ("public: ['tpcomm::custom_all_gather', 'tpcomm::custom_all_reduce', "
+                         "'tpcomm::custom_all_reduce_add_rms_norm', 'tpcomm::custom_reduce_scatter']"), lines[-1]
 
 
 def test_console_script_and_metadata():

@@ -5,6 +5,7 @@ import types
 
 import pytest
 
+import tpcomm
 from tpcomm import _registry, _testing
 
 
@@ -30,8 +31,11 @@ def test_lookups_by_name_and_by_id():
         for comm in (old, new, off):
             _registry.unregister(comm)
     assert _registry.find("g") is None and _registry.find("h") is None
-    with pytest.raises(RuntimeError, match=r"no open Communicator for group 'g' in this process \(open: \[.*\]\)"):
-        _registry.communicator_for("g")
+    with pytest.raises(tpcomm.CommunicatorClosed, match=r"group 'g' is closed \(open groups: \[.*\]\)"):
+        _registry.communicator_for("g")  # its Communicators were closed
+    with pytest.raises(tpcomm.UnknownGroup, match=r"no open Communicator for group 'never' in this process "
+                                                  r"\(open groups: \[.*\]\)"):
+        _registry.communicator_for("never")
     with pytest.raises(ValueError):
         _registry.by_id(new.comm_id)
 

@@ -32,8 +32,8 @@ def _run(rank, world_size, comm, all_reduce_only):
 
 
 def _fallback(counts):
-    """{op: n} as the CPU Communicator counts it: torch.distributed's fallback."""
-    return {f"{op}/nccl": n for op, n in counts.items() if n}
+    """{op: n} as the CPU Communicator counts it: torch.distributed's fallback (gloo)."""
+    return {f"{op}/gloo": n for op, n in counts.items() if n}
 
 
 def _body_example(rank, world_size):

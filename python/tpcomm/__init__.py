@@ -12,13 +12,14 @@ Inside a model's forward, under CUDA graphs and torch.compile, the torch ops
 taking the group's name route each call exactly as the Communicator does
 (tpcomm.ops):
 
-    y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
-    z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
-    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
-    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
+    y = torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.custom_all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.custom_reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 Errors: tpcomm.TpcommError and its subclasses CollectiveTimeout,
-CollectiveMismatch and CommunicatorClosed (tpcomm.errors), all RuntimeErrors.
+CollectiveMismatch, CommunicatorClosed and UnknownGroup (tpcomm.errors), all
+RuntimeErrors; tpcomm.TableError (a ValueError) for a bad routing table.
 """
 import logging as _logging
 
@@ -26,9 +27,10 @@ from ._lib import load
 from ._log import log_once as _log_once
 from .communicator import Communicator
 from .config import Config
-from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError
+from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError, UnknownGroup
 from . import fusion, ops, routing_table
 from .compile_pass import compile_backend
+from .routing_table import TableError
 from .torch_collectives import install
 
 # The ops exist as soon as tpcomm is imported (a model can name
@@ -42,5 +44,5 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "compile_backend", "fusion", "install", "load", "routing_table"]
+           "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "routing_table"]
 from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._log import log_once
 from ._shapes import checked_dim
+from . import _one_rank
 from .backends import aiter
 from .backends.kernels import Kernels
 from .backends.nccl import Nccl
@@ -19,6 +20,7 @@ from .config import Config
 from .errors import CollectiveTimeout, CommunicatorClosed
 
 _ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
+SINGLE_RANK = "single rank"  # disabled_reason, and the backend (route, stats) of a group of one
 
 
 class Communicator:
@@ -88,6 +90,22 @@ class Communicator:
         self._group_key = _group_setup.group_key(self.group)
         self.group_name = str(self._group_key)  # what the group-name ops torch.ops.tpcomm.* take
         self.serial = next(_group_setup.serials[self._group_key])  # this group's communicators before it
+        if self.world_size == 1:  # every op is a local copy: no buffers, no collective, nothing to warn of
+            self.disabled_reason = self.aiter_reason = SINGLE_RANK
+        else:
+            self._open()
+        _registry.register(self)
+        if self.world_size == 1:
+            pass
+        elif self.disabled_reason is not None:
+            log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
+                                      f"{self.disabled_reason}")
+        else:
+            log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
+                                   f"{routing.summary(self._routes, self._caps)}")
+
+    def _open(self):
+        """Collective: the C communicator (or the group's verdict why not) and AITER."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._lib, self._comm, self.disabled_reason = _group_setup.open_group(  # collective
                 self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
@@ -99,13 +117,6 @@ class Communicator:
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
                 functools.partial(_group_setup.agreed_error, self.group, self.rank, self.world_size))
-        _registry.register(self)
-        if self.disabled_reason is not None:
-            log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
-                                      f"{self.disabled_reason}")
-        else:
-            log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
-                                   f"{routing.summary(self._routes, self._caps)}")
 
     @property
     def enabled(self) -> bool:
@@ -198,24 +209,64 @@ class Communicator:
         cell[1] += x.numel() * x.element_size()
         return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
 
+    # ------------------------------------ vLLM's CustomAllreduce contract
+    # Serving code that routes itself (vLLM's CudaCommunicator) asks tpcomm's
+    # kernels first and takes None as "use NCCL": these run a kernel or
+    # decline, never NCCL. The decision is the dispatcher's routing.
+    def should_custom_ar(self, x: torch.Tensor) -> bool:
+        """Would custom_all_reduce(x) run tpcomm's kernel? False when closed,
+        off (disabled_reason), or when the dtype, size or layout is not one a
+        kernel takes (route_all_reduce(x) says "nccl")."""
+        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS
+
+    def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
+        """Sum of x over the group on tpcomm's kernel (a new tensor), or None
+        when the kernels decline it (see should_custom_ar)."""
+        return self.all_reduce(x) if self.should_custom_ar(x) else None
+
+    def custom_all_gather(self, x: torch.Tensor, dim: int = 0) -> "torch.Tensor | None":
+        """all_gather(x, dim) on tpcomm's kernel, or None when the kernels
+        decline it (closed, off, or route_all_gather(x, dim) says "nccl").
+        A bad dim raises as all_gather does."""
+        if not self._takes(x, "input"):
+            return None
+        checked_dim(x, dim, "custom_all_gather")
+        return self.all_gather(x, dim) if self.route_all_gather(x, dim) in routing.KERNELS else None
+
+    def _takes(self, x, what):
+        """False when closed or on a group of one (nothing for a kernel to
+        do); raises for what all_reduce would raise for."""
+        if self._closed or self.world_size == 1:
+            return False
+        self._check_input(x, what)
+        return x.is_contiguous()
+
     # -------------------------------------------------------------- routing
     def route_all_reduce(self, x: torch.Tensor) -> str:
         """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk" or "nccl"."""
+        if self.world_size == 1:
+            return SINGLE_RANK
         return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
+        if self.world_size == 1:
+            return SINGLE_RANK
         return routing.route(self._routes, self._caps, "all_gather", x.dtype, x.numel() * x.element_size(),
                              routing.row_bytes(x.shape, dim, x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
         """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
+        if self.world_size == 1:
+            return SINGLE_RANK
         return routing.route(self._routes, self._caps, "reduce_scatter", x.dtype, x.numel() * x.element_size())
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
         kernel), "split" (reduce-scatter in fp32, the norm on this rank's rows,
         all-gather) or "unfused" (all_reduce in fp32, then torch)."""
+        if self.world_size == 1:
+            return SINGLE_RANK  # add_rms_norm.run: the unfused way, whose all_reduce is a copy
         return routing.add_rms_norm(self._routes, self._caps, self.config.fused_kernel, x.dtype, weight.dtype,
                                     x.numel() * x.element_size(), x.shape[-1] * x.element_size() if x.dim() else 0)
 
@@ -240,16 +291,22 @@ class Communicator:
         all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
         if backend == "nccl":
             return getattr(self._nccl, op)
+        if backend == SINGLE_RANK:
+            return getattr(_one_rank, op)
         if op == "all_reduce":
             return self._kernels.all_reduce_runner(dtype, backend)
         return functools.partial(getattr(self._kernels, op), algo=backend)
 
     def _cell(self, op, backend):
+        if backend == "nccl":  # counted under what really ran the fallback: the group's backend (gloo on CPU)
+            backend = self._nccl.backend
         return self._stat_cells.setdefault((op, backend), [0, 0])
 
     def stats(self) -> dict:
         """Calls and input bytes per rank so far, per (op, backend) that ran them:
-        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}."""
+        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}. The
+        fallback is named by the group's torch.distributed backend ("nccl",
+        "gloo"); a group of one counts under "single rank"."""
         return {key: {"calls": c[0], "bytes": c[1]} for key, c in self._stat_cells.items() if c[0]}
 
     # ------------------------------------------------------------ life cycle
@@ -330,7 +387,8 @@ class Communicator:
         _lib.check(self._lib, comm, fn(comm), what)
 
     def __repr__(self):
-        state = "closed" if self._closed else ("custom" if self.enabled else f"NCCL only ({self.disabled_reason})")
+        state = ("closed" if self._closed else "custom" if self.enabled else SINGLE_RANK if self.world_size == 1
+                 else f"{self._nccl.backend} only ({self.disabled_reason})")
         return (f"tpcomm.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_bytes={self.max_bytes}, packet_max_bytes={self.packet_max_bytes}, {state})")
 

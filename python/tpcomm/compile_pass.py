@@ -12,9 +12,9 @@ followed by its wait (torch.distributed._functional_collectives,
 traceable_collective_remaps). In the graph, on a group that has an open
 tpcomm Communicator in this process when the graph is compiled:
 
-    _c10d_functional.all_reduce(x, "sum", group) + wait_tensor           -> tpcomm.all_reduce(x, group)
-    _c10d_functional.all_gather_into_tensor(x, n, group) + wait_tensor   -> tpcomm.all_gather(x, 0, group)
-    _c10d_functional.reduce_scatter_tensor(x, "sum", n, group) + wait    -> tpcomm.reduce_scatter(x, 0, group)
+    _c10d_functional.all_reduce(x, "sum", group) + wait_tensor           -> tpcomm.custom_all_reduce(x, group)
+    _c10d_functional.all_gather_into_tensor(x, n, group) + wait_tensor   -> tpcomm.custom_all_gather(x, 0, group)
+    _c10d_functional.reduce_scatter_tensor(x, "sum", n, group) + wait    -> tpcomm.custom_reduce_scatter(x, 0, group)
 
 Each pair is rewritten only where tpcomm's op gives the same tensor: the
 reduce op is "sum", n is the Communicator's world size, and the wait is
@@ -85,19 +85,19 @@ def _replacement(node):
         if found is None or found[1] != "sum":
             return None
         x, _, name = found
-        size, what, target, args = None, "all_reduce", torch.ops.tpcomm.all_reduce.default, (x, name)
+        size, what, target, args = None, "all_reduce", torch.ops.tpcomm.custom_all_reduce.default, (x, name)
     elif node.target in _ALL_GATHER:
         found = _bound(node, ("input", "group_size", "group_name"))
         if found is None:
             return None
         x, size, name = found
-        what, target, args = "all_gather", torch.ops.tpcomm.all_gather.default, (x, 0, name)
+        what, target, args = "all_gather", torch.ops.tpcomm.custom_all_gather.default, (x, 0, name)
     elif node.target in _REDUCE_SCATTER:
         found = _bound(node, ("input", "reduce_op", "group_size", "group_name"))
         if found is None or found[1] != "sum":
             return None
         x, _, size, name = found
-        what, target, args = "reduce_scatter", torch.ops.tpcomm.reduce_scatter.default, (x, 0, name)
+        what, target, args = "reduce_scatter", torch.ops.tpcomm.custom_reduce_scatter.default, (x, 0, name)
     else:
         return None
     comm = _registry.find(name) if isinstance(name, str) else None

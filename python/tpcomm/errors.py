@@ -6,8 +6,16 @@ RuntimeError around a collective keeps working.
     │                      gave up waiting for this rank)
     ├── CollectiveMismatch peers called different ops: the message names the
     │                      field that differs (op, size, algorithm)
-    └── CommunicatorClosed the communicator was closed or aborted, or a CUDA
-                           graph captured on it was replayed after close()
+    ├── CommunicatorClosed the communicator was closed or aborted, or a CUDA
+    │                      graph captured on it was replayed after close()
+    │                      (also: a group-name op on a group whose
+    │                      Communicator was closed)
+    └── UnknownGroup       a group-name op names a group with no open
+                           Communicator in this process (the message lists
+                           the open ones)
+
+tpcomm.TableError (tpcomm.routing_table) is a ValueError: a routing table that
+cannot be read or names what does not exist.
 """
 
 
@@ -30,3 +38,8 @@ class CollectiveMismatch(TpcommError):
 
 class CommunicatorClosed(TpcommError):
     """The communicator is closed or aborted (or a graph outlived it)."""
+
+
+class UnknownGroup(TpcommError):
+    """A group-name op (torch.ops.tpcomm.custom_*) names a group that has no
+    open Communicator in this process."""

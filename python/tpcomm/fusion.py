@@ -11,12 +11,12 @@ the other way round.)
 In the graph Dynamo captures, every (torch's own all_reduce included, which
 tpcomm.compile_pass first puts on tpcomm)
 
-    z = residual + torch.ops.tpcomm.all_reduce(y, group_name)      (either order of the add)
+    z = residual + torch.ops.tpcomm.custom_all_reduce(y, group_name)      (either order of the add)
     h = torch.nn.functional.rms_norm(z, (hidden,), weight, eps)      (torch.nn.RMSNorm calls it)
       or Llama-style model code (Hugging Face's LlamaRMSNorm and its copies):
     h = weight * (z.to(float32) * torch.rsqrt(z.to(float32).pow(2).mean(-1, keepdim=True) + eps)).to(z.dtype)
 
-becomes h, z = torch.ops.tpcomm.all_reduce_add_rms_norm(y, residual, weight,
+becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual, weight,
 eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
 residual of one shape and dtype, weight of that dtype and of the last
 dimension's length, an explicit weight and eps, and the all-reduce used only
@@ -40,10 +40,10 @@ import operator
 
 import torch
 
-from . import ops  # noqa: F401 - registers torch.ops.tpcomm.all_reduce and the fused ops
+from . import ops  # noqa: F401 - registers torch.ops.tpcomm.custom_all_reduce and the fused ops
 from .norm_patterns import STATS_KEY, Pattern
 
-_ALL_REDUCE = (torch.ops.tpcomm.all_reduce, torch.ops.tpcomm.all_reduce.default)
+_ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
 _ADD = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
 _RMS_NORM = (torch.rms_norm, torch.nn.functional.rms_norm, torch.ops.aten.rms_norm.default)
 
@@ -333,7 +333,7 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             anchor.prepend(eps)
         with graph.inserting_after(anchor):
             if pattern == Pattern.ADD_NORM and not offset:
-                call = graph.call_function(torch.ops.tpcomm.all_reduce_add_rms_norm.default,
+                call = graph.call_function(torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default,
                                            (y, residual, weight, eps, group))
             else:
                 call = graph.call_function(torch.ops._tpcomm.all_reduce_norm.default,

@@ -1,10 +1,10 @@
 """The torch ops for model code and torch.compile: tpcomm's one public op
 family, taking the group's name.
 
-    y = torch.ops.tpcomm.all_reduce(x, comm.group_name)
-    z = torch.ops.tpcomm.all_gather(x, dim, comm.group_name)
-    w = torch.ops.tpcomm.reduce_scatter(x, dim, comm.group_name)
-    normed, summed = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
+    y = torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
+    z = torch.ops.tpcomm.custom_all_gather(x, dim, comm.group_name)
+    w = torch.ops.tpcomm.custom_reduce_scatter(x, dim, comm.group_name)
+    normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
 
 They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
@@ -14,7 +14,10 @@ They are opaque to the compiler (ops with fake implementations), so
 fullgraph=True traces through them and mode="reduce-overhead" captures them
 in CUDA graphs (the kernels are graph-safe).
 
-The group's open Communicator is looked up in tpcomm._registry on every call.
+The group's open Communicator is looked up in tpcomm._registry on every call:
+a group whose Communicator was closed raises CommunicatorClosed, a name that
+never had one UnknownGroup (both TpcommErrors). The schemas live here, not in
+the C++ binding, so the ops exist where the build is missing (docs/design.md).
 The ops taking a communicator id and a kernel (torch.ops._tpcomm.*, defined by
 the C++ binding) are internal: the Communicator calls them with the kernel
 its routing picked.
@@ -55,8 +58,8 @@ def _all_reduce_fake(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@_op("all_reduce(Tensor x, str group_name) -> Tensor", _all_reduce_fake)
-def all_reduce(x, group_name):
+@_op("custom_all_reduce(Tensor x, str group_name) -> Tensor", _all_reduce_fake)
+def custom_all_reduce(x, group_name):
     """Sum of x over the group named group_name (a new tensor)."""
     y = communicator_for(group_name).all_reduce(x)
     return y if y.data_ptr() != x.data_ptr() else y.clone()  # an op's output never aliases its input
@@ -68,8 +71,8 @@ def _all_gather_fake(x, dim, group_name):
     return x.new_empty(shape)
 
 
-@_op("all_gather(Tensor x, SymInt dim, str group_name) -> Tensor", _all_gather_fake)
-def all_gather(x, dim, group_name):
+@_op("custom_all_gather(Tensor x, SymInt dim, str group_name) -> Tensor", _all_gather_fake)
+def custom_all_gather(x, dim, group_name):
     """Concatenation of every rank's x along dim, contiguous."""
     return communicator_for(group_name).all_gather(x, dim)
 
@@ -80,8 +83,8 @@ def _reduce_scatter_fake(x, dim, group_name):
     return x.new_empty(shape)
 
 
-@_op("reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor", _reduce_scatter_fake)
-def reduce_scatter(x, dim, group_name):
+@_op("custom_reduce_scatter(Tensor x, SymInt dim, str group_name) -> Tensor", _reduce_scatter_fake)
+def custom_reduce_scatter(x, dim, group_name):
     """This rank's part (along dim) of the sum over the group, contiguous."""
     y = communicator_for(group_name).reduce_scatter(x, dim)
     return y if y.data_ptr() != x.data_ptr() else y.clone()
@@ -91,9 +94,9 @@ def _all_reduce_add_rms_norm_fake(x, residual, weight, eps, group_name):
     return torch.empty_like(x), torch.empty_like(residual)
 
 
-@_op("all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
+@_op("custom_all_reduce_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name) "
      "-> (Tensor, Tensor)", _all_reduce_add_rms_norm_fake)
-def all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
+def custom_all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     """(rms_norm(z) * weight, z) with z = all_reduce(x) + residual over the
     group named group_name (new tensors)."""
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)

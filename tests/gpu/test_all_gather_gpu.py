@@ -10,7 +10,8 @@ import torch
 
 import multiproc
 import tpcomm
-from gpu_checks import ALGO, Calls, KiB, MiB, assert_custom_only, delay_random_rank, overwrite, round16, shared_rng
+from gpu_checks import (ALGO, KERNELS, Calls, KiB, MiB, assert_custom_only, delay_random_rank, overwrite, round16,
+                        shared_rng)
 
 pytestmark = pytest.mark.gpu
 
@@ -197,7 +198,85 @@ def body_size_mismatch(rank, world):
     comm.close()
 
 
-@pytest.mark.parametrize("body", [body_shapes_dtypes_dims, body_size_bands, body_graph_replays, body_size_mismatch],
+SEED_CAP = 64 * KiB  # vLLM's CudaCommunicator sends gathers up to this to custom_all_gather
+SEED_CASES = ([((n, 1024), torch.bfloat16) for n in range(1, 49)]  # 33..48 rows: above the cap
+              + [((1, 32768), torch.bfloat16), ((1, 16), torch.float32), ((8, 16), torch.float32),
+                 ((8, 2), torch.float32)])
+
+
+def _seed_all_gather(comm, x, dim):
+    """vLLM's CudaCommunicator.all_gather, literally: tpcomm's kernel
+    (custom_all_gather) up to the cap, torch.distributed when it declines."""
+    if x.nbytes <= SEED_CAP:
+        y = comm.custom_all_gather(x, dim)
+        if y is not None:
+            return y
+    # vLLM's GroupCoordinator fallback: all_gather_into_tensor along dim 0, then moved to dim
+    dim, size, world = dim % x.dim(), x.shape, comm.world_size
+    out = torch.empty((world * size[0],) + tuple(size[1:]), dtype=x.dtype, device=x.device)
+    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=comm.group)
+    out = out.reshape((world,) + tuple(size)).movedim(0, dim)
+    return out.reshape(tuple(size[:dim]) + (world * size[dim],) + tuple(size[dim + 1:]))
+
+
+def body_seed_routing(rank, world):
+    """The seed routing over custom_all_gather's decline contract: eager over
+    every case and dim (NaN payloads, ±inf, subnormals and ±0 in every
+    input), then 20 replays of a CUDA graph of it; stats() counts a kernel
+    call exactly where the routing says the kernel takes it."""
+    comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    calls, rng = Calls(comm), shared_rng(61)
+    took = {}
+    for i, (shape, dtype) in enumerate(SEED_CASES):
+        for dim in (0, 1, -1):
+            xs = _inputs_of_all_ranks(shape, dtype, 7000 + 3 * i + dim, world)
+            x = xs[rank].clone()
+            route = comm.route_all_gather(x, dim)
+            kernel = x.nbytes <= SEED_CAP and route in KERNELS
+            delay_random_rank(rank, world, rng)
+            y = _seed_all_gather(comm, x, dim)
+            overwrite(x)
+            calls.expect("all_gather", route, calls=1 if kernel else 0)
+            assert comm.stats().get(("all_gather", "nccl")) is None, comm.stats()  # the contract never falls back
+            _assert_same_bits(y, torch.cat(xs, dim), f"seed all_gather {shape} {dtype} dim {dim} ({route})")
+            took[(shape, dim)] = kernel
+    assert all(took[(s, 0)] for s, d in SEED_CASES if s[0] * s[1] * d.itemsize <= SEED_CAP), took
+    assert not any(took[((48, 1024), dim)] for dim in (0, 1, -1)), "48 x 1024 bf16 is above the cap"
+
+    graph_cases = [((1, 1024), torch.bfloat16, 0), ((8, 1024), torch.bfloat16, -1), ((1, 32768), torch.bfloat16, 1),
+                   ((8, 2), torch.float32, 1), ((1, 16), torch.float32, 0), ((48, 1024), torch.bfloat16, 0)]
+    static = [torch.zeros(s, dtype=d, device="cuda") for s, d, _ in graph_cases]
+    for x, (_, _, dim) in zip(static, graph_cases):
+        _seed_all_gather(comm, x, dim)  # warm up (NCCL's communicator exists before capture)
+    torch.cuda.synchronize()
+    before = comm.stats()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        outs = [_seed_all_gather(comm, x, dim) for x, (_, _, dim) in zip(static, graph_cases)]
+    captured = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in comm.stats().items()}
+    want = sum(x.nbytes <= SEED_CAP and comm.route_all_gather(x, dim) in KERNELS
+               for x, (_, _, dim) in zip(static, graph_cases))
+    assert want == len(graph_cases) - 1 or want == len(graph_cases) - 2, want  # 48 x 1024 is above the cap
+    assert sum(n for (op, b), n in captured.items() if b in KERNELS) == want, captured
+    for replay in range(20):
+        refs = []
+        for i, (x, (shape, dtype, dim)) in enumerate(zip(static, graph_cases)):
+            xs = _inputs_of_all_ranks(shape, dtype, 9000 + 10 * replay + i, world)
+            x.copy_(xs[rank])
+            refs.append(torch.cat(xs, dim))
+        delay_random_rank(rank, world, rng)
+        graph.replay()
+        for x in static:
+            overwrite(x)
+        for i, (y, ref) in enumerate(zip(outs, refs)):
+            _assert_same_bits(y, ref, f"seed routing replay {replay} case {graph_cases[i][:1]}")
+    comm.check()
+    comm.close()
+
+
+@pytest.mark.parametrize("body", [body_shapes_dtypes_dims, body_size_bands, body_graph_replays, body_size_mismatch,
+                                  body_seed_routing],
                          ids=lambda f: f.__name__[5:])
 def test_all_gather(body):
     multiproc.run_gpu(body)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import multiproc
 import tpcomm
 from gpu_checks import (ALGO, BULK, DTYPES, KERNELS, PACKET, Calls, KiB, MiB, assert_bits_equal,
-                        assert_custom_only, delay_random_rank, int_valued, nccl_all_reduce, overwrite,
-                        same_on_all_ranks, shared_rng, takes)
+                        assert_custom_only, delay_random_rank, int_valued, nccl_all_gather, nccl_all_reduce,
+                        no_compile_caches, overwrite, same_on_all_ranks, shared_rng, takes)
 from tpcomm.reference import rank_order_sum
 
 pytestmark = pytest.mark.gpu
@@ -453,10 +453,129 @@ def body_line_kernels_in_place_and_mismatch(rank, world):
         bad.close()
 
 
+def _custom_ops_model(name):
+    """Every public op, in model code: y = custom_all_reduce(x), g its
+    gather along the last dim, s g's reduce-scatter back, then the fused
+    all-reduce + residual + RMSNorm of s."""
+    def model(x, residual, weight):
+        y = torch.ops.tpcomm.custom_all_reduce(x, name)
+        g = torch.ops.tpcomm.custom_all_gather(y, -1, name)
+        s = torch.ops.tpcomm.custom_reduce_scatter(g, -1, name)
+        normed, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(s, residual, weight, 1e-6, name)
+        return y, g, s, normed, z
+    return model
+
+
+def body_custom_ops_graphs_and_compile(rank, world):
+    """The custom_* ops eager (each checked against NCCL, the fused one
+    against the Communicator's method), captured in a CUDA graph replayed 20
+    times and compiled with fullgraph=True: graph and compiled outputs equal
+    the eager ones bit for bit, and stats() shows each op on a kernel."""
+    comm = tpcomm.Communicator()
+    assert comm.enabled, comm.disabled_reason
+    model = _custom_ops_model(comm.group_name)
+    gen = torch.Generator(device="cuda").manual_seed(23 + rank)
+    rng = shared_rng(29)
+    shape = (8, 512)
+
+    def inputs():
+        return (int_valued(8 * 512, torch.bfloat16, gen).view(shape),
+                int_valued(8 * 512, torch.bfloat16, gen).view(shape),
+                torch.linspace(0.5, 1.5, 512, device="cuda").to(torch.bfloat16))
+
+    x, r, w = inputs()
+    kept = (x.clone(), r.clone(), w)
+    assert comm.route_all_reduce_add_rms_norm(x, w) == "fused"  # a decode size: one kernel
+    calls = Calls(comm)
+    delay_random_rank(rank, world, rng)
+    eager = model(x, r, w)
+    overwrite(x)
+    y, g, s, normed, z = eager
+    assert_bits_equal(y, nccl_all_reduce(kept[0]), "custom_all_reduce")
+    assert_bits_equal(g, nccl_all_gather(y, -1), "custom_all_gather")
+    # every rank's part of g is y: the sum is world * y, in fp32 rounded once (the kernels' numerics)
+    assert_bits_equal(s, (y.float() * world).to(y.dtype), "custom_reduce_scatter")
+    ref_normed, ref_z = comm.all_reduce_add_rms_norm(s, kept[1], w, 1e-6)
+    assert_bits_equal(z, ref_z, "custom_all_reduce_add_rms_norm z")
+    assert_bits_equal(normed, ref_normed, "custom_all_reduce_add_rms_norm normed")
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert sum(calls.ran(op, k) for k in KERNELS) == 1, (op, comm.stats())
+    assert calls.ran("all_reduce_add_rms_norm", comm.route_all_reduce_add_rms_norm(s, w)) == 2, comm.stats()
+
+    static = [t.clone() for t in inputs()]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        static_out = model(*static)
+    for replay in range(20):
+        fresh = inputs()
+        for t, f in zip(static, fresh):
+            t.copy_(f)
+        want = model(*fresh)
+        delay_random_rank(rank, world, rng)
+        graph.replay()
+        overwrite(static[0])
+        overwrite(static[1])
+        for i, (a, b) in enumerate(zip(static_out, want)):
+            assert_bits_equal(a, b, f"graph replay {replay} output {i}")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    for step in range(3):
+        fresh = inputs()
+        want = model(*fresh)
+        before = Calls(comm)
+        with no_compile_caches():
+            got = compiled(*fresh)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_bits_equal(a, b, f"compiled step {step} output {i}")
+        assert sum(before.ran("all_reduce", k) for k in KERNELS) >= 1, comm.stats()
+    assert "nccl" not in {b for _, b in comm.stats()}, comm.stats()
+    comm.check()
+    comm.close()
+
+
+def body_group_of_one(rank, world):
+    """A new_group of one rank on a GPU: every op and custom_* op a copy made
+    with no kernel and no buffers, eager, in a CUDA graph and compiled."""
+    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
+    before = torch.cuda.memory_allocated()
+    comm = tpcomm.Communicator(groups[rank])
+    assert comm.world_size == 1 and not comm.enabled and comm.disabled_reason == "single rank", repr(comm)
+    assert "single rank" in repr(comm) and comm.handle == 0 and comm._comm is None
+    assert torch.cuda.memory_allocated() == before
+    gen = torch.Generator(device="cuda").manual_seed(31 + rank)
+    x = int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
+    r = int_valued(8 * 512, torch.bfloat16, gen).view(8, 512)
+    w = torch.ones(512, dtype=torch.bfloat16, device="cuda")
+    model = _custom_ops_model(comm.group_name)
+    y, g, s, normed, z = model(x, r, w)
+    for t, what in ((y, "all_reduce"), (g, "all_gather"), (s, "reduce_scatter")):
+        assert_bits_equal(t, x, what)
+        assert t.data_ptr() != x.data_ptr()
+    assert_bits_equal(z, (x.float() + r.float()).to(torch.bfloat16), "add_rms_norm z")  # s is x
+    assert comm.custom_all_reduce(x) is None and comm.custom_all_gather(x) is None and not comm.should_custom_ar(x)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        out = torch.ops.tpcomm.custom_all_reduce(static, comm.group_name)
+    static.copy_(r)
+    graph.replay()
+    assert_bits_equal(out, r, "graph replay on a group of one")
+    torch._dynamo.reset()
+    with no_compile_caches():
+        got = torch.compile(model, fullgraph=True)(x, r, w)
+    for a, b in zip(got, (y, g, s, normed, z)):
+        assert_bits_equal(a, b, "compiled on a group of one")
+    assert {b for _, b in comm.stats()} == {"single rank"}, comm.stats()
+    comm.close()
+
+
 @pytest.mark.parametrize("body", [body_eager_matches_nccl, body_graph_replays, body_back_to_back_and_overwrite,
                                   body_bulk_half_and_whole, body_nan_inf, body_two_communicators, body_errors,
                                   body_eager_fast_path, body_sizes_for_any_world,
-                                  body_line_kernels_in_place_and_mismatch],
+                                  body_line_kernels_in_place_and_mismatch, body_custom_ops_graphs_and_compile,
+                                  body_group_of_one],
                          ids=lambda f: f.__name__[5:])
 def test_all_reduce(body):
     multiproc.run_gpu(body)

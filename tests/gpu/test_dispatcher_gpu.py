@@ -1,4 +1,4 @@
-"""The group-name ops (torch.ops.tpcomm.all_reduce / all_gather) in a model
+"""The group-name ops (torch.ops.tpcomm.custom_all_reduce / all_gather) in a model
 compiled with fullgraph=True, default mode and "reduce-overhead" (CUDA
 graphs), at any world size: bit for bit what eager NCCL gives, through
 tpcomm's own kernels (stats() proves the custom path ran), with a random
@@ -20,8 +20,8 @@ class _Block(torch.nn.Module):
         self.group_name = group_name
 
     def forward(self, x):
-        y = torch.ops.tpcomm.all_reduce(x * 2, self.group_name) + 1
-        return torch.ops.tpcomm.all_gather(y, -1, self.group_name)
+        y = torch.ops.tpcomm.custom_all_reduce(x * 2, self.group_name) + 1
+        return torch.ops.tpcomm.custom_all_gather(y, -1, self.group_name)
 
 
 def _reference(x):

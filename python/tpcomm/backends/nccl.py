@@ -19,6 +19,7 @@ class Nccl:
 
     def __init__(self, group):
         self.group = group
+        self.backend = str(dist.get_backend(group))  # what really runs the fallback: "nccl", "gloo", ...
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
