@@ -113,6 +113,7 @@ TPC_DEVICE void tpc_quant_put(const tpc_quant_shot *c, char *slot, uint64_t x, u
  * flag was acquired); 0 from `limit` on. */
 TPC_DEVICE void tpc_quant_get(const tpc_quant_shot *c, const char *slot, uint64_t x, uint64_t limit, float f[8]) {
   if (x >= limit) {
+    #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = 0.0f;
     return;
   }
@@ -133,6 +134,7 @@ TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tp
     char *slot = tpc_quant_slot(a, s, c, o, a->rank, 0);
     uint4 v[TPC_STREAM_UNITS];
     tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
+    #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       float f[8];
       uint2 payload;
@@ -155,14 +157,17 @@ TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc
   tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
   for (int q = 0; q < a->world; ++q) {
     const char *slot = q == me ? NULL : tpc_quant_slot(a, s, c, me, q, 0);
+    #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       float f[8];
       if (q == me) tpc_unit_floats(own[k], a->dtype, f);
       else tpc_quant_get(c, slot, tpc_stream_unit(s, t, k), limit, f);
+      #pragma unroll
       for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
     }
   }
   const int broken = tpc_warp_any(tpc_op_broken(op));
+  #pragma unroll
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t x = tpc_stream_unit(s, t, k);
     uint2 payload;
@@ -194,6 +199,7 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
     const int o = (a->rank + i) % a->world;
     const uint64_t limit = tpc_quant_units(c, o);
     const char *slot = tpc_quant_slot(a, s, c, a->rank, o, 1);
+    #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t x = tpc_stream_unit(s, t, k);
       if (x >= limit) continue;
