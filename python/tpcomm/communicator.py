@@ -77,7 +77,7 @@ class Communicator:
         self.table = routing_table.load_table(_group_setup.table_source(table if isinstance(table, dict) else self.config.table,
                                                            self.device))
         self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
-                                               self.config.forbid)
+                                                      self.config.forbid, self.config.quantize)
         self.comm_id = self._last_comm_id = 0  # the id the internal ops take (0: off or closed); _last_comm_id outlives close
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
@@ -243,7 +243,8 @@ class Communicator:
 
     # -------------------------------------------------------------- routing
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk" or "nccl"."""
+        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", "nccl", or
+        "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
         if self.world_size == 1:
             return SINGLE_RANK
         return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())
