@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+import quantized_data
 from tpcomm import quantized_reference as ref
 
 WORLDS = (2, 3, 4, 8)
@@ -16,28 +17,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 def data(kind, world, numel, dtype, seed=0):
-    """The ranks' inputs of one kind (what tests/gpu/test_quantized_gpu.py
-    draws too)."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "uniform":
-        xs = [torch.rand(numel, generator=g) * 2 - 1 for _ in range(world)]
-    elif kind == "student_t":  # heavy tails: df 3, by normal / sqrt(chi2 / df)
-        xs = []
-        for _ in range(world):
-            chi2 = (torch.randn(3, numel, generator=g) ** 2).sum(0)
-            xs.append(torch.randn(numel, generator=g) / (chi2 / 3).sqrt())
-    elif kind == "outlier":  # one group 100x the rest (kept in fp16's range over 8 ranks)
-        xs = [torch.randn(numel, generator=g) for _ in range(world)]
-        for x in xs:
-            x[64:96] *= 100
-    elif kind == "zero":
-        xs = [torch.zeros(numel) for _ in range(world)]
-    else:
-        raise ValueError(kind)
-    return [x.to(dtype) for x in xs]
+    return quantized_data.inputs(kind, world, numel, dtype, seed)
 
 
-KINDS = ("uniform", "student_t", "outlier", "zero")
+KINDS = quantized_data.KINDS
 
 
 @pytest.mark.parametrize("world", WORLDS)
