@@ -1,4 +1,5 @@
-"""The quantized all-reduce (csrc/kernels/all_reduce_quant.cuh) on the CPU:
+"""The quantized all-reduce (csrc/kernels/all_reduce_quant.cuh) in torch (on
+the inputs' device: the CPU in tests, the GPU in tpcomm.bench's check):
 `emulate` gives the kernel's bits, `bound` the error docs/design.md derives,
 per element, against the exact (fp64) sum. Tests hold the kernel to both.
 
@@ -49,15 +50,15 @@ def _groups(inputs):
     return flat.reshape(len(inputs), -1, GROUP), numel
 
 
-def _owners(groups, units, world):
+def _owners(groups, units, world, device):
     """The rank that owns each group."""
-    return torch.arange(groups) * GROUP_UNITS // chunk_units(units, world)
+    return torch.arange(groups, device=device) * GROUP_UNITS // chunk_units(units, world)
 
 
 def decode(values, mode):
     """What a group's codes decode to, for fp32 values grouped in the last
     dimension (32 each), with the kernel's rounding at every step."""
-    qmax = torch.tensor(QMAX[mode], dtype=torch.float32)
+    qmax = torch.tensor(QMAX[mode], dtype=torch.float32, device=values.device)
     absmax = values.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(absmax)
     normal = finite & (absmax >= TINY)
@@ -81,9 +82,9 @@ def emulate(inputs, mode):
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     dtype, shape, n = inputs[0].dtype, inputs[0].shape, len(inputs)
     x, numel = _groups(inputs)
-    owner = _owners(x.shape[1], numel // 8, n)[:, None]
+    owner = _owners(x.shape[1], numel // 8, n, x.device)[:, None]
     coded = decode(x, mode)
-    acc = torch.full(x.shape[1:], -0.0)
+    acc = torch.full(x.shape[1:], -0.0, device=x.device)
     for q in range(n):
         acc = acc + torch.where(owner == q, x[q], coded[q])
     out = decode(acc, mode)
@@ -107,11 +108,12 @@ def bound(inputs, mode):
     dtype, shape, n = inputs[0].dtype, inputs[0].shape, len(inputs)
     x, numel = _groups(inputs)
     x = x.double()
-    owner = _owners(x.shape[1], numel // 8, n)[:, None]
+    owner = _owners(x.shape[1], numel // 8, n, x.device)[:, None]
     exact = x.sum(0)
     absmax = x.abs().amax(-1, keepdim=True)  # (n, groups, 1)
     err = code_error(absmax, mode)
-    peers = torch.stack([torch.where(owner == q, torch.zeros(()), err[q]) for q in range(n)])
+    peers = torch.stack([torch.where(owner == q, torch.zeros((), dtype=err.dtype, device=err.device), err[q])
+                         for q in range(n)])
     e1 = peers.sum(0)
     e2 = (n - 1) * 2.0 ** -24 * (1 + 2.0 ** -20) * (absmax + err).sum(0)  # (1 + 2^-24)^(n-1) < 1 + 2^-20
     s = exact.abs().amax(-1, keepdim=True) + e1 + e2
