@@ -109,18 +109,27 @@ TPC_DEVICE void tpc_quant_put(const tpc_quant_shot *c, char *slot, uint64_t x, u
   if (x % TPC_QUANT_LANES == 0) *(float *)(slot + c->scales + x / TPC_QUANT_LANES * 4) = q.scale;
 }
 
-/* Unit x's values decoded from this rank's slot (written by a peer, whose
- * flag was acquired); 0 from `limit` on. */
-TPC_DEVICE void tpc_quant_get(const tpc_quant_shot *c, const char *slot, uint64_t x, uint64_t limit, float f[8]) {
-  if (x >= limit) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = 0.0f;
-    return;
+/* Step t's codes of the units below `limit` from this rank's slot (written
+ * by a peer whose flag was acquired), every load issued before any is used;
+ * units from `limit` on read as codes 0 of scale 0, which decode to 0. */
+typedef struct {
+  uint2 payload[TPC_STREAM_UNITS];
+  float scale[TPC_STREAM_UNITS];
+} tpc_quant_codes;
+
+TPC_DEVICE tpc_quant_codes tpc_quant_load(const tpc_quant_shot *c, const tpc_steps *s, const char *slot,
+                                          uint32_t t, uint64_t limit) {
+  tpc_quant_codes q;
+#pragma unroll
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t x = tpc_stream_unit(s, t, k);
+    const int in = x < limit;
+    q.payload[k] = !in ? make_uint2(0u, 0u)
+                   : c->payload == 8 ? tpc_load8_from_peer(slot + x * 8)
+                                     : make_uint2(tpc_load4_from_peer(slot + x * 4), 0u);
+    q.scale[k] = in ? __uint_as_float(tpc_load4_from_peer(slot + c->scales + x / TPC_QUANT_LANES * 4)) : 0.0f;
   }
-  const uint2 p = c->payload == 8 ? tpc_load8_from_peer(slot + x * 8)
-                                  : make_uint2(tpc_load4_from_peer(slot + x * 4), 0u);
-  const float scale = __uint_as_float(tpc_load4_from_peer(slot + c->scales + x / TPC_QUANT_LANES * 4));
-  tpc_quant_decode(p, scale, c->mode, f);
+  return q;
 }
 
 /* Phase one of step t: this rank's units of every peer o's chunk, quantized,
@@ -134,7 +143,7 @@ TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tp
     char *slot = tpc_quant_slot(a, s, c, o, a->rank, 0);
     uint4 v[TPC_STREAM_UNITS];
     tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
-    #pragma unroll
+#pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       float f[8];
       uint2 payload;
@@ -156,18 +165,19 @@ TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc
   float acc[TPC_STREAM_UNITS][8];
   tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
   for (int q = 0; q < a->world; ++q) {
-    const char *slot = q == me ? NULL : tpc_quant_slot(a, s, c, me, q, 0);
-    #pragma unroll
+    const tpc_quant_codes codes =
+        q == me ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, me, q, 0), t, limit);
+#pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       float f[8];
       if (q == me) tpc_unit_floats(own[k], a->dtype, f);
-      else tpc_quant_get(c, slot, tpc_stream_unit(s, t, k), limit, f);
-      #pragma unroll
+      else tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
+#pragma unroll
       for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
     }
   }
   const int broken = tpc_warp_any(tpc_op_broken(op));
-  #pragma unroll
+#pragma unroll
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t x = tpc_stream_unit(s, t, k);
     uint2 payload;
@@ -198,15 +208,16 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
   for (int i = 1; i < a->world; ++i) {
     const int o = (a->rank + i) % a->world;
     const uint64_t limit = tpc_quant_units(c, o);
-    const char *slot = tpc_quant_slot(a, s, c, a->rank, o, 1);
-    #pragma unroll
+    const tpc_quant_codes codes =
+        broken ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, limit);
+#pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t x = tpc_stream_unit(s, t, k);
       if (x >= limit) continue;
       uint4 v = tpc_poison16(a);
       if (!broken) {
         float f[8];
-        tpc_quant_get(c, slot, x, limit, f);
+        tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
         v = tpc_unit_of_floats(f, a->dtype);
       }
       tpc_store16((char *)a->out + ((uint64_t)o * c->chunk + x) * 16, v);

@@ -66,7 +66,7 @@ TPC_DEVICE float tpc_e4m3_value(uint32_t c) {
 /* The 8 values of a 16-byte unit of a 16-bit dtype as fp32 (exact). */
 TPC_DEVICE void tpc_unit_floats(uint4 v, int dtype, float f[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < 4; ++i) {
     f[2 * i] = tpc_16_to_float(w[i] & 0xffffu, dtype == TPC_BFLOAT16);
     f[2 * i + 1] = tpc_16_to_float(w[i] >> 16, dtype == TPC_BFLOAT16);
@@ -89,7 +89,7 @@ TPC_DEVICE float tpc_absmax2(float m, float v) {
  * lane of the warp calls it (lanes past the data with zeros). */
 TPC_DEVICE float tpc_group_absmax(const float f[8]) {
   float m = 0.0f;
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < 8; ++i) m = tpc_absmax2(m, f[i]);
   m = tpc_absmax2(m, tpc_shfl_xor_float(m, 1));
   return tpc_absmax2(m, tpc_shfl_xor_float(m, 2));
@@ -136,12 +136,12 @@ TPC_DEVICE float tpc_quant_value(uint32_t code, int mode) {
 TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
   uint32_t lo = 0, hi = 0;
   if (mode == TPC_QUANT_INT4) {
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 8; ++i) lo |= (tpc_quant_code(f[i], inv, mode) & 15u) << (4 * i);
   } else {
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 4; ++i) lo |= (tpc_quant_code(f[i], inv, mode) & 255u) << (8 * i);
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 4; ++i) hi |= (tpc_quant_code(f[4 + i], inv, mode) & 255u) << (8 * i);
   }
   return make_uint2(lo, hi);
@@ -149,7 +149,7 @@ TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
 
 /* code * scale, one rounding each, for the 8 values of a payload. */
 TPC_DEVICE void tpc_quant_decode(uint2 p, float scale, int mode, float f[8]) {
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t code = mode == TPC_QUANT_INT4 ? p.x >> (4 * i) : (i < 4 ? p.x : p.y) >> (8 * (i & 3));
     f[i] = __fmul_rn(tpc_quant_value(code, mode), scale);
