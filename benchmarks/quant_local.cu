@@ -197,7 +197,9 @@ int main(int argc, char **argv) {
     }
     for (int n : {2, 4, 8})
       report(ql_time_us(
-          [&] { ql_dequant_sum<<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out, m); },
+          [&] {
+            ql_dequant_sum<<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out, m);
+          },
           s));
   }
   CHECK(cudaStreamSynchronize(s));

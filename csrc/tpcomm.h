@@ -95,9 +95,9 @@ typedef enum {
      quantized values on the wire (all_reduce_quant.cuh): groups of
      TPC_QUANT_GROUP elements, one fp32 scale each; up to the bulk cap.
      Not exact: docs/design.md bounds the error. CUDA builds only. */
-  TPC_ALGO_QUANT_FP8 = 5,  /* e4m3 values */
-  TPC_ALGO_QUANT_INT8 = 6, /* int8 values in [-127, 127] */
-  TPC_ALGO_QUANT_INT4 = 7  /* int4 values in [-7, 7], two a byte */
+  TPC_ALGO_QUANTIZED_FP8 = 5,  /* e4m3 values */
+  TPC_ALGO_QUANTIZED_INT8 = 6, /* int8 values in [-127, 127] */
+  TPC_ALGO_QUANTIZED_INT4 = 7  /* int4 values in [-7, 7], two a byte */
 } tpc_algo;
 
 /* Elements of one quantization group (one fp32 scale each). */

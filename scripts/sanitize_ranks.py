@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from tpcomm import _constants as C  # noqa: E402
 
 PACKET, BULK, LINE, TWO_SHOT = C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE, C.TPC_ALGO_TWO_SHOT
-QUANT = {"fp8": C.TPC_ALGO_QUANT_FP8, "int8": C.TPC_ALGO_QUANT_INT8, "int4": C.TPC_ALGO_QUANT_INT4}
+QUANT = {"fp8": C.TPC_ALGO_QUANTIZED_FP8, "int8": C.TPC_ALGO_QUANTIZED_INT8, "int4": C.TPC_ALGO_QUANTIZED_INT4}
 EPS = 1e-6
 
 

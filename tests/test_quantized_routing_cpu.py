@@ -44,9 +44,9 @@ def test_config_quantize_from_argument_and_env(monkeypatch):
 
 
 def test_algo_codes_are_the_headers():
-    assert ALGOS["quantized_fp8"] == C.TPC_ALGO_QUANT_FP8
-    assert ALGOS["quantized_int8"] == C.TPC_ALGO_QUANT_INT8
-    assert ALGOS["quantized_int4"] == C.TPC_ALGO_QUANT_INT4
+    assert ALGOS["quantized_fp8"] == C.TPC_ALGO_QUANTIZED_FP8
+    assert ALGOS["quantized_int8"] == C.TPC_ALGO_QUANTIZED_INT8
+    assert ALGOS["quantized_int4"] == C.TPC_ALGO_QUANTIZED_INT4
     assert len(set(ALGOS.values())) == len(ALGOS)
     assert C.TPC_QUANT_GROUP == 32
 

@@ -108,7 +108,7 @@ static int reducible(tpc_dtype dtype) {
 static const char *dtype_name(tpc_dtype dtype) { return reducible(dtype) ? dtype_names[dtype] : "no tpc_dtype"; }
 
 static int quantized(tpc_algo algo) {
-  return algo == TPC_ALGO_QUANT_FP8 || algo == TPC_ALGO_QUANT_INT8 || algo == TPC_ALGO_QUANT_INT4;
+  return algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4;
 }
 
 /* The kernel the caller chose, one of the four: the core never picks one. */
@@ -117,9 +117,9 @@ static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
       quantized(algo))
     return TPC_OK;
   return tpc_fail(comm, TPC_ERR_INVALID_ARG,
-                  "%s: unknown algorithm %d (packet %d, bulk %d, line %d, two_shot %d or quant_fp8/int8/int4 %d-%d)",
+                  "%s: unknown algorithm %d (packet %d, bulk %d, line %d, two_shot %d or quantized_fp8/int8/int4 %d-%d)",
                   name, (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE, TPC_ALGO_TWO_SHOT,
-                  TPC_ALGO_QUANT_FP8, TPC_ALGO_QUANT_INT4);
+                  TPC_ALGO_QUANTIZED_FP8, TPC_ALGO_QUANTIZED_INT4);
 }
 
 /* The quantized all-reduce (all_reduce_quant.cuh): all_reduce of a 16-bit

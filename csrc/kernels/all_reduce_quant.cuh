@@ -1,5 +1,5 @@
 /*
- * The quantized all-reduce (TPC_ALGO_QUANT_FP8, _INT8, _INT4): the streamed
+ * The quantized all-reduce (TPC_ALGO_QUANTIZED_FP8, _INT8, _INT4): the streamed
  * two-shot of all_reduce.cuh (tpc_all_reduce_bulk_kernel: its chunks, steps,
  * counts, waits and memory order) with quantized groups on the wire
  * (quant.cuh) instead of the 16-bit values, at any world size 2..8.

@@ -138,7 +138,7 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     TPC_LINE_UNSUPPORTED();
     return tpc_launch(tpc_all_reduce_two_shot_kernel, tpc_line_geometry(args, 1), args, stream);
   }
-  if (algo == TPC_ALGO_QUANT_FP8 || algo == TPC_ALGO_QUANT_INT8 || algo == TPC_ALGO_QUANT_INT4) {
+  if (algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4) {
 #ifdef TPC_HIP
     return (int)hipErrorNotSupported;
 #else /* the streamed two-shot's grid, over one chunk (whole groups of 4 units) */

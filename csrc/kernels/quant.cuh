@@ -34,9 +34,9 @@
 enum { TPC_QUANT_FP8 = 1, TPC_QUANT_INT8 = 2, TPC_QUANT_INT4 = 3 };
 
 TPC_DEVICE int tpc_quant_mode(int algo) {
-  return algo == TPC_ALGO_QUANT_FP8 ? TPC_QUANT_FP8
-         : algo == TPC_ALGO_QUANT_INT8 ? TPC_QUANT_INT8
-         : algo == TPC_ALGO_QUANT_INT4 ? TPC_QUANT_INT4 : 0;
+  return algo == TPC_ALGO_QUANTIZED_FP8 ? TPC_QUANT_FP8
+         : algo == TPC_ALGO_QUANTIZED_INT8 ? TPC_QUANT_INT8
+         : algo == TPC_ALGO_QUANTIZED_INT4 ? TPC_QUANT_INT4 : 0;
 }
 
 TPC_DEVICE float tpc_quant_qmax(int mode) {

@@ -37,8 +37,8 @@ ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": 
 QUANTIZE_MODES = ("fp8", "int8", "int4")
 QUANTIZED = tuple(f"quantized_{mode}" for mode in QUANTIZE_MODES)
 QUANTIZED_DTYPES = ("float16", "bfloat16")
-ALGO_CODES.update({"quantized_fp8": C.TPC_ALGO_QUANT_FP8, "quantized_int8": C.TPC_ALGO_QUANT_INT8,
-                   "quantized_int4": C.TPC_ALGO_QUANT_INT4})
+ALGO_CODES.update({"quantized_fp8": C.TPC_ALGO_QUANTIZED_FP8, "quantized_int8": C.TPC_ALGO_QUANTIZED_INT8,
+                   "quantized_int4": C.TPC_ALGO_QUANTIZED_INT4})
 # Where a band's kernel cannot take a call, the next of these that can does;
 # NCCL when none can.
 FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),

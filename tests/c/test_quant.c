@@ -1,5 +1,5 @@
 /*
- * The quantized all-reduce (TPC_ALGO_QUANT_FP8, _INT8, _INT4): what the core
+ * The quantized all-reduce (TPC_ALGO_QUANTIZED_FP8, _INT8, _INT4): what the core
  * refuses (other dtypes and ops, the bulk cap, sizes and alignment) and the
  * arguments the kernel gets.
  */
@@ -19,16 +19,16 @@ void test_quantized_validation(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {64, 0, TPC_FLOAT32, TPC_ALGO_QUANT_INT8, TPC_ERR_INVALID_ARG,
+      {64, 0, TPC_FLOAT32, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_INVALID_ARG,
        "quantized all_reduce: dtype 0 (float32) is not float16 or bfloat16"},
-      {64, 0, 5, TPC_ALGO_QUANT_FP8, TPC_ERR_INVALID_ARG, "dtype 5 (no tpc_dtype)"},
-      {40, 0, TPC_BFLOAT16, TPC_ALGO_QUANT_INT4, TPC_ERR_INVALID_ARG, "all_reduce of 40 bytes: a positive multiple of 16"},
-      {0, 0, TPC_FLOAT16, TPC_ALGO_QUANT_INT4, TPC_ERR_INVALID_ARG, "multiple of 16"},
-      {64, 8, TPC_BFLOAT16, TPC_ALGO_QUANT_FP8, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      {64, 0, 5, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "dtype 5 (no tpc_dtype)"},
+      {40, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "all_reduce of 40 bytes: a positive multiple of 16"},
+      {0, 0, TPC_FLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "multiple of 16"},
+      {64, 8, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       /* its slots are in the bulk region: the bulk cap, not the packet cap */
-      {MAX_BYTES + 16, 0, TPC_BFLOAT16, TPC_ALGO_QUANT_INT8, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
-      {64, 0, TPC_BFLOAT16, TPC_ALGO_QUANT_INT4 + 1, TPC_ERR_INVALID_ARG,
-       "all_reduce: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quant_fp8/int8/int4 5-7)"},
+      {MAX_BYTES + 16, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      {64, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4 + 1, TPC_ERR_INVALID_ARG,
+       "all_reduce: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_all_reduce(c, in + cases[i].in_off, out, cases[i].nbytes, (tpc_dtype)cases[i].dtype,
@@ -37,19 +37,19 @@ void test_quantized_validation(void) {
     CHECK_MSG(c, cases[i].needle);
   }
   /* only all_reduce has the kernel */
-  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_QUANT_INT8, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_MSG(c, "reduce_scatter has no quantized kernel");
-  CHECK_RC(c, tpc_reduce_scatter_f32(c, in, (float *)out, 64, TPC_BFLOAT16, TPC_ALGO_QUANT_FP8, STREAM_A),
+  CHECK_RC(c, tpc_reduce_scatter_f32(c, in, (float *)out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, STREAM_A),
            TPC_ERR_INVALID_ARG);
   CHECK_MSG(c, "reduce_scatter has no quantized kernel");
-  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_QUANT_INT4, 0, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_QUANTIZED_INT4, 0, STREAM_A), TPC_ERR_INVALID_ARG);
   CHECK_MSG(c, "all_gather has no quantized kernel");
   CHECK_EQ(fake.launches, 0); /* nothing invalid reached a kernel */
 
   /* every mode and 16-bit dtype runs, over the packet cap and up to the bulk
    * cap, in place too; the kind word carries the mode, so peers that run
    * another mode fail with a mismatch naming it */
-  const int algos[] = {TPC_ALGO_QUANT_FP8, TPC_ALGO_QUANT_INT8, TPC_ALGO_QUANT_INT4};
+  const int algos[] = {TPC_ALGO_QUANTIZED_FP8, TPC_ALGO_QUANTIZED_INT8, TPC_ALGO_QUANTIZED_INT4};
   const int dtypes[] = {TPC_FLOAT16, TPC_BFLOAT16};
   int launches = 0;
   for (int a = 0; a < 3; ++a)
@@ -66,7 +66,7 @@ void test_quantized_validation(void) {
       CHECK_EQ(fake.last_args.rank, 2);
       ++launches;
     }
-  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_BFLOAT16, TPC_ALGO_QUANT_INT4, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launches, launches + 1);
   destroy_world(&w);
   CHECK_ALL_RELEASED();

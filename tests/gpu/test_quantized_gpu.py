@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 CAP = 16 * MiB
 DTYPES = (torch.bfloat16, torch.float16)
-ALGO = {"fp8": C.TPC_ALGO_QUANT_FP8, "int8": C.TPC_ALGO_QUANT_INT8, "int4": C.TPC_ALGO_QUANT_INT4}
+ALGO = {"fp8": C.TPC_ALGO_QUANTIZED_FP8, "int8": C.TPC_ALGO_QUANTIZED_INT8, "int4": C.TPC_ALGO_QUANTIZED_INT4}
 
 
 def _group_inputs(kind, world, nbytes, dtype, seed):
