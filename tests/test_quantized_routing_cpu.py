@@ -138,3 +138,10 @@ def test_table_file_round_trip(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(dict(TABLE, quantized_min_bytes={"4": 2 * MiB})))
     assert routing_table.quantized_min_bytes(routing_table.load_table(str(path)), 4) == 2 * MiB
+
+
+def test_summary_names_the_quantized_route():
+    caps = routing.Caps(4, 16 * MiB, 1 * MiB, True)
+    text = routing.summary(_comm("int4")._routes, caps)
+    assert f"all_reduce of float16 and bfloat16 from {routing_table.QUANTIZED_MIN_BYTES} B: quantized_int4 (not exact)" in text
+    assert "quantized" not in routing.summary(_comm(None)._routes, caps)

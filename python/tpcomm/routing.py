@@ -200,4 +200,6 @@ def summary(routes, caps):
         bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in routes[op]["*"])
         parts.append(f"{op}: {bands}, then nccl (caps: packet {caps.packet_max_bytes} B per rank, "
                      f"output {caps.max_bytes} B)")
+    for minimum, kernel in routes["all_reduce"].get("quantized", ()):
+        parts.append(f"all_reduce of {' and '.join(QUANTIZED_DTYPES)} from {minimum} B: {kernel} (not exact)")
     return "; ".join(parts)
