@@ -38,7 +38,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 MODEL = dict(layers=8, hidden=512, heads=8, head_dim=64, mlp=1408, vocab=256, context=256)
@@ -264,7 +263,7 @@ def reference_collectives(mode):
 def rank_main(rank, world, init_method, args, weights_path, result_path):
     import tpcomm
     import tpcomm._testing
-    from tpcomm import policy
+    from tpcomm import routing_table
     from tpcomm.topology import force_multicast_off
 
     force_multicast_off()
@@ -281,7 +280,7 @@ def rank_main(rank, world, init_method, args, weights_path, result_path):
     _, held = corpus()
     batches, prompt_tokens = eval_batches(cfg, held, args.eval_tokens), prompts(held, args.prompts)
     # every bfloat16 all-reduce quantized: the worst case for accuracy
-    table = dict(policy.load_table(), quantized_min_bytes={"*": 16})
+    table = dict(routing_table.load_table(), quantized_min_bytes={"*": 16})
     results = {}
     for backend in BACKENDS:
         mode = None if backend == "exact" else backend
@@ -301,18 +300,25 @@ def rank_main(rank, world, init_method, args, weights_path, result_path):
                 raise RuntimeError(f"{backend}: no all-reduce took the quantized kernel: {comm.stats()}")
             comm.close()
         results[backend] = entry
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
     dist.barrier()
+    if rank == 0:  # written last, whole: the parent takes its presence for done
+        with open(result_path + ".part", "w") as f:
+            json.dump(results, f)
+        os.replace(result_path + ".part", result_path)
     dist.destroy_process_group()
 
 
-def run_tp(world, args, weights_path, init_method):
-    with tempfile.TemporaryDirectory() as tmp:
+def run_tp(world, args, weights_path, timeout_s=1800):
+    """The ranks of one TP size (tpcomm._ranks: a failed or hung rank ends
+    the run naming it); rank 0's results."""
+    from tpcomm import _ranks
+
+    with _ranks.rendezvous() as (init_method, tmp):
         path = os.path.join(tmp, "rank0.json")
-        mp.start_processes(rank_main, args=(world, init_method, args, weights_path, path), nprocs=world,
-                           join=True, start_method="spawn")
+        procs = _ranks.start(world, rank_main, init_method, args, weights_path, path)
+        outcome = _ranks.wait(procs, timeout_s, done=lambda: os.path.exists(path), grace_s=60.0)
+        if outcome.failed or outcome.hung or not os.path.exists(path):
+            raise SystemExit(f"TP{world}: ranks {outcome.failed} failed, {outcome.hung} hung")
         with open(path) as f:
             return json.load(f)
 
@@ -351,12 +357,10 @@ def main(argv=None):
     ppl, no_tp_tokens = evaluate(whole, cfg, batches, prompt_tokens, device)
     say(f"no TP: perplexity {ppl:.4f}")
     results = {"no_tp": {"perplexity": round(ppl, 4)}}
-    from tpcomm.bench.measure import rendezvous
-
     for world in [int(w) for w in args.tp.split(",") if w.strip()]:
         if cfg["heads"] % world or cfg["mlp"] % world or cfg["vocab"] % world:
             raise SystemExit(f"the model does not split over {world} ranks")
-        run = run_tp(world, args, shard_path, rendezvous())
+        run = run_tp(world, args, shard_path)
         exact = torch.tensor(run["exact"]["tokens"])
         for backend, entry in run.items():
             tokens = torch.tensor(entry.pop("tokens"))

@@ -58,10 +58,10 @@ class Cases:
     def all_reduce(self, shape, dtype, algo):
         x, xs = self.inputs(shape, dtype)
         want = sum(t.float() for t in xs).to(dtype)
-        got = self.ops.all_reduce(x, self.comm.handle, algo)
+        got = self.ops.all_reduce(x, self.comm.comm_id, algo)
         same(got, want)
         out = torch.empty_like(x)
-        self.ops.all_reduce_out(x, out, self.comm.handle, algo)
+        self.ops.all_reduce_out(x, out, self.comm.comm_id, algo)
         same(out, want)
 
     def quantized(self, numel, dtype, mode):
@@ -73,13 +73,13 @@ class Cases:
         xs = [t * 0.37 for t in xs]  # not all small integers: groups whose codes round
         x = xs[self.rank].clone()
         want = emulate([t.cpu() for t in xs], mode).cuda()
-        same(self.ops.all_reduce(x, self.comm.handle, QUANT[mode]), want)
-        self.ops.all_reduce_out(x, x, self.comm.handle, QUANT[mode])
+        same(self.ops.all_reduce(x, self.comm.comm_id, QUANT[mode]), want)
+        self.ops.all_reduce_out(x, x, self.comm.comm_id, QUANT[mode])
         same(x, want)
 
     def all_gather(self, shape, dim, dtype, algo):
         x, xs = self.inputs(shape, dtype)
-        same(self.ops.all_gather(x, dim, self.comm.handle, algo), torch.cat(xs, dim))
+        same(self.ops.all_gather(x, dim, self.comm.comm_id, algo), torch.cat(xs, dim))
 
     def reduce_scatter(self, shape, dtype, algo, f32):
         x, xs = self.inputs(shape, dtype)
@@ -87,7 +87,7 @@ class Cases:
         part = shape[0] // self.world
         want = total[self.rank * part:(self.rank + 1) * part]
         op = self.ops.reduce_scatter_f32 if f32 else self.ops.reduce_scatter
-        same(op(x, self.comm.handle, algo), want if f32 else want.to(dtype))
+        same(op(x, self.comm.comm_id, algo), want if f32 else want.to(dtype))
 
     def add_rms_norm(self, rows, hidden, dtype, in_place):
         from tpcomm.reference import reference_add_rms_norm, ulp_distance
@@ -100,7 +100,7 @@ class Cases:
             normed, summed = x, residual
         else:
             normed, summed = torch.empty_like(x), torch.empty_like(x)
-        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.handle)
+        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.comm_id)
         same(summed, want_sum)
         far = int(ulp_distance(normed, want_normed).max())
         if far > 1:

@@ -78,7 +78,7 @@ def body_within_bound_same_bits(rank, world):
                             overwrite(xi)
                             calls.expect("all_reduce", f"quantized_{mode}")
                         else:
-                            y = torch.ops._tpcomm.all_reduce(xi, comm.handle, ALGO[mode])
+                            y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, ALGO[mode])
                             overwrite(xi)
                         results.append(y)
                     _check(results[0], xs, mode, what)
@@ -101,7 +101,7 @@ def body_in_place_back_to_back(rank, world):
         xs = _group_inputs("student_t", world, nbytes, torch.bfloat16, 100 + i)
         x = xs[rank].cuda()
         delay_random_rank(rank, world, rng)
-        torch.ops._tpcomm.all_reduce_out(x, x, comm.handle, ALGO[mode])
+        torch.ops._tpcomm.all_reduce_out(x, x, comm.comm_id, ALGO[mode])
         cases.append((xs, mode, nbytes))
         outputs.append(x)
     for (xs, mode, nbytes), y in zip(cases, outputs):
@@ -123,7 +123,7 @@ def body_nan_inf_poison_their_group(rank, world):
             xs[0][5000] = bad         # rank 0's group 156
             x = xs[rank].cuda()
             delay_random_rank(rank, world, rng)
-            y = torch.ops._tpcomm.all_reduce(x, comm.handle, ALGO[mode])
+            y = torch.ops._tpcomm.all_reduce(x, comm.comm_id, ALGO[mode])
             overwrite(x)
             nan = torch.isnan(y.cpu())
             expect = torch.zeros_like(nan)
@@ -167,7 +167,7 @@ def body_modes_that_differ_fail_naming_the_peer(rank, world):
     comm = tpcomm.Communicator(max_bytes=CAP, timeout_s=2.0)
     assert comm.enabled, comm.disabled_reason
     x = torch.ones(1 * MiB // 2, dtype=torch.bfloat16, device="cuda")
-    torch.ops._tpcomm.all_reduce(x, comm.handle, ALGO["int8" if rank == 0 else "fp8"])
+    torch.ops._tpcomm.all_reduce(x, comm.comm_id, ALGO["int8" if rank == 0 else "fp8"])
     torch.cuda.synchronize()  # returns: every wait is bounded
     with pytest.raises(tpcomm.CollectiveMismatch, match=r"peer \d"):
         comm.check()
