@@ -20,7 +20,7 @@ TABLE = {"routes": {op: {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
 
 def _comm(quantize=None, world_size=4, table=TABLE, force=None, line_kernels=True, max_bytes=16 * MiB):
     comm = object.__new__(tpcomm.Communicator)
-    comm.config = Config(quantize=quantize)
+    comm.config, comm.world_size = Config(quantize=quantize), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table), world_size, force, (), quantize)
     comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, line_kernels)
     return comm
@@ -145,3 +145,16 @@ def test_summary_names_the_quantized_route():
     text = routing.summary(_comm("int4")._routes, caps)
     assert f"all_reduce of float16 and bfloat16 from {routing_table.QUANTIZED_MIN_BYTES} B: quantized_int4 (not exact)" in text
     assert "quantized" not in routing.summary(_comm(None)._routes, caps)
+
+
+def test_the_decline_contract_takes_the_quantized_route():
+    """should_custom_ar (vLLM's contract) says yes where the quantized kernel
+    takes the call, as for the exact kernels."""
+    for mode, want in (("int8", True), (None, True)):
+        comm = _comm(mode)
+        comm._closed = False
+        comm._check_input = lambda x, what: None  # a tensor on the communicator's device
+        x = _t(4 * MiB)
+        assert comm.route_all_reduce(x) == (f"quantized_{mode}" if mode else "bulk")
+        assert comm.should_custom_ar(x) is want
+        assert comm.should_custom_ar(_t(64 * MiB)) is False  # over max_bytes: NCCL's

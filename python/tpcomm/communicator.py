@@ -214,10 +214,11 @@ class Communicator:
     # kernels first and takes None as "use NCCL": these run a kernel or
     # decline, never NCCL. The decision is the dispatcher's routing.
     def should_custom_ar(self, x: torch.Tensor) -> bool:
-        """Would custom_all_reduce(x) run tpcomm's kernel? False when closed,
+        """Would custom_all_reduce(x) run tpcomm's kernel (the quantized one
+        too, where Config.quantize sends x there)? False when closed,
         off (disabled_reason), or when the dtype, size or layout is not one a
         kernel takes (route_all_reduce(x) says "nccl")."""
-        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS
+        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
 
     def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
         """Sum of x over the group on tpcomm's kernel (a new tensor), or None
