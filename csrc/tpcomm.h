@@ -87,11 +87,21 @@ typedef enum {
   TPC_ALGO_BULK = 2,       /* 16-byte copies, streamed (stream.cuh)          */
   TPC_ALGO_LINE = 3,       /* 128-byte lines of data and flag (NVLink only):
                               every op, up to the packet cap */
-  TPC_ALGO_TWO_SHOT = 4    /* all_reduce in lines, in two phases (reduce-scatter,
+  TPC_ALGO_TWO_SHOT = 4,   /* all_reduce in lines, in two phases (reduce-scatter,
                               then all-gather), up to the packet cap, at least
                               one warp step of lines per rank: more than
                               TPC_LINE_STEP_BYTES * (world - 1) bytes */
+  /* all_reduce of float16/bfloat16 only, streamed in two phases with
+     quantized values on the wire (all_reduce_quant.cuh): groups of
+     TPC_QUANT_GROUP elements, one fp32 scale each; up to the bulk cap.
+     Not exact: docs/design.md bounds the error. CUDA builds only. */
+  TPC_ALGO_QUANTIZED_FP8 = 5,  /* e4m3 values */
+  TPC_ALGO_QUANTIZED_INT8 = 6, /* int8 values in [-127, 127] */
+  TPC_ALGO_QUANTIZED_INT4 = 7  /* int4 values in [-7, 7], two a byte */
 } tpc_algo;
+
+/* Elements of one quantization group (one fp32 scale each). */
+#define TPC_QUANT_GROUP 32
 
 /* Data bytes of one warp step of the line kernels: 4 lines of 112. */
 #define TPC_LINE_STEP_BYTES 448

@@ -14,6 +14,16 @@
 #     benchmarks/scale_probe.cu: every kernel at 2..8 ranks, results checked
 #     (ranks share the GPUs where there are fewer; timed at one GPU a rank),
 #     then benchmarks/bandwidth_probe.cu (GPUs 0 and 1: the link's rates)
+#   TPCOMM_TEST_WORLD="2 3" bash scripts/device_run.sh quant
+#     tests/gpu/test_quantized_gpu.py with every rank on GPU 0 at each world
+#     size given (default 2 3 4 8; one log per world size)
+#   bash scripts/device_run.sh quant_local
+#     benchmarks/quant_local.cu: the quantized all-reduce's local work beside
+#     a device-to-device copy (quant_local_<gpu>.txt)
+#   bash scripts/device_run.sh accuracy
+#     examples/quantized_accuracy.py: trains for 6 minutes (the weights kept
+#     in build/, so a second call only evaluates), then held-out perplexity
+#     and greedy agreement at TP2 and TP4 on GPU 0 (quantized_accuracy.json)
 #   TPCOMM_TEST_WORLD=8 bash scripts/device_run.sh shared [pytest args...]
 #     the GPU suite with every rank on GPU 0 (tests/multiproc.py: kernel
 #     results at that world size on any machine; one log per world size);
@@ -45,6 +55,22 @@ if [ "$what" = shared ]; then
   done
 fi
 gpus=h200x$(nvidia-smi -L | wc -l)
+if [ "$what" = quant ]; then
+  for world in ${TPCOMM_TEST_WORLD:-2 3 4 8}; do
+    CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
+      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs tests/gpu/test_quantized_gpu.py "$@" 2>&1 \
+      | tee "$results/gpu_tests_quantized_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
+    echo "quantized tests (world $world) done: $(( $(date +%s) - start )) s"
+  done
+fi
+if [ "$what" = quant_local ]; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o build/quant_local \
+    && CUDA_VISIBLE_DEVICES=0 timeout 120 build/quant_local | tee "$results/quant_local_$gpus.txt"
+fi
+if [ "$what" = accuracy ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 540 python3 examples/quantized_accuracy.py --train-minutes 6 \
+    --checkpoint build/quantized_accuracy_model.pt --out "$results/quantized_accuracy.json" 2>&1 | tail -40
+fi
 if [ "$what" = scale ]; then
   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/scale_probe.cu -o build/scale_probe || exit 1
   for n in 2 3 4 5 6 7 8; do

@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from tpcomm import _constants as C  # noqa: E402
 
 PACKET, BULK, LINE, TWO_SHOT = C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE, C.TPC_ALGO_TWO_SHOT
+QUANT = {"fp8": C.TPC_ALGO_QUANTIZED_FP8, "int8": C.TPC_ALGO_QUANTIZED_INT8, "int4": C.TPC_ALGO_QUANTIZED_INT4}
 EPS = 1e-6
 
 
@@ -57,15 +58,28 @@ class Cases:
     def all_reduce(self, shape, dtype, algo):
         x, xs = self.inputs(shape, dtype)
         want = sum(t.float() for t in xs).to(dtype)
-        got = self.ops.all_reduce(x, self.comm.handle, algo)
+        got = self.ops.all_reduce(x, self.comm.comm_id, algo)
         same(got, want)
         out = torch.empty_like(x)
-        self.ops.all_reduce_out(x, out, self.comm.handle, algo)
+        self.ops.all_reduce_out(x, out, self.comm.comm_id, algo)
         same(out, want)
+
+    def quantized(self, numel, dtype, mode):
+        """The quantized all-reduce: the bits of tpcomm.quantized_reference
+        (not the exact sum: its codes round), in place too."""
+        from tpcomm.quantized_reference import emulate
+
+        _, xs = self.inputs((numel,), dtype)
+        xs = [t * 0.37 for t in xs]  # not all small integers: groups whose codes round
+        x = xs[self.rank].clone()
+        want = emulate([t.cpu() for t in xs], mode).cuda()
+        same(self.ops.all_reduce(x, self.comm.comm_id, QUANT[mode]), want)
+        self.ops.all_reduce_out(x, x, self.comm.comm_id, QUANT[mode])
+        same(x, want)
 
     def all_gather(self, shape, dim, dtype, algo):
         x, xs = self.inputs(shape, dtype)
-        same(self.ops.all_gather(x, dim, self.comm.handle, algo), torch.cat(xs, dim))
+        same(self.ops.all_gather(x, dim, self.comm.comm_id, algo), torch.cat(xs, dim))
 
     def reduce_scatter(self, shape, dtype, algo, f32):
         x, xs = self.inputs(shape, dtype)
@@ -73,7 +87,7 @@ class Cases:
         part = shape[0] // self.world
         want = total[self.rank * part:(self.rank + 1) * part]
         op = self.ops.reduce_scatter_f32 if f32 else self.ops.reduce_scatter
-        same(op(x, self.comm.handle, algo), want if f32 else want.to(dtype))
+        same(op(x, self.comm.comm_id, algo), want if f32 else want.to(dtype))
 
     def add_rms_norm(self, rows, hidden, dtype, in_place):
         from tpcomm.reference import reference_add_rms_norm, ulp_distance
@@ -86,7 +100,7 @@ class Cases:
             normed, summed = x, residual
         else:
             normed, summed = torch.empty_like(x), torch.empty_like(x)
-        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.handle)
+        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.comm_id)
         same(summed, want_sum)
         far = int(ulp_distance(normed, want_normed).max())
         if far > 1:
@@ -114,6 +128,11 @@ class Cases:
             ("all_reduce two_shot 16 KiB + 16", lambda: self.all_reduce((8200,), bf16, TWO_SHOT)),
             ("all_reduce two_shot a step a rank f32", lambda: self.all_reduce((112 * n,), f32, TWO_SHOT)),
             ("all_reduce bulk 64 KiB f16", lambda: self.all_reduce((32768,), f16, BULK)),
+            # quantized (the two-shot's schedule): several steps a block at 13 MiB, a chunk
+            # that ends inside a group, fewer units than ranks
+            ("all_reduce quant int8 13 MiB", lambda: self.quantized(13 * 512 * 1024, bf16, "int8")),
+            ("all_reduce quant fp8 64 KiB + 48 f16", lambda: self.quantized(32768 + 24, f16, "fp8")),
+            ("all_reduce quant int4 48 B", lambda: self.quantized(24, bf16, "int4")),
             # packet all_gather: the flat kernel (dim 0, 8-byte multiple), the
             # general one with whole 8-byte units and with 4-byte ones
             ("all_gather packet flat 4 KiB", lambda: self.all_gather((2048,), 0, bf16, PACKET)),

@@ -100,7 +100,8 @@ def fake_results():
     rows = []
     speed = {"nccl": 1.0, "nccl_nomix": 0.6, "nccl_window": 0.8, "nccl_window_nomix": 0.4, "symm_one_shot": 0.5,
              "symm_two_shot": 0.7, "symm_two_shot_copied": 0.8, "tpcomm": 0.3, "tpcomm_packet": 0.3,
-             "tpcomm_line": 0.35, "tpcomm_two_shot": 0.32, "tpcomm_bulk": 0.6}
+             "tpcomm_line": 0.35, "tpcomm_two_shot": 0.32, "tpcomm_bulk": 0.6, "tpcomm_quantized_fp8": 0.45,
+             "tpcomm_quantized_int8": 0.45, "tpcomm_quantized_int4": 0.4}
     not_run = []
     for op in report.OPS:
         for dtype in ("bfloat16", "float32"):

@@ -28,7 +28,7 @@ def _routes(table=TABLE, world_size=2, force=None, forbid=()):
 def _comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=(),
           line_kernels=True, enabled=True):
     comm = object.__new__(tpcomm.Communicator)
-    comm.config = Config()
+    comm.config, comm.world_size = Config(), world_size
     comm._routes = _routes(table, world_size, force, forbid)
     comm._caps = routing.Caps(world_size, max_bytes, packet_max_bytes, line_kernels) if enabled else None
     return comm

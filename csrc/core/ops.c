@@ -107,12 +107,31 @@ static int reducible(tpc_dtype dtype) {
 
 static const char *dtype_name(tpc_dtype dtype) { return reducible(dtype) ? dtype_names[dtype] : "no tpc_dtype"; }
 
+static int quantized(tpc_algo algo) {
+  return algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4;
+}
+
 /* The kernel the caller chose, one of the four: the core never picks one. */
 static tpc_result check_algo(tpc_comm *comm, const char *name, tpc_algo algo) {
-  if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE || algo == TPC_ALGO_TWO_SHOT)
+  if (algo == TPC_ALGO_PACKET || algo == TPC_ALGO_BULK || algo == TPC_ALGO_LINE || algo == TPC_ALGO_TWO_SHOT ||
+      quantized(algo))
     return TPC_OK;
-  return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: unknown algorithm %d (packet %d, bulk %d, line %d or two_shot %d)",
-                  name, (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE, TPC_ALGO_TWO_SHOT);
+  return tpc_fail(comm, TPC_ERR_INVALID_ARG,
+                  "%s: unknown algorithm %d (packet %d, bulk %d, line %d, two_shot %d or quantized_fp8/int8/int4 %d-%d)",
+                  name, (int)algo, TPC_ALGO_PACKET, TPC_ALGO_BULK, TPC_ALGO_LINE, TPC_ALGO_TWO_SHOT,
+                  TPC_ALGO_QUANTIZED_FP8, TPC_ALGO_QUANTIZED_INT4);
+}
+
+/* The quantized all-reduce (all_reduce_quant.cuh): all_reduce of a 16-bit
+ * float only (its codecs read 8 such values a unit), its slots in the bulk
+ * region, so within the bulk cap. */
+static tpc_result check_quantized(tpc_comm *comm, int op, const char *name, tpc_dtype dtype, tpc_algo algo) {
+  if (!quantized(algo)) return TPC_OK;
+  if (op != TPC_OP_ALL_REDUCE) return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s has no quantized kernel", name);
+  if (dtype != TPC_FLOAT16 && dtype != TPC_BFLOAT16)
+    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "quantized all_reduce: dtype %d (%s) is not float16 or bfloat16",
+                    (int)dtype, dtype_name(dtype));
+  return TPC_OK;
 }
 
 /* all_reduce and reduce_scatter: `nbytes` is what each rank reduces per
@@ -134,6 +153,8 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s input and output must be 16-byte aligned", name);
   if (algo == TPC_ALGO_TWO_SHOT && op != TPC_OP_ALL_REDUCE)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s has no two_shot kernel", name);
+  r = check_quantized(comm, op, name, dtype, algo);
+  if (r != TPC_OK) return r;
   /* every rank owns a non-empty chunk, a warp step of lines (world steps of
    * TPC_LINE_STEP_BYTES, the last one partly filled): otherwise a rank could
    * finish an op without a line from every peer and run two ops ahead of one
@@ -143,11 +164,12 @@ static tpc_result reduce_op(tpc_comm *comm, int op, const char *name, const void
                     "two_shot all_reduce of %zu bytes: more than %d bytes (a warp step of lines per rank) are needed",
                     nbytes, TPC_LINE_STEP_BYTES * (comm->cfg.world_size - 1));
   /* lines live in the packet slots: 112 data bytes in 128, within the cap */
-  if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
+  const int bulk_slots = algo == TPC_ALGO_BULK || quantized(algo);
+  if (!bulk_slots && nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu bytes is over the packet cap of %zu", name, nbytes,
                     comm->cfg.packet_max_bytes);
   /* compared as nbytes against cap / parts: nbytes * parts could overflow */
-  if (algo == TPC_ALGO_BULK && nbytes > comm->cfg.max_bytes / parts)
+  if (bulk_slots && nbytes > comm->cfg.max_bytes / parts)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "%s of %zu x %zu bytes is over the cap of %zu", name, parts, nbytes,
                     comm->cfg.max_bytes);
   /* fp32 sums take 4 bytes a value: twice the chunk of a 16-bit dtype */
@@ -233,6 +255,7 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   if (r == TPC_OK) r = check_algo(comm, name, algo);
   if (r != TPC_OK) return r;
   if (algo == TPC_ALGO_TWO_SHOT) return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather has no two_shot kernel");
+  if (quantized(algo)) return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather has no quantized kernel");
   if (nbytes == 0 || nbytes % 4)
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_gather of %zu bytes: a positive multiple of 4 is needed", nbytes);
   if (row_bytes == 0 || row_bytes % 4 || nbytes % row_bytes)
@@ -245,7 +268,8 @@ tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbyt
   if (algo != TPC_ALGO_PACKET && (nbytes % 16 || row_bytes % 16)) /* line and bulk move 16-byte units */
     return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s all_gather needs 16-byte sizes and rows",
                     algo == TPC_ALGO_BULK ? "bulk" : "line");
-  if (algo != TPC_ALGO_BULK && nbytes > comm->cfg.packet_max_bytes)
+  const int bulk_slots = algo == TPC_ALGO_BULK || quantized(algo);
+  if (!bulk_slots && nbytes > comm->cfg.packet_max_bytes)
     return tpc_fail(comm, TPC_ERR_TOO_LARGE, "all_gather of %zu bytes per rank is over the packet cap of %zu",
                     nbytes, comm->cfg.packet_max_bytes);
   /* compared as nbytes against cap / world: nbytes * world could overflow */

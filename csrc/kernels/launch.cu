@@ -5,6 +5,9 @@
 #include "all_gather.cuh"
 #include "all_reduce.cuh"
 #include "all_reduce_norm.cuh"
+#ifndef TPC_HIP
+#include "all_reduce_quant.cuh" /* CUDA only: ROCm refuses the quantized algorithms */
+#endif
 #include "reduce_scatter.cuh"
 
 #if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
@@ -134,6 +137,14 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
   if (algo == TPC_ALGO_TWO_SHOT) { /* a warp a step: the pushes and gathers cover (n-1)/n of them */
     TPC_LINE_UNSUPPORTED();
     return tpc_launch(tpc_all_reduce_two_shot_kernel, tpc_line_geometry(args, 1), args, stream);
+  }
+  if (algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4) {
+#ifdef TPC_HIP
+    return (int)hipErrorNotSupported;
+#else /* the streamed two-shot's grid, over one chunk (whole groups of 4 units) */
+    const uint64_t per_rank = (args->nbytes / 16 + (uint64_t)args->world - 1) / (uint64_t)args->world;
+    return tpc_launch(tpc_all_reduce_quant_kernel, tpc_stream_geometry((per_rank + 3) / 4 * 4), args, stream);
+#endif
   }
   /* two ranks: the one-shot stream moves as much and needs one phase */
   if (args->world == 2)

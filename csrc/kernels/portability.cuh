@@ -161,6 +161,28 @@ TPC_DEVICE uint4 tpc_load16_from_peer(const void *p) {
 #endif
 }
 
+/* The same for 8 bytes (a pair of words): the quantized all-reduce's
+ * payloads. The PTX spelled out, as clang's CUDA headers may lack __ldcg. */
+TPC_DEVICE uint2 tpc_load8_from_peer(const void *p) {
+#ifdef TPC_HIP
+  return *(const uint2 *)p;
+#else
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+TPC_DEVICE uint32_t tpc_load4_from_peer(const void *p) {
+#ifdef TPC_HIP
+  return *(const uint32_t *)p;
+#else
+  uint32_t v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
 /* Orders this thread's earlier stores (to any GPU) before its later ones. */
 TPC_DEVICE void tpc_fence_system(void) {
 #ifdef TPC_HIP
@@ -267,6 +289,16 @@ TPC_DEVICE float tpc_warp_sum(float v) {
 #endif
   }
   return v;
+}
+
+/* v of the lane whose index differs from this one's in the bits of `mask`
+ * (within 32 lanes); every lane of the warp takes part. */
+TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {
+#ifdef TPC_HIP
+  return __shfl_xor(v, mask, TPC_WARP_LANES);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
 }
 
 /* 0, computed from v in a way the compiler cannot see through: an operation

@@ -77,7 +77,7 @@ class Communicator:
         self.table = routing_table.load_table(_group_setup.table_source(table if isinstance(table, dict) else self.config.table,
                                                            self.device))
         self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
-                                               self.config.forbid)
+                                                      self.config.forbid, self.config.quantize)
         self.comm_id = self._last_comm_id = 0  # the id the internal ops take (0: off or closed); _last_comm_id outlives close
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
@@ -214,10 +214,11 @@ class Communicator:
     # kernels first and takes None as "use NCCL": these run a kernel or
     # decline, never NCCL. The decision is the dispatcher's routing.
     def should_custom_ar(self, x: torch.Tensor) -> bool:
-        """Would custom_all_reduce(x) run tpcomm's kernel? False when closed,
+        """Would custom_all_reduce(x) run tpcomm's kernel (the quantized one
+        too, where Config.quantize sends x there)? False when closed,
         off (disabled_reason), or when the dtype, size or layout is not one a
         kernel takes (route_all_reduce(x) says "nccl")."""
-        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS
+        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
 
     def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
         """Sum of x over the group on tpcomm's kernel (a new tensor), or None
@@ -243,7 +244,8 @@ class Communicator:
 
     # -------------------------------------------------------------- routing
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk" or "nccl"."""
+        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", "nccl", or
+        "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
         if self.world_size == 1:
             return SINGLE_RANK
         return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())

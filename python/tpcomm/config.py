@@ -17,6 +17,9 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
     TPCOMM_AITER             1                0: AMD AITER's all-reduce off (tried first on ROCm
                                               where it imports)
     TPCOMM_FUSED_KERNEL      1                0: all_reduce_add_rms_norm never on the fused kernel
+    TPCOMM_QUANTIZE          none             fp8, int8 or int4: float16/bfloat16 all_reduces from the
+                                              table's quantized_min_bytes on send quantized values (not
+                                              exact: docs/design.md bounds the error)
 
 Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
 end with the same configuration: the ranks compare it at init.
@@ -42,6 +45,7 @@ class Config:
     disable: bool = False
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
     fused_kernel: bool = True  # all_reduce_add_rms_norm on the fused kernel where it takes the call
+    quantize: str = None       # None, "fp8", "int8" or "int4": the quantized all_reduce (opt-in)
 
     @classmethod
     def from_env(cls):
@@ -64,6 +68,8 @@ class Config:
             fields["aiter"] = env_flag("TPCOMM_AITER")
         if env.get("TPCOMM_FUSED_KERNEL", "").strip():
             fields["fused_kernel"] = env_flag("TPCOMM_FUSED_KERNEL")
+        if env.get("TPCOMM_QUANTIZE", "").strip():
+            fields["quantize"] = env["TPCOMM_QUANTIZE"].strip().lower()
         if env.get("TPCOMM_FORBID", "").strip():
             fields["forbid"] = tuple(b.strip() for b in env["TPCOMM_FORBID"].split(",") if b.strip())
         try:
@@ -89,6 +95,8 @@ class Config:
                 raise ValueError(f"tpcomm: force {op}={backend}: ops are {routing.OPS}, backends {routing.BACKENDS}")
             if op not in routing.KERNEL_OPS.get(backend, routing.OPS):
                 raise ValueError(f"tpcomm: force {op}={backend}: {op} has no {backend} kernel")
+        if self.quantize is not None and self.quantize not in routing.QUANTIZE_MODES:
+            raise ValueError(f"tpcomm: quantize={self.quantize!r} must be None or one of {routing.QUANTIZE_MODES}")
         for backend in self.forbid:
             if backend not in routing.KERNELS:
                 raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {routing.KERNELS} can be forbidden")
@@ -98,7 +106,7 @@ class Config:
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
-                "fused_kernel": str(self.fused_kernel)}
+                "fused_kernel": str(self.fused_kernel), "quantize": str(self.quantize)}
 
 
 def _parse_force(text, name):

@@ -31,6 +31,14 @@ LINE_PROTOCOL = ("line", "two_shot")  # kernels that rest on whole 128-byte stor
 PACKET_SLOT_KERNELS = ("packet",) + LINE_PROTOCOL  # kernels whose data lives in the packet slots (packet_max_bytes)
 ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
               "bulk": C.TPC_ALGO_BULK}
+# The quantized all-reduce (csrc/kernels/all_reduce_quant.cuh), one kernel a
+# mode: never a band's backend, only where Config.quantize turned it on
+# (quantized()); not exact (docs/design.md bounds its error).
+QUANTIZE_MODES = ("fp8", "int8", "int4")
+QUANTIZED = tuple(f"quantized_{mode}" for mode in QUANTIZE_MODES)
+QUANTIZED_DTYPES = ("float16", "bfloat16")
+ALGO_CODES.update({"quantized_fp8": C.TPC_ALGO_QUANTIZED_FP8, "quantized_int8": C.TPC_ALGO_QUANTIZED_INT8,
+                   "quantized_int4": C.TPC_ALGO_QUANTIZED_INT4})
 # Where a band's kernel cannot take a call, the next of these that can does;
 # NCCL when none can.
 FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),
@@ -119,12 +127,38 @@ def refusal(op, kernel, caps, dtype, nbytes, row=0):
     return _no_kernel(op, caps, dtype, nbytes, row) or _kernel_refusal(op, kernel, caps, nbytes, row)
 
 
+def quantized_refusal(caps, dtype, nbytes):
+    """Why the quantized all-reduce cannot run an all_reduce, or None."""
+    if caps is None:
+        return "the custom path is off"
+    if _dtypes.NAME.get(dtype) not in QUANTIZED_DTYPES:
+        return f"the quantized all_reduce takes {' and '.join(QUANTIZED_DTYPES)}, not {dtype}"
+    if not caps.line_kernels:
+        return "no quantized kernels in this build (CUDA only)"
+    return _no_kernel("all_reduce", caps, dtype, nbytes, 0)
+
+
+def quantized(routes, caps, dtype, nbytes):
+    """The quantized kernel this all_reduce takes ("quantized_<mode>"), or
+    None: only where the routes carry a "quantized" row (Config.quantize,
+    routing_table.effective_routes), from its minimum size on."""
+    row = routes["all_reduce"].get("quantized")
+    if not row or nbytes < row[0][0] or quantized_refusal(caps, dtype, nbytes):
+        return None
+    return row[0][1]
+
+
 def route(routes, caps, op, dtype, nbytes, row=0):
     """The backend of this call: the table's band for nbytes (routes: what
     routing_table.effective_routes gives), or, where that kernel cannot take it, the
-    first of its FALLBACKS that can; NCCL when none can or caps is None."""
+    first of its FALLBACKS that can; NCCL when none can or caps is None.
+    An all_reduce the quantized kernel takes (quantized()) goes there."""
     if caps is None or _no_kernel(op, caps, dtype, nbytes, row):
         return "nccl"
+    if op == "all_reduce":
+        chosen = quantized(routes, caps, dtype, nbytes)
+        if chosen:
+            return chosen
     by_dtype = routes[op]
     backend = choose(by_dtype.get(_dtypes.NAME.get(dtype), by_dtype["*"]), nbytes)
     for kernel in FALLBACKS.get(backend, ()):
@@ -166,4 +200,6 @@ def summary(routes, caps):
         bands = ", ".join(f"{backend} up to {limit} B" for limit, backend in routes[op]["*"])
         parts.append(f"{op}: {bands}, then nccl (caps: packet {caps.packet_max_bytes} B per rank, "
                      f"output {caps.max_bytes} B)")
+    for minimum, kernel in routes["all_reduce"].get("quantized", ()):
+        parts.append(f"all_reduce of {' and '.join(QUANTIZED_DTYPES)} from {minimum} B: {kernel} (not exact)")
     return "; ".join(parts)

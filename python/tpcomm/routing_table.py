@@ -25,6 +25,10 @@ from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the redu
 from .routing import BACKENDS, KERNEL_OPS, OPS
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
+# The smallest all_reduce the quantized kernel takes where Config.quantize is
+# on and the table has no "quantized_min_bytes" for the world size: the cost
+# model's break-even (docs/design.md, "Quantized all-reduce").
+QUANTIZED_MIN_BYTES = 1 << 20
 TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
 DEFAULT_TABLE = os.path.join(TABLES, "h200.json")  # for GPU models without a table of their own
 
@@ -83,7 +87,29 @@ def load_table(source=None):
                         raise TableError(f"{what}: {op} has no {b} kernel")
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
-    return {"about": str(data.get("about", "")), "routes": table}
+    return {"about": str(data.get("about", "")), "routes": table,
+            "quantized_min_bytes": _checked_minimums(data.get("quantized_min_bytes", {}), where)}
+
+
+def _checked_minimums(minimums, where):
+    """The table's "quantized_min_bytes": {world size or "*": bytes}, the
+    smallest all_reduce input the quantized kernel takes (tpcomm.tune writes
+    it from measurements)."""
+    if not isinstance(minimums, dict):
+        raise TableError(f"routing table {where}: quantized_min_bytes must be an object of world size: bytes")
+    for world, value in minimums.items():
+        if world != "*" and not (world.isdigit() and 2 <= int(world) <= 8):
+            raise TableError(f"routing table {where}: quantized_min_bytes/{world}: world size must be '*' or 2..8")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TableError(f"routing table {where}: quantized_min_bytes/{world} must be a positive integer, "
+                             f"got {value!r}")
+    return dict(minimums)
+
+
+def quantized_min_bytes(table, world_size):
+    """The smallest all_reduce the quantized kernel takes at this world size."""
+    minimums = table.get("quantized_min_bytes", {})
+    return minimums.get(str(world_size), minimums.get("*", QUANTIZED_MIN_BYTES))
 
 
 def gpu_model(device_name):
@@ -143,15 +169,20 @@ def apply_config(bands, force=None, forbid=()):
     return [(limit, "nccl" if backend in forbid else backend) for limit, backend in bands]
 
 
-def effective_routes(table, world_size, force=None, forbid=()):
+def effective_routes(table, world_size, force=None, forbid=(), quantize=None):
     """{op: {dtype name or "*": bands}} for one world size, with the Config
-    applied: what the Communicator routes by, and what the ranks compare."""
+    applied: what the Communicator routes by, and what the ranks compare.
+    With Config.quantize (a mode) and all_reduce not forced, all_reduce also
+    has a "quantized" row: [(smallest size, "quantized_<mode>")]
+    (tpcomm.routing.quantized)."""
     force = dict(force or {})
     routes = {}
     for op in OPS:
         names = ("*",) + (DTYPES if op in REDUCING else ())
         routes[op] = {name: apply_config(bands_for(table, op, world_size, name), force.get(op), forbid)
                       for name in names}
+    if quantize and "all_reduce" not in force:
+        routes["all_reduce"]["quantized"] = [(quantized_min_bytes(table, world_size), f"quantized_{quantize}")]
     return routes
 
 

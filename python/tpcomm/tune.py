@@ -7,7 +7,11 @@ others' (a new file starts from the shipped table of the GPU model).
 It runs tpcomm.bench in graph mode for the backends the dispatcher routes to
 (tpcomm's packet, line, two_shot and bulk kernels, NCCL), every size checked
 bit for bit, and keeps, per op, dtype and size, the fastest correct backend;
-consecutive sizes with the same winner become one band. `--from
+consecutive sizes with the same winner become one band. It also times the
+quantized all-reduce (each mode, checked against its error bound) and writes
+the world size's "quantized_min_bytes": the smallest bfloat16 size from which
+every mode beats the fastest exact backend at every larger size measured
+(past every size: QUANTIZED_NEVER), which Config.quantize routes by. `--from
 results.json` derives the table from an earlier benchmark run instead of
 measuring (no GPU needed).
 
@@ -20,12 +24,48 @@ import os
 import sys
 import tempfile
 
+from . import _constants as C
 from . import routing, routing_table
 
 # Benchmark backend names -> the routing table's backend names.
 ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in routing.KERNELS}, "nccl": "nccl"}
 # On a tie (equal medians) the earlier one wins: tpcomm's kernels first.
 PREFERENCE = routing.BACKENDS
+# The quantized all-reduce's benchmark backends: timed, never a band's.
+QUANTIZED = tuple(f"tpcomm_{kernel}" for kernel in routing.QUANTIZED)
+QUANTIZED_NEVER = C.TPC_MAX_BYTES_LIMIT + 16  # larger than any op: quantized never won
+
+
+def _graph_rows(rows, op, dtype):
+    for r in rows:
+        if (r.get("op") == op and r.get("dtype") == dtype and r.get("mode") == "graph" and r.get("correct")
+                and isinstance(r.get("median_us"), (int, float))):
+            yield r
+
+
+def quantized_minimum(rows, dtype="bfloat16"):
+    """The smallest all_reduce size (bytes per rank) from which every
+    quantized mode measured is faster than the fastest exact routable
+    backend, at that size and every larger one measured where all were
+    measured; QUANTIZED_NEVER when the largest such size is no win; None
+    when the quantized kernel was not measured."""
+    exact, quantized = {}, {}
+    for r in _graph_rows(rows, "all_reduce", dtype):
+        size, backend = int(r["bytes_per_rank"]), r.get("backend")
+        if backend in ROUTABLE:
+            exact[size] = min(exact.get(size, float("inf")), r["median_us"])
+        elif backend in QUANTIZED:
+            quantized.setdefault(size, {})[backend] = r["median_us"]
+    modes = {b for by in quantized.values() for b in by}
+    sizes = sorted(s for s in exact if s in quantized and set(quantized[s]) == modes)
+    if not sizes:
+        return None
+    minimum = QUANTIZED_NEVER
+    for size in reversed(sizes):
+        if max(quantized[size].values()) >= exact[size]:
+            break
+        minimum = size
+    return minimum
 
 
 def winners(rows, op, dtype):
@@ -82,7 +122,13 @@ def derive_table(results, base=None):
     about = (f"python -m tpcomm.tune: {world}x {env.get('gpu', '?')}, driver {env.get('driver', '?')}, "
              f"torch {env.get('torch', '?')}, NCCL {env.get('nccl', '?')}, {env.get('date', '?')}: fastest correct "
              f"of {', '.join(PREFERENCE)} per op, dtype and size (CUDA graphs, median per op)")
+    minimums = dict(base.get("quantized_min_bytes", {}))
+    measured = quantized_minimum(rows)
+    if measured is not None:
+        minimums[world] = measured
     table = {"about": about, "routes": routes}
+    if minimums:
+        table["quantized_min_bytes"] = minimums
     routing_table.load_table(table)  # what we write must load
     return table
 
@@ -107,7 +153,7 @@ def main(argv=None):
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "tune.json")
-            bench_main(["--modes", "graph", "--backends", ",".join(ROUTABLE), "--dtypes", args.dtypes,
+            bench_main(["--modes", "graph", "--backends", ",".join((*ROUTABLE, *QUANTIZED)), "--dtypes", args.dtypes,
                         "--max-bytes", str(args.max_bytes), "--no-plots", "--out", path])
             if not os.path.exists(path):
                 print("tpcomm.tune: nothing was measured (it needs 2 or more CUDA GPUs); no table written")
@@ -125,6 +171,8 @@ def main(argv=None):
         for world, by_dtype in sorted(table["routes"][op].items()):
             for dtype, bs in sorted(by_dtype.items()):
                 print(f"{op:11s} world {world:2s} {dtype:9s} " + ", ".join(f"{b} to {n} B" for n, b in bs))
+    for world, minimum in sorted(table.get("quantized_min_bytes", {}).items()):
+        print(f"quantized  world {world:2s} from {minimum} B" + (" (never won)" if minimum == QUANTIZED_NEVER else ""))
     print(f"{'extended' if extended else 'wrote'} {out} (world size {env.get('world_size')}): "
           f"use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
     return 0

@@ -184,6 +184,7 @@ void test_reduce_scatter_f32(void);
 void test_all_reduce_add_rms_norm(void);
 void test_all_reduce_validation(void);
 void test_all_reduce_algo_and_args(void);
+void test_quantized_validation(void);
 void test_all_gather(void);
 void test_stream_switch(void);
 void test_launch_device(void);

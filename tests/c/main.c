@@ -39,6 +39,7 @@ int main(void) {
   RUN(test_reduce_scatter_f32);
   RUN(test_all_reduce_add_rms_norm);
   RUN(test_all_reduce_algo_and_args);
+  RUN(test_quantized_validation);
   RUN(test_all_gather);
   RUN(test_async_error);
   RUN(test_describe);

@@ -30,8 +30,8 @@ void test_reduce_scatter(void) {
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "reduce_scatter has no two_shot kernel"},
-      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG,
-       "reduce_scatter: unknown algorithm 5 (packet 1, bulk 2, line 3 or two_shot 4)"},
+      {64, 0, 0, TPC_FLOAT32, 8, TPC_ERR_INVALID_ARG,
+       "reduce_scatter: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -211,8 +211,8 @@ void test_all_reduce_validation(void) {
       {64, 0, 0, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "two_shot all_reduce of 64 bytes"},
       /* the caller picks the kernel: 0 (no choice) and unknown values are refused, naming them */
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG,
-       "all_reduce: unknown algorithm 0 (packet 1, bulk 2, line 3 or two_shot 4)"},
-      {64, 0, 0, TPC_FLOAT32, 5, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 5"},
+       "all_reduce: unknown algorithm 0 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
+      {64, 0, 0, TPC_FLOAT32, 8, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 8"},
       {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm -2"},
       /* the algorithm is checked before the sizes: its message is the one given */
       {24, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG, "unknown algorithm 9"},
@@ -341,8 +341,8 @@ void test_all_gather(void) {
       {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {PACKET_MAX + 16, 16, 0, 0, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "1040 bytes per rank is over the packet cap of 1024"},
       {64, 64, 0, 0, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "all_gather has no two_shot kernel"},
-      {64, 64, 0, 0, 5, TPC_ERR_INVALID_ARG,
-       "all_gather: unknown algorithm 5 (packet 1, bulk 2, line 3 or two_shot 4)"},
+      {64, 64, 0, 0, 8, TPC_ERR_INVALID_ARG,
+       "all_gather: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
       {64, 64, 0, 0, 0, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {

@@ -41,7 +41,10 @@ from ..backends.nccl import Nccl
 from .nccl_window import NcclWindow
 from .symm_mem import SymmMem
 
-TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk")
+# tpcomm's quantized all-reduce, one backend a mode: not exact, so checked
+# against the error bound (tpcomm.quantized_reference) instead of bit for bit.
+QUANTIZED_BACKENDS = tuple(f"tpcomm_{kernel}" for kernel in routing.QUANTIZED)
+TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk") + QUANTIZED_BACKENDS
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
 SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot", "symm_two_shot_copied")
 WINDOW_BACKENDS = ("nccl_window", "nccl_window_nomix")
@@ -80,10 +83,11 @@ def _round_up(n, k):
 
 
 class Case:
-    def __init__(self, call, prepare=None, route=None):
+    def __init__(self, call, prepare=None, route=None, check=None):
         self.call = call
         self._prepare = prepare
         self.route = route  # the dispatcher's: the backend it sent the case to
+        self.check = check  # check(result) -> correct; None: bit for bit against the exact reference
 
     def prepare(self):
         if self._prepare is not None:
@@ -213,6 +217,23 @@ class Resources:
             self.comm = None
 
 
+def quantized_check(x0, world, kernel):
+    """check(result) for the quantized all-reduce `kernel` ("quantized_<mode>")
+    on x0: every value within tpcomm.quantized_reference's bound of the exact
+    sum of every rank's input. Collective (an all-gather of the inputs): every
+    rank makes the same cases, so every rank calls it."""
+    from .. import quantized_reference
+
+    gathered = torch.empty((world * x0.numel(),), dtype=x0.dtype, device=x0.device)
+    dist.all_gather_into_tensor(gathered, x0.contiguous())
+    limit, exact = quantized_reference.bound(list(gathered.view(world, -1)), kernel[len("quantized_"):])
+
+    def check(y):
+        return (isinstance(y, torch.Tensor) and y.numel() == exact.numel()
+                and bool(((y.reshape(-1).double() - exact).abs() <= limit).all()))
+    return check
+
+
 def make_case(backend, op, x0, res):
     """The Case running `op` on input x0 with `backend` (see the module doc)."""
     if backend in res.reasons:
@@ -261,9 +282,18 @@ def make_case(backend, op, x0, res):
         x = x0.clone()
         if backend == "tpcomm":  # measured whatever it routes to, NCCL included: its row is the dispatcher's
             run = getattr(comm, op)
-            return Case(lambda: run(x), route=getattr(comm, f"route_{op}")(x))  # route_all_reduce, ...
+            route = getattr(comm, f"route_{op}")(x)  # route_all_reduce, ...
+            check = quantized_check(x0, world, route) if route in routing.QUANTIZED else None
+            return Case(lambda: run(x), route=route, check=check)
         algo = backend[len("tpcomm_"):]
         caps = routing.Caps(world, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+        if algo in routing.QUANTIZED:
+            why = ("the quantized kernel is all_reduce only" if op != "all_reduce"
+                   else routing.quantized_refusal(caps, x0.dtype, nbytes))
+            if why:
+                raise Unavailable(why)
+            kernels = comm.kernels
+            return Case(lambda: kernels.all_reduce(x, algo), check=quantized_check(x0, world, algo))
         why = routing.refusal(op, algo, caps, x0.dtype, nbytes, nbytes)  # all_gather along dim 0: one row
         if why:
             raise Unavailable(why)

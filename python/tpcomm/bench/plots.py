@@ -33,6 +33,9 @@ STYLE = {
     "tpcomm_line": dict(color="tab:brown", marker="*", linestyle=":"),
     "tpcomm_two_shot": dict(color="tab:olive", marker="1", linestyle=":"),
     "tpcomm_bulk": dict(color="tab:blue", marker="+", linestyle=":"),
+    "tpcomm_quantized_fp8": dict(color="tab:cyan", marker="<", linestyle="--"),
+    "tpcomm_quantized_int8": dict(color="tab:cyan", marker=">", linestyle="-."),
+    "tpcomm_quantized_int4": dict(color="tab:cyan", marker="P", linestyle=":"),
 }
 
 

@@ -26,7 +26,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")  # reduce_scatter's size: i
 # Column order of the tables and plots.
 BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot",
             "symm_two_shot_copied", "tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot",
-            "tpcomm_bulk")
+            "tpcomm_bulk", "tpcomm_quantized_fp8", "tpcomm_quantized_int8", "tpcomm_quantized_int4")
 # NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process, at its first
 # communicator: these run in a second set of processes with it set to 0 (NCCL
 # at its fastest under CUDA graphs), graph mode only.
@@ -46,6 +46,9 @@ BACKEND_HELP = {
     "tpcomm_line": "tpcomm's line kernel (128-byte lines of data and flag), forced",
     "tpcomm_two_shot": "tpcomm's two-phase all-reduce in lines (each rank sums one chunk), forced",
     "tpcomm_bulk": "tpcomm's bulk kernel, forced",
+    "tpcomm_quantized_fp8": "tpcomm's quantized all-reduce, e4m3 codes, forced (not exact: within its error bound)",
+    "tpcomm_quantized_int8": "tpcomm's quantized all-reduce, int8 codes, forced (not exact: within its error bound)",
+    "tpcomm_quantized_int4": "tpcomm's quantized all-reduce, int4 codes, forced (not exact: within its error bound)",
 }
 MODES = ("graph", "eager")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -312,7 +315,9 @@ def dispatcher_vs_fastest(rows, mode="graph"):
     out = []
     order = {op: i for i, op in enumerate(OPS)}
     for key in sorted(cells, key=lambda k: (order.get(k[0], len(order)), k[1], k[2])):
-        others = {b: r["median_us"] for b, r in cells[key].items() if b != "tpcomm"}
+        # the exact backends only: the quantized kernel is no alternative to an exact route
+        others = {b: r["median_us"] for b, r in cells[key].items()
+                  if b != "tpcomm" and not b.startswith("tpcomm_quantized")}
         if not others:
             continue
         fastest = min(others, key=others.get)

@@ -1,0 +1,208 @@
+/*
+ * What one GPU can time of the quantized all-reduce (all_reduce_quant.cuh):
+ * its local work, with quant.cuh's codecs, beside a device-to-device copy.
+ *
+ *   quantize       a rank's 16 MiB bf16 input into codes and scales
+ *                  (reads 16 MiB, writes 9 MiB: fp8/int8, 5 MiB: int4)
+ *   dequant-sum n  n ranks' codes of 16 MiB decoded and summed in fp32 in
+ *                  rank order, rounded to bf16 (reads n x 9 or 5 MiB,
+ *                  writes 16 MiB)
+ *
+ * Each is reported as its bytes read and written per second, and as the
+ * fraction of the bandwidth of cudaMemcpyAsync (device to device) of 16 MiB
+ * (its 16 MiB read and 16 MiB written per second). Medians of 50 timed
+ * runs after 5 untimed. A check first decodes every group and holds each
+ * value to quant.cuh's bound, |v - decode| <= c A (+ 2^-64), exiting 1 on
+ * a value past it.
+ *
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o /tmp/quant_local && /tmp/quant_local
+ *   /tmp/quant_local list   prints the rows it times, without a GPU
+ */
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/quant.cuh"
+#include "probe_check.h"
+
+#define QL_BYTES (16u << 20)
+#define QL_UNITS (QL_BYTES / 16u)
+#define QL_MAX_RANKS 8
+#define QL_THREADS 256
+
+static const int ql_modes[] = {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4};
+static const char *const ql_names[] = {"", "fp8", "int8", "int4"};
+
+/* A unit a lane, grid-stride; a warp's lanes take consecutive units (the
+ * loop bound is a multiple of the warp, so every lane runs every shuffle). */
+__global__ void ql_quantize(const uint4 *in, char *payload, float *scales, int mode) {
+  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    float f[8];
+    tpc_unit_floats(in[u], TPC_BFLOAT16, f);
+    const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), mode);
+    const uint2 p = tpc_quant_encode(f, q.inv, mode);
+    if (bytes == 8) ((uint2 *)payload)[u] = p;
+    else ((uint32_t *)payload)[u] = p.x;
+    if (u % TPC_QUANT_LANES == 0) scales[u / TPC_QUANT_LANES] = q.scale;
+  }
+}
+
+/* n ranks' codes (payloads and scales at a stride) decoded and summed. */
+__global__ void ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride,
+                               uint64_t scale_stride, int n, uint4 *out, int mode) {
+  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    float acc[8];
+    for (int q = 0; q < n; ++q) {
+      const char *p = payload + q * payload_stride;
+      const uint2 v = bytes == 8 ? ((const uint2 *)p)[u] : make_uint2(((const uint32_t *)p)[u], 0u);
+      float f[8];
+      tpc_quant_decode(v, scales[q * scale_stride + u / TPC_QUANT_LANES], mode, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = q == 0 ? -0.0f + f[i] : acc[i] + f[i];
+    }
+    out[u] = tpc_unit_of_floats(acc, TPC_BFLOAT16);
+  }
+}
+
+/* Every value of `in` against its decode (n = 1 of the sum, in fp32 before
+ * the rounding): counts those past the bound. */
+__global__ void ql_check(const uint4 *in, const char *payload, const float *scales, int mode, unsigned *bad) {
+  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+  const float c = mode == TPC_QUANT_FP8 ? 0.0625f + 3.814697265625e-6f /* 2^-4 + 2^-18 */
+                                        : 0.5f / tpc_quant_qmax(mode) + 4.76837158203125e-7f; /* + 2^-21 */
+  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    float f[8], d[8];
+    tpc_unit_floats(in[u], TPC_BFLOAT16, f);
+    const float absmax = tpc_group_absmax(f);
+    const uint2 v = bytes == 8 ? ((const uint2 *)payload)[u] : make_uint2(((const uint32_t *)payload)[u], 0u);
+    tpc_quant_decode(v, scales[u / TPC_QUANT_LANES], mode, d);
+    for (int i = 0; i < 8; ++i)
+      if (!(fabsf(f[i] - d[i]) <= c * absmax * 1.0000001f + TPC_QUANT_TINY)) atomicAdd(bad, 1u);
+  }
+}
+
+/* bf16 values: normal-ish, with every 37th group a hundred times larger. */
+__global__ void ql_fill(uint16_t *x) {
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < QL_BYTES / 2;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    float v = ((float)(h & 0xffffu) / 65536.0f - 0.5f) * 4.0f;
+    if ((i / 32) % 37 == 0) v *= 100.0f;
+    x[i] = tpc_float_to_bf16(v);
+  }
+}
+
+typedef struct {
+  std::string name;
+  double read, written; /* bytes */
+} ql_row;
+
+static std::vector<ql_row> ql_rows() {
+  std::vector<ql_row> rows;
+  rows.push_back({"copy 16 MiB (cudaMemcpyAsync)", (double)QL_BYTES, (double)QL_BYTES});
+  for (int m : ql_modes) {
+    const double coded = (double)QL_UNITS * (m == TPC_QUANT_INT4 ? 4 : 8) + QL_UNITS;  /* + a scale per 4 units */
+    rows.push_back({std::string("quantize ") + ql_names[m], (double)QL_BYTES, coded});
+    for (int n : {2, 4, 8})
+      rows.push_back({std::string("dequant-sum ") + ql_names[m] + " n=" + std::to_string(n), n * coded,
+                      (double)QL_BYTES});
+  }
+  return rows;
+}
+
+template <typename Launch>
+static double ql_time_us(Launch launch, cudaStream_t s) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 5; ++i) launch();
+  std::vector<float> ms;
+  for (int i = 0; i < 50; ++i) {
+    CHECK(cudaEventRecord(a, s));
+    launch();
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float t;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  return 1000.0 * ms[ms.size() / 2];
+}
+
+int main(int argc, char **argv) {
+  const std::vector<ql_row> rows = ql_rows();
+  if (argc > 1 && !strcmp(argv[1], "list")) {
+    for (const ql_row &r : rows) printf("%s\n", r.name.c_str());
+    return 0;
+  }
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const unsigned blocks = (unsigned)sms * 8;
+  cudaStream_t s;
+  CHECK(cudaStreamCreate(&s));
+  uint4 *in, *out, *copy;
+  char *payload;
+  float *scales;
+  unsigned *bad;
+  const uint64_t payload_stride = (uint64_t)QL_UNITS * 8, scale_stride = QL_UNITS / TPC_QUANT_LANES;
+  CHECK(cudaMalloc(&in, QL_BYTES));
+  CHECK(cudaMalloc(&out, QL_BYTES));
+  CHECK(cudaMalloc(&copy, QL_BYTES));
+  CHECK(cudaMalloc(&payload, QL_MAX_RANKS * payload_stride));
+  CHECK(cudaMalloc(&scales, QL_MAX_RANKS * scale_stride * sizeof(float)));
+  CHECK(cudaMalloc(&bad, sizeof(unsigned)));
+  ql_fill<<<blocks, QL_THREADS, 0, s>>>((uint16_t *)in);
+
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, %d SMs; 16 MiB bf16 inputs; %u blocks of %d threads\n", prop.name, sms, blocks, QL_THREADS);
+  printf("%-34s %10s %12s %10s\n", "what", "us", "GB/s", "of copy");
+  double copy_rate = 0;
+  size_t row = 0;
+  auto report = [&](double us) {
+    const ql_row &r = rows[row++];
+    const double rate = (r.read + r.written) / (us * 1e3);
+    if (copy_rate == 0) copy_rate = rate;
+    printf("%-34s %10.2f %12.1f %9.0f%%\n", r.name.c_str(), us, rate, 100.0 * rate / copy_rate);
+  };
+  report(ql_time_us([&] { CHECK(cudaMemcpyAsync(copy, in, QL_BYTES, cudaMemcpyDeviceToDevice, s)); }, s));
+  int failed = 0;
+  for (int m : ql_modes) {
+    report(ql_time_us([&] { ql_quantize<<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, m); }, s));
+    CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
+    ql_check<<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, m, bad);
+    unsigned nbad = 0;
+    CHECK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s));
+    CHECK(cudaStreamSynchronize(s));
+    if (nbad) {
+      fprintf(stderr, "%s: %u values past the bound\n", ql_names[m], nbad);
+      failed = 1;
+    }
+    for (int q = 1; q < QL_MAX_RANKS; ++q) { /* every rank's codes: rank 0's */
+      CHECK(cudaMemcpyAsync(payload + q * payload_stride, payload, payload_stride, cudaMemcpyDeviceToDevice, s));
+      CHECK(cudaMemcpyAsync(scales + q * scale_stride, scales, scale_stride * sizeof(float),
+                            cudaMemcpyDeviceToDevice, s));
+    }
+    for (int n : {2, 4, 8})
+      report(ql_time_us(
+          [&] {
+            ql_dequant_sum<<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out, m);
+          },
+          s));
+  }
+  CHECK(cudaStreamSynchronize(s));
+  printf(failed ? "check: FAILED\n" : "check: every value within the bound\n");
+  return failed;
+}

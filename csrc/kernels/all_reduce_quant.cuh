@@ -1,0 +1,259 @@
+/*
+ * The quantized all-reduce (TPC_ALGO_QUANTIZED_FP8, _INT8, _INT4): the streamed
+ * two-shot of all_reduce.cuh (tpc_all_reduce_bulk_kernel: its chunks, steps,
+ * counts, waits and memory order) with quantized groups on the wire
+ * (quant.cuh) instead of the 16-bit values, at any world size 2..8.
+ *
+ * Chunks: of the input's `units` 16-byte units, rank o owns chunk o, units
+ * [o*C, (o+1)*C), with C = ceil(units / n) rounded up to a group (4 units),
+ * clipped to `units`: groups are the 32 consecutive values from every
+ * multiple of 32 of the input, whatever the world size, and the last one is
+ * zero-padded (zeros do not change an absmax).
+ *
+ * Phase one (scatter of step t): each rank quantizes its units of every peer
+ * o's chunk and writes them into its scatter slot in o's region. Phase two
+ * (sums of step t, once the peers signalled their scatter of it): the owner
+ * sums its chunk in fp32, in rank order from -0.0: its own values as they
+ * are (exact), each peer's decoded from its slot; quantizes the sums
+ * (groups of the sums' absmax) and writes them into its gather slot in every
+ * peer's region; and decodes those very codes into its own output. Gather of
+ * step t (once the peers signalled their sums): every peer o's codes from
+ * this rank's gather slot of o, decoded into o's chunk of out. Every rank
+ * decodes the same bytes with the same arithmetic (tpc_quant_decode, then
+ * the one rounding to the dtype), so every rank ends with the same bits, and
+ * the same input gives the same bits on every run. A value NaN or +-inf
+ * makes its group NaN, in the sums too (quant.cuh), never another group.
+ *
+ * Slots, in rank p's part of the bulk region, per sender q != p (packed as
+ * q - (q > p)): n-1 scatter slots, then n-1 gather slots, each `slot` bytes:
+ * the payloads of C units (8 or 4 bytes a unit, at x * payload), then the
+ * fp32 scales of C/4 groups, rounded up to 16 bytes. It always fits in the
+ * whole region: slot <= 9C + 15 and C <= units/n + 4, so 2 (n-1) slot <=
+ * 18 units + 8 (n-1) 9 + 30 (n-1) <= 18 units + 714, which is at most
+ * 32 units = 2 nbytes <= data_bytes from 51 units on, and below 4096 <=
+ * data_bytes under it (layout.h). It takes the op's half where it fits
+ * (TPC_BULK_HALF), as the two-shot does, chosen from the arguments alone.
+ *
+ * Memory order: the two-shot's chain, unchanged (all_reduce.cuh): the codes
+ * a warp writes into a peer's slots -> __syncwarp and the block-scope
+ * release of its count -> the control warp's acquire and its system-scope
+ * release of the peer's flag -> the peer warp's system-scope acquire of the
+ * flag -> its loads of the slot (past the L1, tpc_load8_from_peer). System
+ * scope because the reader is another GPU; every slot byte is written once
+ * per op, and tpc_bulk_acquire orders the peers' reads of the previous op
+ * before this op's writes.
+ *
+ * Warps: a group spans 4 lanes, so every lane of a warp runs every
+ * quantization (lanes past the data with zeros) and a warp skips a phase
+ * only as a whole (tpc_warp_any of the failure).
+ *
+ * in == out is safe, as in the two-shot: a unit is touched by one lane only,
+ * which reads its input before it writes its output.
+ */
+#ifndef TPCOMM_ALL_REDUCE_QUANT_CUH
+#define TPCOMM_ALL_REDUCE_QUANT_CUH
+
+#include "quant.cuh"
+#include "stream.cuh"
+
+typedef struct {
+  uint64_t units;    /* 16-byte units of the input */
+  uint64_t chunk;    /* C: units of a chunk, a multiple of 4 */
+  uint64_t slot;     /* bytes of one slot: payloads, then scales */
+  uint64_t scales;   /* offset of the scales in a slot */
+  uint32_t payload;  /* bytes of a unit's payload */
+  int mode;          /* TPC_QUANT_* */
+  int use;           /* TPC_BULK_HALF or TPC_BULK_WHOLE */
+} tpc_quant_shot;
+
+TPC_DEVICE tpc_quant_shot tpc_quant_shot_of(const tpc_kernel_args *a) {
+  tpc_quant_shot c;
+  c.mode = tpc_quant_mode((int)TPC_KIND_ALGO(a->kind));
+  c.payload = tpc_quant_unit_bytes(c.mode);
+  c.units = a->nbytes / 16;
+  const uint64_t per_rank = (c.units + a->world - 1) / a->world;
+  c.chunk = (per_rank + TPC_QUANT_LANES - 1) / TPC_QUANT_LANES * TPC_QUANT_LANES;
+  c.scales = c.chunk * c.payload;
+  c.slot = (c.scales + c.chunk + 15) / 16 * 16; /* C/4 scales of 4 bytes */
+  c.use = 2 * (uint64_t)(a->world - 1) * c.slot <= tpc_stream_half_bytes(a) ? TPC_BULK_HALF : TPC_BULK_WHOLE;
+  return c;
+}
+
+/* Units of chunk o: chunk-local x exists only below this. */
+TPC_DEVICE uint64_t tpc_quant_units(const tpc_quant_shot *c, int o) {
+  const uint64_t begin = (uint64_t)o * c->chunk;
+  if (begin >= c->units) return 0;
+  return c->units - begin < c->chunk ? c->units - begin : c->chunk;
+}
+
+/* Sender's scatter slot (gather = 0) or gather slot (gather = 1) in rank
+ * owner's part of the region. */
+TPC_DEVICE char *tpc_quant_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_quant_shot *c, int owner,
+                                int sender, int gather) {
+  const char *region = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, c->use);
+  const uint64_t index = (uint64_t)gather * (uint64_t)(a->world - 1) + (uint64_t)(sender - (sender > owner));
+  return (char *)region + index * c->slot;
+}
+
+/* The 8 values of unit x quantized with its group (every lane calls it),
+ * written into `slot` when x < limit: the payload, and the group's scale
+ * by the group's first lane. */
+TPC_DEVICE void tpc_quant_put(const tpc_quant_shot *c, char *slot, uint64_t x, uint64_t limit, const float f[8],
+                              uint2 *payload, float *scale) {
+  const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), c->mode);
+  *payload = tpc_quant_encode(f, q.inv, c->mode);
+  *scale = q.scale;
+  if (!slot || x >= limit) return;
+  if (c->payload == 8) *(uint2 *)(slot + x * 8) = *payload;
+  else *(uint32_t *)(slot + x * 4) = payload->x;
+  if (x % TPC_QUANT_LANES == 0) *(float *)(slot + c->scales + x / TPC_QUANT_LANES * 4) = q.scale;
+}
+
+/* Step t's codes of the units below `limit` from this rank's slot (written
+ * by a peer whose flag was acquired), every load issued before any is used;
+ * units from `limit` on read as codes 0 of scale 0, which decode to 0. */
+typedef struct {
+  uint2 payload[TPC_STREAM_UNITS];
+  float scale[TPC_STREAM_UNITS];
+} tpc_quant_codes;
+
+TPC_DEVICE tpc_quant_codes tpc_quant_load(const tpc_quant_shot *c, const tpc_steps *s, const char *slot,
+                                          uint32_t t, uint64_t limit) {
+  tpc_quant_codes q;
+#pragma unroll
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t x = tpc_stream_unit(s, t, k);
+    const int in = x < limit;
+    q.payload[k] = !in ? make_uint2(0u, 0u)
+                   : c->payload == 8 ? tpc_load8_from_peer(slot + x * 8)
+                                     : make_uint2(tpc_load4_from_peer(slot + x * 4), 0u);
+    q.scale[k] = in ? __uint_as_float(tpc_load4_from_peer(slot + c->scales + x / TPC_QUANT_LANES * 4)) : 0.0f;
+  }
+  return q;
+}
+
+/* Phase one of step t: this rank's units of every peer o's chunk, quantized,
+ * into its scatter slot of o. */
+TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  if (tpc_warp_any(op->failed)) return; /* a peer may still read its slots */
+  for (int i = 1; i < a->world; ++i) {
+    const int o = (a->rank + i) % a->world;
+    const uint64_t limit = tpc_quant_units(c, o);
+    char *slot = tpc_quant_slot(a, s, c, o, a->rank, 0);
+    uint4 v[TPC_STREAM_UNITS];
+    tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      float f[8];
+      uint2 payload;
+      float scale;
+      tpc_unit_floats(v[k], a->dtype, f);
+      tpc_quant_put(c, slot, tpc_stream_unit(s, t, k), limit, f, &payload, &scale);
+    }
+  }
+}
+
+/* Phase two of step t: the sums of this rank's chunk (its own values, the
+ * peers' decoded), quantized into every peer's gather slot (unless the op
+ * broke) and decoded into out (NaN once broken). */
+TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  const int me = a->rank;
+  const uint64_t limit = tpc_quant_units(c, me), offset = (uint64_t)me * c->chunk * 16;
+  uint4 own[TPC_STREAM_UNITS];
+  float acc[TPC_STREAM_UNITS][8];
+  tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
+  for (int q = 0; q < a->world; ++q) {
+    const tpc_quant_codes codes =
+        q == me ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, me, q, 0), t, limit);
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      float f[8];
+      if (q == me) tpc_unit_floats(own[k], a->dtype, f);
+      else tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
+    }
+  }
+  const int broken = tpc_warp_any(tpc_op_broken(op));
+#pragma unroll
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t x = tpc_stream_unit(s, t, k);
+    uint2 payload;
+    float scale;
+    tpc_quant_put(c, NULL, x, limit, acc[k], &payload, &scale);
+    if (!broken) {
+      for (int i = 1; i < a->world; ++i) {
+        char *slot = tpc_quant_slot(a, s, c, (me + i) % a->world, me, 1);
+        if (x >= limit) continue;
+        if (c->payload == 8) *(uint2 *)(slot + x * 8) = payload;
+        else *(uint32_t *)(slot + x * 4) = payload.x;
+        if (x % TPC_QUANT_LANES == 0) *(float *)(slot + c->scales + x / TPC_QUANT_LANES * 4) = scale;
+      }
+    }
+    if (x < limit) {
+      float f[8];
+      tpc_quant_decode(payload, scale, c->mode, f);
+      tpc_store16((char *)a->out + offset + x * 16, broken ? tpc_poison16(a) : tpc_unit_of_floats(f, a->dtype));
+    }
+  }
+}
+
+/* The gather of step t: every peer o's codes from this rank's gather slot
+ * of o, decoded into o's chunk of out (NaN once broken). */
+TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
+  const tpc_kernel_args *a = op->args;
+  const int broken = tpc_op_broken(op);
+  for (int i = 1; i < a->world; ++i) {
+    const int o = (a->rank + i) % a->world;
+    const uint64_t limit = tpc_quant_units(c, o);
+    const tpc_quant_codes codes =
+        broken ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, limit);
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t x = tpc_stream_unit(s, t, k);
+      if (x >= limit) continue;
+      uint4 v = tpc_poison16(a);
+      if (!broken) {
+        float f[8];
+        tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
+        v = tpc_unit_of_floats(f, a->dtype);
+      }
+      tpc_store16((char *)a->out + ((uint64_t)o * c->chunk + x) * 16, v);
+    }
+  }
+}
+
+/* The two-shot's schedule and counts (all_reduce.cuh says why they neither
+ * deadlock nor let a wait pass early): scatter step 0, then per block step
+ * i: scatter i+1, sum i, gather i-1; gather the last after the loop. */
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
+    tpc_all_reduce_quant_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  tpc_op op = tpc_stream_op_begin(&a);
+  if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
+  const tpc_quant_shot c = tpc_quant_shot_of(&a);
+  const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
+  if (s.warp == s.data_warps) {
+    tpc_stream_signal_all(&op, &s, s.block_steps ? 2 * s.block_steps + 1 : 0);
+  } else if (s.block_steps != 0) {
+    tpc_quant_scatter(&op, &s, &c, 0);
+    tpc_stream_mark(&op, &s, 1);
+    for (uint32_t i = 0; i < s.block_steps; ++i) {
+      if (i + 1 < s.block_steps) tpc_quant_scatter(&op, &s, &c, i + 1);
+      tpc_stream_mark(&op, &s, 2 * i + 2);
+      tpc_stream_wait(&op, &s, i == 0 ? 1 : 2 * i, i == 0);
+      tpc_quant_reduce(&op, &s, &c, i);
+      tpc_stream_mark(&op, &s, 2 * i + 3);
+      if (i > 0) {
+        tpc_stream_wait(&op, &s, 2 * i + 1, 0);
+        tpc_quant_gather(&op, &s, &c, i - 1);
+      }
+    }
+    tpc_stream_wait(&op, &s, 2 * s.block_steps + 1, 0);
+    tpc_quant_gather(&op, &s, &c, s.block_steps - 1);
+  }
+  tpc_op_end(&a, &op, c.use);
+}
+
+#endif /* TPCOMM_ALL_REDUCE_QUANT_CUH */
