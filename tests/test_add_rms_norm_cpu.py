@@ -159,6 +159,7 @@ def test_errors_name_what_is_wrong():
 # Communicator whose set-up is skipped and that pretends to be enabled.
 def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=2, forbid=()):
     comm = object.__new__(tpcomm.Communicator)
+    comm.world_size = world_size
     comm.config = Config(fused_kernel=fused_kernel)
     comm._routes = routing_table.effective_routes(routing_table.load_table(None), world_size, {}, forbid)
     comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None

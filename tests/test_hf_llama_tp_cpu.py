@@ -47,4 +47,4 @@ def test_every_mode_agrees_on_two_gloo_ranks(tmp_path):
     forwards = (1 + 3 + REPS) * len(BATCHES)  # the compared one, the warm-ups, the timed ones
     # two row-parallel all-reduces a layer, each fused with the add and norm after it when compiled
     assert results["tpcomm_calls"]["all_reduce_add_rms_norm/unfused"] == 2 * LAYERS * forwards
-    assert results["tpcomm_calls"]["all_reduce/nccl"] >= 2 * LAYERS * forwards  # the eager mode's, at least
+    assert results["tpcomm_calls"]["all_reduce/gloo"] >= 2 * LAYERS * forwards  # the eager mode's, at least

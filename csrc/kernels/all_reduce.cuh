@@ -256,6 +256,38 @@ TPC_DEVICE void tpc_two_shot_gather(const tpc_op *op, const tpc_steps *s, const 
   }
 }
 
+/* The two-shot's schedule, one for every kernel that runs it (this bulk
+ * all-reduce, the quantized one): the control warp signals every step; each
+ * data warp scatters step 0, then for step i scatters i+1, sums i and
+ * gathers i-1, and gathers the last step after the loop. The counts it marks
+ * and waits for are the ones the comment below shows to neither deadlock nor
+ * let a wait pass early. C is the kernel's chunking, Scatter / Reduce /
+ * Gather its three phases of one step. */
+template <typename C, void (*Scatter)(const tpc_op *, const tpc_steps *, const C *, uint32_t),
+          void (*Reduce)(const tpc_op *, const tpc_steps *, const C *, uint32_t),
+          void (*Gather)(const tpc_op *, const tpc_steps *, const C *, uint32_t)>
+TPC_DEVICE void tpc_two_shot_run(tpc_op *op, const tpc_steps *s, const C *c) {
+  if (s->warp == s->data_warps) {
+    tpc_stream_signal_all(op, s, s->block_steps ? 2 * s->block_steps + 1 : 0);
+  } else if (s->block_steps != 0) {
+    Scatter(op, s, c, 0);
+    tpc_stream_mark(op, s, 1);
+    for (uint32_t i = 0; i < s->block_steps; ++i) {
+      if (i + 1 < s->block_steps) Scatter(op, s, c, i + 1);
+      tpc_stream_mark(op, s, 2 * i + 2);
+      tpc_stream_wait(op, s, i == 0 ? 1 : 2 * i, i == 0);
+      Reduce(op, s, c, i);
+      tpc_stream_mark(op, s, 2 * i + 3);
+      if (i > 0) {
+        tpc_stream_wait(op, s, 2 * i + 1, 0);
+        Gather(op, s, c, i - 1);
+      }
+    }
+    tpc_stream_wait(op, s, 2 * s->block_steps + 1, 0);
+    Gather(op, s, c, s->block_steps - 1);
+  }
+}
+
 /* It starts as tpc_stream_start does, with the steps over one chunk, its
  * part of the region, and 2S+1 as the control warp's last count (below).
  * Each data warp, over its block steps i = 0 .. S-1: scatters step 0, then
@@ -308,25 +340,7 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const tpc_two_shot c = tpc_two_shot_of(&a);
   const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
-  if (s.warp == s.data_warps) {
-    tpc_stream_signal_all(&op, &s, s.block_steps ? 2 * s.block_steps + 1 : 0);
-  } else if (s.block_steps != 0) {
-    tpc_two_shot_scatter(&op, &s, &c, 0);
-    tpc_stream_mark(&op, &s, 1);
-    for (uint32_t i = 0; i < s.block_steps; ++i) {
-      if (i + 1 < s.block_steps) tpc_two_shot_scatter(&op, &s, &c, i + 1);
-      tpc_stream_mark(&op, &s, 2 * i + 2);
-      tpc_stream_wait(&op, &s, i == 0 ? 1 : 2 * i, i == 0);
-      tpc_two_shot_reduce(&op, &s, &c, i);
-      tpc_stream_mark(&op, &s, 2 * i + 3);
-      if (i > 0) {
-        tpc_stream_wait(&op, &s, 2 * i + 1, 0);
-        tpc_two_shot_gather(&op, &s, &c, i - 1);
-      }
-    }
-    tpc_stream_wait(&op, &s, 2 * s.block_steps + 1, 0);
-    tpc_two_shot_gather(&op, &s, &c, s.block_steps - 1);
-  }
+  tpc_two_shot_run<tpc_two_shot, tpc_two_shot_scatter, tpc_two_shot_reduce, tpc_two_shot_gather>(&op, &s, &c);
   tpc_op_end(&a, &op, c.use);
 }
 

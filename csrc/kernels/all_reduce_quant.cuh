@@ -53,6 +53,7 @@
 #ifndef TPCOMM_ALL_REDUCE_QUANT_CUH
 #define TPCOMM_ALL_REDUCE_QUANT_CUH
 
+#include "all_reduce.cuh"
 #include "quant.cuh"
 #include "stream.cuh"
 
@@ -225,34 +226,15 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
   }
 }
 
-/* The two-shot's schedule and counts (all_reduce.cuh says why they neither
- * deadlock nor let a wait pass early): scatter step 0, then per block step
- * i: scatter i+1, sum i, gather i-1; gather the last after the loop. */
+/* The two-shot's schedule and counts (tpc_two_shot_run, all_reduce.cuh),
+ * with the quantized phases. */
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_all_reduce_quant_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_stream_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const tpc_quant_shot c = tpc_quant_shot_of(&a);
   const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
-  if (s.warp == s.data_warps) {
-    tpc_stream_signal_all(&op, &s, s.block_steps ? 2 * s.block_steps + 1 : 0);
-  } else if (s.block_steps != 0) {
-    tpc_quant_scatter(&op, &s, &c, 0);
-    tpc_stream_mark(&op, &s, 1);
-    for (uint32_t i = 0; i < s.block_steps; ++i) {
-      if (i + 1 < s.block_steps) tpc_quant_scatter(&op, &s, &c, i + 1);
-      tpc_stream_mark(&op, &s, 2 * i + 2);
-      tpc_stream_wait(&op, &s, i == 0 ? 1 : 2 * i, i == 0);
-      tpc_quant_reduce(&op, &s, &c, i);
-      tpc_stream_mark(&op, &s, 2 * i + 3);
-      if (i > 0) {
-        tpc_stream_wait(&op, &s, 2 * i + 1, 0);
-        tpc_quant_gather(&op, &s, &c, i - 1);
-      }
-    }
-    tpc_stream_wait(&op, &s, 2 * s.block_steps + 1, 0);
-    tpc_quant_gather(&op, &s, &c, s.block_steps - 1);
-  }
+  tpc_two_shot_run<tpc_quant_shot, tpc_quant_scatter, tpc_quant_reduce, tpc_quant_gather>(&op, &s, &c);
   tpc_op_end(&a, &op, c.use);
 }
 

@@ -103,11 +103,11 @@ def _only_user(node):
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _written_norm(z, dtype):
-    """The norm of Llama-style model code (Hugging Face's LlamaRMSNorm and its
-    copies) on z: h = z.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True)
-    + eps), back to z's dtype, times weight. (weight, eps, the node to
-    replace, the nodes to erase), or None."""
+def _normalised(z, eps_ok):
+    """Each h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) of model code
+    with h = z.float() (or z.to(float32)), one per user of z that starts one:
+    yields (scaled, eps, the chain's nodes from scaled back to h). eps_ok(eps)
+    says which eps the caller takes."""
     for up in z.users:
         if not (_is_method(up, "to", torch.float32) or _is_method(up, "float")) or len(up.users) != 2:
             continue
@@ -119,12 +119,21 @@ def _written_norm(z, dtype):
             continue
         plus = _only_user(mean)
         if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
-                or _eps(plus.args[1]) is None or plus.kwargs:
+                or not eps_ok(plus.args[1]) or plus.kwargs:
             continue
         root = _only_user(plus)
         if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
                 or set(scaled.args) != {up, root} or scaled.kwargs:
             continue
+        yield scaled, plus.args[1], [scaled, root, plus, mean, square, up]
+
+
+def _written_norm(z, dtype):
+    """The norm of Llama-style model code (Hugging Face's LlamaRMSNorm and its
+    copies) on z: h * rsqrt(mean(h^2) + eps) (_normalised), back to z's dtype,
+    times weight. (weight, eps, the node to replace, the nodes to erase), or
+    None."""
+    for scaled, eps, chain in _normalised(z, lambda e: _eps(e) is not None):
         down = _only_user(scaled)
         if down is None or not _is_method(down, "to", dtype):
             continue
@@ -133,7 +142,7 @@ def _written_norm(z, dtype):
             continue
         weight = out.args[1] if out.args[0] is down else out.args[0]
         if isinstance(weight, torch.fx.Node):
-            return weight, plus.args[1], out, [out, down, scaled, root, plus, mean, square, up]
+            return weight, eps, out, [out, down] + chain
     return None
 
 
@@ -183,26 +192,10 @@ def _reapplied(graph, y, chain):
 
 
 def _gemma_norm(z):
-    """The norm of Gemma-style model code on z: h = z.float();
-    (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + weight.float()),
-    .type_as(z). (weight, eps, the node to replace, the nodes to erase), or None."""
-    for up in z.users:
-        if not (_is_method(up, "float") or _is_method(up, "to", torch.float32)) or len(up.users) != 2:
-            continue
-        square = next((u for u in up.users if _is_method(u, "pow", 2)), None)
-        scaled = next((u for u in up.users if _is_call(u, (operator.mul, torch.mul))), None)
-        mean = square and _only_user(square)
-        if scaled is None or mean is None or not (_is_method(mean, "mean", -1, keepdim=True)
-                                                  or _is_method(mean, "mean", -1, True)):
-            continue
-        plus = _only_user(mean)
-        if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
-                or not isinstance(plus.args[1], float) or plus.kwargs:
-            continue
-        root = _only_user(plus)
-        if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
-                or set(scaled.args) != {up, root} or scaled.kwargs:
-            continue
+    """The norm of Gemma-style model code on z: h * rsqrt(mean(h^2) + eps)
+    (_normalised) times (1.0 + weight.float()), .type_as(z). (weight, eps, the
+    node to replace, the nodes to erase), or None."""
+    for scaled, eps, chain in _normalised(z, lambda e: isinstance(e, float)):
         times = _only_user(scaled)
         if times is None or not _is_call(times, (operator.mul, torch.mul)) or times.args[0] is not scaled \
                 or times.kwargs:
@@ -217,7 +210,7 @@ def _gemma_norm(z):
         out = _only_user(times)
         if out is None or not (out.op == "call_method" and out.target == "type_as" and out.args == (times, z)):
             continue
-        return wf.args[0], plus.args[1], out, [out, times, offset, wf, scaled, root, plus, mean, square, up]
+        return wf.args[0], eps, out, [out, times, offset, wf] + chain
     return None
 
 
