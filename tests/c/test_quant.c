@@ -20,7 +20,7 @@ void test_quantized_validation(void) {
     const char *needle;
   } cases[] = {
       {64, 0, TPC_FLOAT32, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_INVALID_ARG,
-       "quantized all_reduce: dtype 0 (float32) is not float16 or bfloat16"},
+       "all_reduce: dtype 0 (float32) is not float16 or bfloat16"},
       {64, 0, 5, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "dtype 5 (no tpc_dtype)"},
       {40, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "all_reduce of 40 bytes: a positive multiple of 16"},
       {0, 0, TPC_FLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "multiple of 16"},
@@ -38,12 +38,12 @@ void test_quantized_validation(void) {
   }
   /* only all_reduce has the kernel */
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, STREAM_A), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "reduce_scatter has no quantized kernel");
+  CHECK_MSG(c, "reduce_scatter has no quantized_int8 kernel");
   CHECK_RC(c, tpc_reduce_scatter_f32(c, in, (float *)out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, STREAM_A),
            TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "reduce_scatter has no quantized kernel");
+  CHECK_MSG(c, "reduce_scatter has no quantized_fp8 kernel");
   CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_QUANTIZED_INT4, 0, STREAM_A), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "all_gather has no quantized kernel");
+  CHECK_MSG(c, "all_gather has no quantized_int4 kernel");
   CHECK_EQ(fake.launches, 0); /* nothing invalid reached a kernel */
 
   /* every mode and 16-bit dtype runs, over the packet cap and up to the bulk
