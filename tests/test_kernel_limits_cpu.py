@@ -146,3 +146,20 @@ def test_limits_refuse_what_is_not_a_kernel(lib):
         _lib.kernel_limits(C.TPC_OP_ALL_REDUCE, C.TPC_ALGO_PACKET, 9, MiB, KiB, C.TPC_PLATFORM_CUDA)
     with pytest.raises(ValueError, match="no kernel limits"):
         _lib.kernel_limits(9, C.TPC_ALGO_PACKET, 2, MiB, KiB, C.TPC_PLATFORM_CUDA)
+
+
+def test_the_quantized_all_reduce_takes_what_the_core_takes(lib):
+    """Its limits (all_reduce of float16/bfloat16 within max_bytes, CUDA
+    only) are the C core's, in every mode; and what it took before."""
+    for world in WORLDS:
+        for caps, dtype in itertools.product(_caps(world), DTYPES):
+            for nbytes in _sizes(caps):
+                why = routing.quantized_refusal(caps, dtype, nbytes)
+                before = (caps.line_kernels and dtype in (torch.float16, torch.bfloat16) and nbytes > 0
+                          and nbytes % 16 == 0 and nbytes <= caps.max_bytes)
+                assert (why is None) == before, (caps, dtype, nbytes, why)
+                for kernel in routing.QUANTIZED:
+                    code, c_why = _c_check("all_reduce", kernel, caps, dtype, nbytes, 0, 0)
+                    assert (why is None) == (code == _lib.OK), (kernel, caps, dtype, nbytes, why, c_why)
+                    for op in ("all_gather", "reduce_scatter"):
+                        assert routing.limits(caps)[op, kernel].refused == C.TPC_KERNEL_NO_OP
