@@ -147,7 +147,8 @@ def _refusal(op, kernel, caps, lim, dtype, nbytes, row):
         if nbytes % row:
             return f"a row of {row} bytes does not divide {nbytes} bytes"
     elif part == 0 or part % unit:
-        return f"{op} kernels need {'each part' if op == 'reduce_scatter' else 'the input'} a positive multiple of {unit} bytes"
+        what = "each part" if op == "reduce_scatter" else "the input"
+        return f"{op} kernels need {what} a positive multiple of {unit} bytes"
     if part > lim.cap:
         if op == "all_gather":
             return f"an output of {nbytes * caps.world_size} bytes is over max_bytes {caps.max_bytes}"

@@ -55,7 +55,8 @@ class Kernels:
             return run
         call = self._fastpath.all_reduce if self._fastpath is not None else None
         through_op = self._all_reduce_out
-        comm_id, dtype_code, algo_code, device = self.comm_id, _dtypes.CODE[dtype], self._codes["all_reduce"][algo], self.device_index
+        comm_id, dtype_code, device = self.comm_id, _dtypes.CODE[dtype], self.device_index
+        algo_code = self._codes["all_reduce"][algo]
 
         def run(x, out=None):
             if out is None:
