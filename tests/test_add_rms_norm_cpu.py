@@ -161,7 +161,6 @@ def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=
     comm = object.__new__(tpcomm.Communicator)
     comm.world_size = world_size
     comm.config = Config(fused_kernel=fused_kernel)
-    comm.world_size = world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(None), world_size, {}, forbid)
     comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None
     return comm
