@@ -38,10 +38,10 @@ def parse_args(argv=None):
 def paths(comm, x):
     """name -> a no-argument call issuing one all_reduce of x."""
     from tpcomm import _dtypes
-    from tpcomm.routing import ALGO_CODES
+    from tpcomm import routing
 
     route = comm.route_all_reduce(x)
-    algo = ALGO_CODES.get(route)
+    algo = routing.algo_code("all_reduce", route, comm._caps) if route in routing.KERNELS else None
     out = {
         "Communicator.all_reduce": lambda: comm.all_reduce(x),
         "torch.ops.tpcomm.custom_all_reduce (dispatcher op, group name)":
@@ -70,7 +70,7 @@ def paths(comm, x):
         # both behind the same Kernels.all_reduce_runner, and the fast path's
         # C call alone.
         from tpcomm.backends.kernels import Kernels
-        through_op = Kernels(comm.comm_id, x.get_device())
+        through_op = Kernels(comm.comm_id, x.get_device(), comm._caps)
         through_op._fastpath = None
         run, run_op = comm.kernels.all_reduce_runner(x.dtype, route), through_op.all_reduce_runner(x.dtype, route)
         out["  the route's callable, fast path"] = lambda: run(x)

@@ -241,7 +241,7 @@ int main(int argc, char **argv) {
     for (uint64_t n : {(uint64_t)4 << 20, (uint64_t)16 << 20}) {
       set_size(n, TPC_OP_ALL_REDUCE);
       report("all_reduce bulk (tpcomm's grid)", n,
-             [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+             [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK_ONE_SHOT, ranks[r].stream)); });
       check_all_reduce(n);
       for (unsigned warps : {4u, 8u})
         for (unsigned blocks : {32u, 64u, 96u, 128u}) {
@@ -330,7 +330,7 @@ int main(int argc, char **argv) {
       CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream));
     });
     report("all_reduce bulk (tpcomm)", n,
-           [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK, ranks[r].stream)); });
+           [&](int r) { CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_BULK_ONE_SHOT, ranks[r].stream)); });
     check_all_reduce(n);
     set_size(n, TPC_OP_ALL_GATHER);
     report("all_gather packet (tpcomm)", n,

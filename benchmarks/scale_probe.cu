@@ -86,7 +86,7 @@ struct Kernel {
 /* Whether tpcomm's kernel takes `nbytes` (input per rank; reduce_scatter:
  * one part) at this world size: tpcomm.routing's rules for these sizes. */
 static bool takes(const Kernel &k, uint64_t nbytes, uint64_t packet_cap, bool shared) {
-  if (k.algo == TPC_ALGO_BULK) return !shared;
+  if (k.algo == TPC_ALGO_BULK || k.algo == TPC_ALGO_BULK_ONE_SHOT) return !shared;
   if (nbytes > packet_cap) return false;
   if (k.algo == TPC_ALGO_TWO_SHOT) return nbytes > (uint64_t)TPC_LINE_STEP_BYTES * (world - 1);
   return true;
@@ -120,7 +120,8 @@ int main(int argc, char **argv) {
       {"all_reduce packet", TPC_OP_ALL_REDUCE, tpc_launch_all_reduce, TPC_ALGO_PACKET},
       {"all_reduce line", TPC_OP_ALL_REDUCE, tpc_launch_all_reduce, TPC_ALGO_LINE},
       {"all_reduce two_shot", TPC_OP_ALL_REDUCE, tpc_launch_all_reduce, TPC_ALGO_TWO_SHOT},
-      {"all_reduce bulk", TPC_OP_ALL_REDUCE, tpc_launch_all_reduce, TPC_ALGO_BULK},
+      /* routing's bulk all_reduce: the one-shot at two ranks, the streamed two-shot from three on */
+      {"all_reduce bulk", TPC_OP_ALL_REDUCE, tpc_launch_all_reduce, world == 2 ? TPC_ALGO_BULK_ONE_SHOT : TPC_ALGO_BULK},
       {"reduce_scatter packet", TPC_OP_REDUCE_SCATTER, tpc_launch_reduce_scatter, TPC_ALGO_PACKET},
       {"reduce_scatter line", TPC_OP_REDUCE_SCATTER, tpc_launch_reduce_scatter, TPC_ALGO_LINE},
       {"reduce_scatter bulk", TPC_OP_REDUCE_SCATTER, tpc_launch_reduce_scatter, TPC_ALGO_BULK},

@@ -97,11 +97,61 @@ typedef enum {
      Not exact: docs/design.md bounds the error. CUDA builds only. */
   TPC_ALGO_QUANTIZED_FP8 = 5,  /* e4m3 values */
   TPC_ALGO_QUANTIZED_INT8 = 6, /* int8 values in [-127, 127] */
-  TPC_ALGO_QUANTIZED_INT4 = 7  /* int4 values in [-7, 7], two a byte */
+  TPC_ALGO_QUANTIZED_INT4 = 7, /* int4 values in [-7, 7], two a byte */
+  TPC_ALGO_BULK_ONE_SHOT = 8  /* all_reduce of two ranks, streamed in one phase
+                              (each rank sums both inputs); TPC_ALGO_BULK's
+                              all_reduce is the streamed two-shot of 3+ ranks */
 } tpc_algo;
 
 /* Elements of one quantization group (one fp32 scale each). */
 #define TPC_QUANT_GROUP 32
+
+/* The collectives, as the kind word of a header names them (layout.h). */
+typedef enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 } tpc_collective;
+
+/* Which GPUs a build runs on: the line protocol rests on NVLink delivering
+ * a warp's 128-byte store whole, which AMD's fabric does not promise. */
+typedef enum { TPC_PLATFORM_CUDA = 0, TPC_PLATFORM_ROCM = 1 } tpc_platform;
+
+/* Why a kernel takes no call of an op at all (tpc_kernel_limits.refused). */
+typedef enum {
+  TPC_KERNEL_TAKES = 0,
+  TPC_KERNEL_NO_OP = 1,       /* the kernel has no variant for the op */
+  TPC_KERNEL_NO_PLATFORM = 2, /* not in this platform's build */
+  TPC_KERNEL_NO_WORLD = 3     /* not at this world size */
+} tpc_kernel_refusal;
+
+/* What one kernel takes for one op: the only statement of the kernels'
+ * rules. The C core validates every op against it (ops.c) and
+ * tpcomm.routing derives its refusals from it, so a new constraint is one
+ * edit in limits.c. The chunk is what one rank sends of the op: the input
+ * of all_reduce and all_gather, one part of reduce_scatter's input. */
+typedef struct {
+  int32_t refused;     /* a tpc_kernel_refusal: TPC_KERNEL_TAKES, or why no call runs */
+  uint32_t dtypes;     /* bit 1 << d for each tpc_dtype d it reduces; 0: any (it moves bytes) */
+  uint64_t multiple;   /* chunk (and all_gather's row) a positive multiple of this many bytes */
+  uint64_t more_than;  /* chunk more than this many bytes (two_shot: a warp step of lines per rank) */
+  uint64_t packet_cap; /* chunk at most this (data in the packet slots); UINT64_MAX: no such cap */
+  uint64_t chunks;     /* chunks of one op that share the bulk slots (max_bytes) */
+  uint64_t max_bytes;  /* the communicator's cap on the bulk slots */
+  uint64_t cap;        /* chunk at most this (max_bytes / chunks); UINT64_MAX: no such cap */
+  uint64_t max_row;    /* row (all_gather, the fused norm) at most this; UINT64_MAX: any */
+  uint64_t align;      /* every pointer aligned to this many bytes */
+} tpc_kernel_limits;
+
+/* The limits of kernel `algo` for `op` in a communicator of `world` ranks
+ * with these caps, on `platform`. TPC_ERR_INVALID_ARG for an unknown op,
+ * algorithm or platform, or a world outside 2 .. TPC_MAX_RANKS. */
+tpc_result tpc_kernel_limits_of(int op, int algo, int world, size_t max_bytes, size_t packet_max_bytes,
+                                int platform, tpc_kernel_limits *out);
+
+/* Checks one call against limits: dtype (ignored where limits->dtypes is
+ * 0), chunk and row bytes (row: all_gather and the fused norm; 0 elsewhere),
+ * the pointers in `ptrs` (n of them). TPC_OK, or TPC_ERR_INVALID_ARG /
+ * TPC_ERR_TOO_LARGE with a sentence naming the rule and the numbers in
+ * why[0 .. why_len). */
+tpc_result tpc_kernel_check(const tpc_kernel_limits *limits, int op, int algo, int dtype, size_t chunk,
+                            size_t row, const void *const *ptrs, int n, char *why, size_t why_len);
 
 /* Data bytes of one warp step of the line kernels: 4 lines of 112. */
 #define TPC_LINE_STEP_BYTES 448

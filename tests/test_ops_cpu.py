@@ -421,7 +421,7 @@ def _kernels_on_cpu(monkeypatch, fast):
     eager all_reduce takes, and with what, can be seen without a GPU."""
     from tpcomm.backends.kernels import Kernels
 
-    kernels = Kernels(77, 0)
+    kernels = Kernels(77, 0, routing.Caps(4, 1 << 20, 1 << 16, True))  # 4 ranks: "bulk" is TPC_ALGO_BULK
     kernels._fastpath = fast
     through_op = []
     kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, handle, algo))
@@ -481,23 +481,24 @@ def _body_communicator_fast_path(rank, world_size):
     Kernels.all_reduce runs: a CPU communicator given a made-up id, caps and
     recording Kernels shows the fast path's call, its stats, and where the
     other cases go."""
-    from tpcomm.backends.kernels import ALGOS, Kernels
+    from tpcomm.backends.kernels import Kernels
 
     comm = tpcomm.Communicator(device="cpu")
     fast = _RecordingFastpath()
-    kernels = Kernels(77, 0)
+    caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, True)
+    kernels = Kernels(77, 0, caps)
     kernels._fastpath = fast
     through_op = []
     kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, algo))
     kernels_module._raw_stream = lambda device: 1234
     comm.comm_id, comm._kernels = 77, kernels
-    comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, True)
+    comm._caps = caps
     x = torch.ones(64, dtype=torch.bfloat16)
     route = comm.route_all_reduce(x)
-    assert route in ALGOS, route
+    assert route in routing.KERNELS, route
     y = comm.all_reduce(x)
     assert y.shape == x.shape and y.dtype == x.dtype and y.data_ptr() != x.data_ptr()
-    assert fast.calls == [(77, x.data_ptr(), y.data_ptr(), x.nbytes, 2, ALGOS[route], 1234)]
+    assert fast.calls == [(77, x.data_ptr(), y.data_ptr(), x.nbytes, 2, routing.algo_code("all_reduce", route, caps), 1234)]
     comm.all_reduce(x)  # the memoised route: the same call again
     assert fast.calls[1][0::3] == (77, x.nbytes, 1234) and comm.stats() == {
         ("all_reduce", route): {"calls": 2, "bytes": 2 * x.nbytes}}

@@ -10,7 +10,7 @@ import torch
 
 import tpcomm
 from tpcomm import Config, _constants as C, routing_table, routing
-from tpcomm.backends.kernels import ALGOS
+from tpcomm.routing import ALGO_CODES as ALGOS
 from multiproc import run_ranks
 
 KiB, MiB = 1024, 1024 * 1024

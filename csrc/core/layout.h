@@ -92,9 +92,6 @@ typedef struct {
   size_t total_bytes;
 } tpc_layout;
 
-/* What kind of op a header packet announces; peers must agree. */
-enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 };
-
 /* The header's kind word: op, algorithm, dtype and a fold of the row length,
  * a byte each (low to high), so peers that disagree on any of them fail with
  * a CollectiveMismatch that names the field. */

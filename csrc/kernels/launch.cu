@@ -146,10 +146,10 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_reduce_quant_kernel, tpc_stream_geometry((per_rank + 3) / 4 * 4), args, stream);
 #endif
   }
-  /* two ranks: the one-shot stream moves as much and needs one phase */
-  if (args->world == 2)
+  /* the one-shot stream (two ranks: limits.c) */
+  if (algo == TPC_ALGO_BULK_ONE_SHOT)
     return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
-  /* more ranks: the streamed two-shot, its steps laid over one rank's chunk */
+  /* the streamed two-shot (three ranks or more), its steps laid over one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
                     tpc_stream_geometry((args->nbytes / 16 + (uint64_t)args->world - 1) / (uint64_t)args->world), args,
                     stream);

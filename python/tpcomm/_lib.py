@@ -21,7 +21,8 @@ OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH
     C.TPC_OK, C.TPC_ERR_INVALID_ARG, C.TPC_ERR_RUNTIME, C.TPC_ERR_PEER, C.TPC_ERR_STATE, C.TPC_ERR_TIMEOUT,
     C.TPC_ERR_MISMATCH, C.TPC_ERR_TOO_LARGE, C.TPC_ERR_CLOSED)
 # tpc_algo
-ALGO_PACKET, ALGO_BULK, ALGO_LINE = C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE
+ALGO_PACKET, ALGO_BULK, ALGO_LINE, ALGO_BULK_ONE_SHOT = (C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE,
+                                                       C.TPC_ALGO_BULK_ONE_SHOT)
 
 
 class Config(ctypes.Structure):
@@ -48,6 +49,22 @@ class AsyncError(ctypes.Structure):
     ]
 
 
+class KernelLimits(ctypes.Structure):
+    """tpc_kernel_limits: what one kernel takes for one op (csrc/core/limits.c)."""
+    _fields_ = [
+        ("refused", ctypes.c_int32),
+        ("dtypes", ctypes.c_uint32),
+        ("multiple", ctypes.c_uint64),
+        ("more_than", ctypes.c_uint64),
+        ("packet_cap", ctypes.c_uint64),
+        ("chunks", ctypes.c_uint64),
+        ("max_bytes", ctypes.c_uint64),
+        ("cap", ctypes.c_uint64),
+        ("max_row", ctypes.c_uint64),
+        ("align", ctypes.c_uint64),
+    ]
+
+
 _P = ctypes.c_void_p
 _SIGNATURES = {
     "tpc_comm_create": (ctypes.c_int, [ctypes.POINTER(Config), ctypes.POINTER(_P)]),
@@ -66,6 +83,11 @@ _SIGNATURES = {
     "tpc_comm_last_error": (ctypes.c_char_p, [_P]),
     "tpc_comm_buffer_bytes": (ctypes.c_size_t, [_P]),
     "tpc_comm_open_peer_count": (ctypes.c_int, [_P]),
+    "tpc_kernel_limits_of": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
+                                            ctypes.c_int, ctypes.POINTER(KernelLimits)]),
+    "tpc_kernel_check": (ctypes.c_int, [ctypes.POINTER(KernelLimits), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(_P), ctypes.c_int,
+                                        ctypes.c_char_p, ctypes.c_size_t]),
 }
 
 _lib = None
@@ -130,6 +152,17 @@ def _bind_fastpath(lib):
 def fastpath():
     """tpcomm._fastpath, bound, once load() has run; None where it was not built."""
     return _fastpath
+
+
+def kernel_limits(op, algo, world, max_bytes, packet_max_bytes, platform):
+    """The C core's tpc_kernel_limits of kernel `algo` (a tpc_algo) for `op`
+    (a tpc_collective) in a communicator of these sizes on `platform` (a tpc_platform)."""
+    limits = KernelLimits()
+    code = load().tpc_kernel_limits_of(op, algo, world, max_bytes, packet_max_bytes, platform, ctypes.byref(limits))
+    if code != OK:
+        raise ValueError(f"tpcomm: no kernel limits for op {op}, algorithm {algo}, world {world}, max_bytes "
+                         f"{max_bytes}, packet_max_bytes {packet_max_bytes}, platform {platform}")
+    return limits
 
 
 _CLASS_OF_CODE = {ERR_TIMEOUT: CollectiveTimeout, ERR_MISMATCH: CollectiveMismatch, ERR_CLOSED: CommunicatorClosed}

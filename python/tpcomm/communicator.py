@@ -112,8 +112,8 @@ class Communicator:
                 self.max_bytes, self.packet_max_bytes)
             if self._comm is not None:
                 self.comm_id = self._last_comm_id = int(self._lib.tpc_comm_id(self._comm))
-                self._kernels = Kernels(self.comm_id, self._cuda_index)
                 self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
+                self._kernels = Kernels(self.comm_id, self._cuda_index, self._caps)
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
                 functools.partial(_group_setup.agreed_error, self.group, self.rank, self.world_size))

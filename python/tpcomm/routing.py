@@ -3,11 +3,13 @@ shares (op, dtype, byte sizes, the communicator's caps and world size, the
 effective routing table), never of where a tensor lies in memory, so the ranks
 of a group always pick the same kernel.
 
-This module is the only place with the rules for which of tpcomm's kernels
-can take a call (refusal()); route() walks the table's band for the size and,
+Which of tpcomm's kernels can take a call (refusal()) follows from the C
+core's statement of each kernel's rules (csrc/core/limits.c, read once per
+Caps through ctypes): the core validates every op against the same limits,
+so a rule is written once. route() walks the table's band for the size and,
 where the band's kernel cannot take the call, the kernels it falls back to;
 add_rms_norm() picks the fused op's route. The C core runs the kernel it is
-told and checks only what memory safety needs.
+told.
 
 Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 128-byte lines, CUDA builds only: it rests on NVLink delivering a warp's
@@ -18,19 +20,22 @@ where "line" sends (n-1) times it), "bulk" (large sizes), "nccl"
 per rank; `row` (all_gather) the bytes of one slice along the gathered dim
 and everything after it."""
 import collections
+import functools
 import math
 
 from . import _constants as C
-from . import _dtypes
+from . import _dtypes, _lib
 
 KERNELS = ("packet", "line", "two_shot", "bulk")
 BACKENDS = KERNELS + ("nccl",)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-KERNEL_OPS = {"packet": OPS, "line": OPS, "two_shot": ("all_reduce",), "bulk": OPS}  # the ops each kernel serves
+# The ops each kernel serves, for checking routing tables without the
+# extension; tests/test_kernel_limits_cpu.py holds them to limits.c.
+KERNEL_OPS = {"packet": OPS, "line": OPS, "two_shot": ("all_reduce",), "bulk": OPS}
 LINE_PROTOCOL = ("line", "two_shot")  # kernels that rest on whole 128-byte stores
 PACKET_SLOT_KERNELS = ("packet",) + LINE_PROTOCOL  # kernels whose data lives in the packet slots (packet_max_bytes)
 ALGO_CODES = {"packet": C.TPC_ALGO_PACKET, "line": C.TPC_ALGO_LINE, "two_shot": C.TPC_ALGO_TWO_SHOT,
-              "bulk": C.TPC_ALGO_BULK}
+              "bulk": C.TPC_ALGO_BULK, "bulk_one_shot": C.TPC_ALGO_BULK_ONE_SHOT}
 # The quantized all-reduce (csrc/kernels/all_reduce_quant.cuh), one kernel a
 # mode: never a band's backend, only where Config.quantize turned it on
 # (quantized()); not exact (docs/design.md bounds its error).
@@ -39,6 +44,14 @@ QUANTIZED = tuple(f"quantized_{mode}" for mode in QUANTIZE_MODES)
 QUANTIZED_DTYPES = ("float16", "bfloat16")
 ALGO_CODES.update({"quantized_fp8": C.TPC_ALGO_QUANTIZED_FP8, "quantized_int8": C.TPC_ALGO_QUANTIZED_INT8,
                    "quantized_int4": C.TPC_ALGO_QUANTIZED_INT4})
+OP_CODES = {"all_reduce": C.TPC_OP_ALL_REDUCE, "all_gather": C.TPC_OP_ALL_GATHER,
+            "reduce_scatter": C.TPC_OP_REDUCE_SCATTER}
+# The algorithms behind a routed kernel name, in order of preference: the
+# first the C core's limits let run the op at the group's world size is the
+# one called. "bulk" all_reduce is the one-shot stream at two ranks, the
+# streamed two-shot from three on (limits.c says which takes which).
+VARIANTS = {"bulk": (C.TPC_ALGO_BULK_ONE_SHOT, C.TPC_ALGO_BULK)}
+
 # Where a band's kernel cannot take a call, the next of these that can does;
 # NCCL when none can.
 FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),
@@ -69,51 +82,82 @@ def row_bytes(shape, dim, element_size):
     return math.prod(shape[dim % len(shape):]) * element_size
 
 
+class Limits(collections.namedtuple("Limits", "code refused dtypes multiple more_than packet_cap cap")):
+    """One kernel's rules for one op (tpc_kernel_limits, csrc/tpcomm.h) and
+    the tpc_algo code it runs under."""
+
+
+@functools.lru_cache(maxsize=64)
+def limits(caps):
+    """{(op, kernel): Limits} for a communicator of these caps, from the C
+    core (tpc_kernel_limits_of): read once per Caps, so routing makes no
+    ctypes call per collective."""
+    platform = C.TPC_PLATFORM_CUDA if caps.line_kernels else C.TPC_PLATFORM_ROCM
+    table = {}
+    for op, op_code in OP_CODES.items():
+        for kernel in KERNELS + QUANTIZED:
+            for code in VARIANTS.get(kernel, (ALGO_CODES[kernel],)):
+                got = _lib.kernel_limits(op_code, code, caps.world_size, caps.max_bytes, caps.packet_max_bytes,
+                                         platform)
+                table[op, kernel] = Limits(code, got.refused, got.dtypes, got.multiple, got.more_than,
+                                           got.packet_cap, got.cap)
+                if got.refused not in (C.TPC_KERNEL_NO_OP, C.TPC_KERNEL_NO_WORLD):
+                    break
+    return table
+
+
+def algo_code(op, kernel, caps):
+    """The tpc_algo code the C core runs `kernel` of `op` under in a
+    communicator of these caps."""
+    return limits(caps)[op, kernel].code
+
+
 def _part(op, caps, nbytes):
-    """The input bytes per rank of one packet exchange: a reduce_scatter
-    sends each peer one part (0 when the parts are not equal)."""
+    """The input bytes per rank of one exchange (the chunk of the C core's
+    limits): a reduce_scatter sends each peer one part (0 when the parts are
+    not equal)."""
     if op != "reduce_scatter":
         return nbytes
     return nbytes // caps.world_size if nbytes % caps.world_size == 0 else 0
 
 
-def _no_kernel(op, caps, dtype, nbytes, row):
-    """Why no kernel of tpcomm's takes this call, or None."""
-    if op == "all_gather":
-        if nbytes == 0 or nbytes % 4 or row % 4:
-            return "all_gather kernels move 4-byte units: size and row must be positive multiples of 4 bytes"
-        return None
-    if dtype not in _dtypes.REDUCIBLE:
-        return f"{op} kernels reduce {', '.join(_dtypes.NAMES)}, not {dtype}"
-    part = _part(op, caps, nbytes)
-    if part == 0 or part % 16:
-        return f"{op} kernels need {'each part' if op == 'reduce_scatter' else 'the input'} a positive multiple of 16 bytes"
-    if nbytes > caps.max_bytes:
-        return f"{nbytes} bytes are over max_bytes {caps.max_bytes}"
-    return None
+def _dtype_names(mask):
+    return ", ".join(name for code, name in sorted((_dtypes.CODE[d], _dtypes.NAME[d]) for d in _dtypes.REDUCIBLE)
+                     if mask >> code & 1)
 
 
-def _kernel_refusal(op, kernel, caps, nbytes, row):
-    """Why `kernel` cannot take a call some kernel takes, or None."""
-    part = _part(op, caps, nbytes)
-    sixteen = op != "all_gather" or (nbytes % 16 == 0 and row % 16 == 0)
-    if op not in KERNEL_OPS[kernel]:
+def _refusal(op, kernel, caps, lim, dtype, nbytes, row):
+    """Why `kernel` cannot take the call by its limits `lim`, or None."""
+    if lim.refused == C.TPC_KERNEL_NO_OP:
         return f"{op} has no {kernel} kernel"
-    if kernel in LINE_PROTOCOL:
-        if not caps.line_kernels:
+    if lim.refused == C.TPC_KERNEL_NO_PLATFORM:
+        if kernel in LINE_PROTOCOL:
             return "no line kernels in this build (they rest on NVLink's whole 128-byte stores: CUDA only)"
-        if not sixteen:
-            return "the line kernel moves 16-byte units: size and row must be multiples of 16 bytes"
-    if kernel == "two_shot" and nbytes <= C.TPC_LINE_STEP_BYTES * (caps.world_size - 1):
-        return (f"two_shot needs more than {C.TPC_LINE_STEP_BYTES * (caps.world_size - 1)} bytes "
-                f"(a warp step of lines, {C.TPC_LINE_STEP_BYTES} bytes, per rank)")
-    if kernel in PACKET_SLOT_KERNELS and part > caps.packet_max_bytes:
-        return f"{part} bytes per rank are over packet_max_bytes {caps.packet_max_bytes}"
-    if kernel == "bulk" and op == "all_gather":
-        if not sixteen:
-            return "the bulk all_gather moves 16-byte units: size and row must be multiples of 16 bytes"
-        if nbytes * caps.world_size > caps.max_bytes:
+        return "no quantized kernels in this build (CUDA only)" if kernel in QUANTIZED else \
+            f"no {kernel} kernel in this build (CUDA only)"
+    if lim.refused != C.TPC_KERNEL_TAKES:
+        return f"the {kernel} kernel does not run at {caps.world_size} ranks"
+    if lim.dtypes and not lim.dtypes >> _dtypes.CODE.get(dtype, 64) & 1:
+        return f"{op} kernels reduce {_dtype_names(lim.dtypes)}, not {dtype}"
+    part, unit = _part(op, caps, nbytes), lim.multiple
+    if op == "all_gather":
+        if nbytes == 0 or nbytes % unit or row == 0 or row % unit:
+            return (f"the {kernel} all_gather kernel moves {unit}-byte units: size and row must be positive "
+                    f"multiples of {unit} bytes")
+        if nbytes % row:
+            return f"a row of {row} bytes does not divide {nbytes} bytes"
+    elif part == 0 or part % unit:
+        what = "each part" if op == "reduce_scatter" else "the input"
+        return f"{op} kernels need {what} a positive multiple of {unit} bytes"
+    if part > lim.cap:
+        if op == "all_gather":
             return f"an output of {nbytes * caps.world_size} bytes is over max_bytes {caps.max_bytes}"
+        return f"{nbytes} bytes are over max_bytes {caps.max_bytes}"
+    if part <= lim.more_than:
+        return (f"{kernel} needs more than {lim.more_than} bytes "
+                f"(a warp step of lines, {C.TPC_LINE_STEP_BYTES} bytes, per rank)")
+    if part > lim.packet_cap:
+        return f"{part} bytes per rank are over packet_max_bytes {caps.packet_max_bytes}"
     return None
 
 
@@ -124,18 +168,15 @@ def refusal(op, kernel, caps, dtype, nbytes, row=0):
         raise ValueError(f"tpcomm: no {kernel!r} kernel for {op!r} (ops {OPS}, kernels {KERNELS})")
     if caps is None:
         return "the custom path is off"
-    return _no_kernel(op, caps, dtype, nbytes, row) or _kernel_refusal(op, kernel, caps, nbytes, row)
+    return _refusal(op, kernel, caps, limits(caps)[op, kernel], dtype, nbytes, row)
 
 
 def quantized_refusal(caps, dtype, nbytes):
-    """Why the quantized all-reduce cannot run an all_reduce, or None."""
+    """Why the quantized all-reduce cannot run an all_reduce, or None (its
+    limits are the same in every mode)."""
     if caps is None:
         return "the custom path is off"
-    if _dtypes.NAME.get(dtype) not in QUANTIZED_DTYPES:
-        return f"the quantized all_reduce takes {' and '.join(QUANTIZED_DTYPES)}, not {dtype}"
-    if not caps.line_kernels:
-        return "no quantized kernels in this build (CUDA only)"
-    return _no_kernel("all_reduce", caps, dtype, nbytes, 0)
+    return _refusal("all_reduce", QUANTIZED[0], caps, limits(caps)["all_reduce", QUANTIZED[0]], dtype, nbytes, 0)
 
 
 def quantized(routes, caps, dtype, nbytes):
@@ -153,7 +194,7 @@ def route(routes, caps, op, dtype, nbytes, row=0):
     routing_table.effective_routes gives), or, where that kernel cannot take it, the
     first of its FALLBACKS that can; NCCL when none can or caps is None.
     An all_reduce the quantized kernel takes (quantized()) goes there."""
-    if caps is None or _no_kernel(op, caps, dtype, nbytes, row):
+    if caps is None:
         return "nccl"
     if op == "all_reduce":
         chosen = quantized(routes, caps, dtype, nbytes)
@@ -161,8 +202,9 @@ def route(routes, caps, op, dtype, nbytes, row=0):
             return chosen
     by_dtype = routes[op]
     backend = choose(by_dtype.get(_dtypes.NAME.get(dtype), by_dtype["*"]), nbytes)
+    table = limits(caps)
     for kernel in FALLBACKS.get(backend, ()):
-        if _kernel_refusal(op, kernel, caps, nbytes, row) is None:
+        if _refusal(op, kernel, caps, table[op, kernel], dtype, nbytes, row) is None:
             return kernel
     return "nccl"
 

@@ -30,8 +30,8 @@ void test_reduce_scatter(void) {
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "reduce_scatter has no two_shot kernel"},
-      {64, 0, 0, TPC_FLOAT32, 8, TPC_ERR_INVALID_ARG,
-       "reduce_scatter: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
+      {64, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG,
+       "reduce_scatter: unknown algorithm 9 (packet 1, bulk 2, line 3, two_shot 4, quantized_fp8/int8/int4 5-7 or bulk_one_shot 8)"},
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG, "reduce_scatter: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -115,11 +115,11 @@ void test_all_reduce_add_rms_norm(void) {
     const char *needle;
   } cases[] = {
       {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "all_reduce_add_rms_norm: dtype 0 (float32) is not float16 or bfloat16"},
-      {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: a multiple of 16 up to 32768"},
+      {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: the packet kernel needs a positive multiple of 16 up to 32768"},
       {64, 0, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 0 bytes"},
       {TPC_NORM_MAX_ROW_BYTES + 16, TPC_NORM_MAX_ROW_BYTES + 16, TPC_FLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG,
        "up to 32768"},
-      {96, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "of 96 bytes: a positive number of 64-byte rows"},
+      {96, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 64 bytes: the packet kernel needs a positive multiple of 16 up to 32768 dividing 96"},
       {0, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "of 0 bytes"},
       {PACKET_MAX + 64, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_TOO_LARGE, "of 1088 bytes is over the packet cap of 1024"},
       {64, 64, TPC_BFLOAT16, 8, 1e-6f, TPC_ERR_INVALID_ARG, "every tensor must be 16-byte aligned"},
@@ -194,10 +194,12 @@ void test_all_reduce_validation(void) {
       {72, 0, 0, TPC_FLOAT16, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 4, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 0, 8, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "16-byte aligned"},
-      {64, 2, 2, TPC_BFLOAT16, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "16-byte aligned"},
+      {64, 2, 2, TPC_BFLOAT16, TPC_ALGO_BULK_ONE_SHOT, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 0, 0, 3, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_reduce: dtype 3 (no tpc_dtype) is not float32"},
       {64, 0, 0, -1, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype -1"},
-      {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK_ONE_SHOT, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      /* bulk: the one-shot stream at two ranks, the streamed two-shot from three on (limits.c) */
+      {64, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_reduce: the bulk kernel does not run at this world size"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       /* lines live in the packet slots: the packet cap, 16-byte sizes and pointers */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
@@ -211,8 +213,8 @@ void test_all_reduce_validation(void) {
       {64, 0, 0, TPC_BFLOAT16, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "two_shot all_reduce of 64 bytes"},
       /* the caller picks the kernel: 0 (no choice) and unknown values are refused, naming them */
       {64, 0, 0, TPC_FLOAT32, 0, TPC_ERR_INVALID_ARG,
-       "all_reduce: unknown algorithm 0 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
-      {64, 0, 0, TPC_FLOAT32, 8, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 8"},
+       "all_reduce: unknown algorithm 0 (packet 1, bulk 2, line 3, two_shot 4, quantized_fp8/int8/int4 5-7 or bulk_one_shot 8)"},
+      {64, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm 9"},
       {64, 0, 0, TPC_FLOAT32, -2, TPC_ERR_INVALID_ARG, "all_reduce: unknown algorithm -2"},
       /* the algorithm is checked before the sizes: its message is the one given */
       {24, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG, "unknown algorithm 9"},
@@ -228,7 +230,8 @@ void test_all_reduce_validation(void) {
   CHECK_EQ(fake.launches, 0); /* nothing invalid reached a kernel */
 
   /* the limits themselves are fine; in == out is allowed */
-  CHECK_RC(c, tpc_all_reduce(c, in, in, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK, STREAM_A), TPC_OK);
+  CHECK_RC(c, tpc_all_reduce(c, in, in, MAX_BYTES, TPC_BFLOAT16, TPC_ALGO_BULK_ONE_SHOT, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_algo, TPC_ALGO_BULK_ONE_SHOT);
   CHECK_RC(c, tpc_all_reduce(c, in, out, PACKET_MAX, TPC_FLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in + 16, out + 48, 16, TPC_FLOAT32, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_RC(c, tpc_all_reduce(c, in, in, PACKET_MAX, TPC_BFLOAT16, TPC_ALGO_LINE, STREAM_A), TPC_OK);
@@ -263,6 +266,11 @@ void test_all_reduce_algo_and_args(void) {
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
   CHECK_RC(c, tpc_all_reduce(c, in, out, MAX_BYTES, TPC_FLOAT32, TPC_ALGO_BULK, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_BULK);
+  /* the one-shot stream runs at two ranks only; no other op has it */
+  CHECK_RC(c, tpc_all_reduce(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_BULK_ONE_SHOT, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "all_reduce: the bulk_one_shot kernel does not run at this world size");
+  CHECK_RC(c, tpc_reduce_scatter(c, in, out, 16, TPC_FLOAT32, TPC_ALGO_BULK_ONE_SHOT, STREAM_A), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "reduce_scatter has no bulk_one_shot kernel");
   CHECK_RC(c, tpc_all_reduce(c, in, out, 512, TPC_FLOAT32, TPC_ALGO_LINE, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_algo, TPC_ALGO_LINE);
   /* two_shot needs more than 448 bytes for each of 3 peers: the packet cap of 1024 is too small at 4 ranks */
@@ -327,8 +335,8 @@ void test_all_gather(void) {
       {64, 64, 8, 0, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {120, 12, 4, 8, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* bulk needs 16-byte sizes, rows and pointers */
-      {20, 20, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
-      {64, 8, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "bulk all_gather needs 16-byte"},
+      {20, 20, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather of 20 bytes: a positive multiple of 16 is needed (bulk kernel)"},
+      {64, 8, 0, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather: a row of 8 bytes: the bulk kernel needs a positive multiple of 16 dividing 64"},
       {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* caps: bulk on the output (world * nbytes), packet on the input */
@@ -336,13 +344,13 @@ void test_all_gather(void) {
       {PACKET_MAX + 4, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "1028 bytes per rank is over the packet cap of 1024"},
       {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap"},
       /* line: 16-byte sizes, rows and pointers, up to the packet cap */
-      {20, 20, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
-      {64, 8, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "line all_gather needs 16-byte sizes and rows"},
+      {20, 20, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather of 20 bytes: a positive multiple of 16 is needed (line kernel)"},
+      {64, 8, 0, 0, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather: a row of 8 bytes: the line kernel needs a positive multiple of 16 dividing 64"},
       {64, 64, 0, 8, TPC_ALGO_LINE, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {PACKET_MAX + 16, 16, 0, 0, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "1040 bytes per rank is over the packet cap of 1024"},
       {64, 64, 0, 0, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "all_gather has no two_shot kernel"},
-      {64, 64, 0, 0, 8, TPC_ERR_INVALID_ARG,
-       "all_gather: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
+      {64, 64, 0, 0, 9, TPC_ERR_INVALID_ARG,
+       "all_gather: unknown algorithm 9 (packet 1, bulk 2, line 3, two_shot 4, quantized_fp8/int8/int4 5-7 or bulk_one_shot 8)"},
       {64, 64, 0, 0, 0, TPC_ERR_INVALID_ARG, "all_gather: unknown algorithm 0"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {

@@ -20,15 +20,15 @@ void test_quantized_validation(void) {
     const char *needle;
   } cases[] = {
       {64, 0, TPC_FLOAT32, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_INVALID_ARG,
-       "quantized all_reduce: dtype 0 (float32) is not float16 or bfloat16"},
+       "all_reduce: dtype 0 (float32) is not float16 or bfloat16"},
       {64, 0, 5, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "dtype 5 (no tpc_dtype)"},
       {40, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "all_reduce of 40 bytes: a positive multiple of 16"},
       {0, 0, TPC_FLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 8, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       /* its slots are in the bulk region: the bulk cap, not the packet cap */
       {MAX_BYTES + 16, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
-      {64, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT4 + 1, TPC_ERR_INVALID_ARG,
-       "all_reduce: unknown algorithm 8 (packet 1, bulk 2, line 3, two_shot 4 or quantized_fp8/int8/int4 5-7)"},
+      {64, 0, TPC_BFLOAT16, TPC_ALGO_BULK_ONE_SHOT + 1, TPC_ERR_INVALID_ARG,
+       "all_reduce: unknown algorithm 9 (packet 1, bulk 2, line 3, two_shot 4, quantized_fp8/int8/int4 5-7 or bulk_one_shot 8)"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     CHECK_RC(c, tpc_all_reduce(c, in + cases[i].in_off, out, cases[i].nbytes, (tpc_dtype)cases[i].dtype,
@@ -38,12 +38,12 @@ void test_quantized_validation(void) {
   }
   /* only all_reduce has the kernel */
   CHECK_RC(c, tpc_reduce_scatter(c, in, out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, STREAM_A), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "reduce_scatter has no quantized kernel");
+  CHECK_MSG(c, "reduce_scatter has no quantized_int8 kernel");
   CHECK_RC(c, tpc_reduce_scatter_f32(c, in, (float *)out, 64, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, STREAM_A),
            TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "reduce_scatter has no quantized kernel");
+  CHECK_MSG(c, "reduce_scatter has no quantized_fp8 kernel");
   CHECK_RC(c, tpc_all_gather(c, in, out, 64, 64, TPC_ALGO_QUANTIZED_INT4, 0, STREAM_A), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "all_gather has no quantized kernel");
+  CHECK_MSG(c, "all_gather has no quantized_int4 kernel");
   CHECK_EQ(fake.launches, 0); /* nothing invalid reached a kernel */
 
   /* every mode and 16-bit dtype runs, over the packet cap and up to the bulk

@@ -47,6 +47,14 @@ def no_compile_caches(**inductor):
         yield
 
 
+def all_reduce_algo(comm, kernel):
+    """The internal all_reduce op's `algo` for kernel `kernel` ("bulk":
+    the one-shot at two ranks, the streamed two-shot from three on, as
+    routing picks it)."""
+    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    return routing.algo_code("all_reduce", kernel, caps)
+
+
 def takes(comm, op, algo, x):
     """Whether tpcomm's kernel `algo` can run op on x (a dim-0 all_gather):
     tpcomm.routing's rules for the communicator's caps."""

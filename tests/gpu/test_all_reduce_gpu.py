@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import multiproc
 import tpcomm
-from gpu_checks import (ALGO, BULK, DTYPES, KERNELS, PACKET, Calls, KiB, MiB, assert_bits_equal,
+from gpu_checks import (DTYPES, KERNELS, PACKET, Calls, KiB, MiB, all_reduce_algo, assert_bits_equal,
                         assert_custom_only, delay_random_rank, int_valued, nccl_all_gather, nccl_all_reduce,
                         no_compile_caches, overwrite, same_on_all_ranks, shared_rng, takes)
 from tpcomm.reference import rank_order_sum
@@ -63,7 +63,7 @@ def body_eager_matches_nccl(rank, world):
                     calls.expect("all_reduce", route)
                     assert nbytes > 64 * KiB or route != "nccl", (nbytes, route)  # decode sizes: a kernel
                 else:
-                    y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, ALGO[algo])
+                    y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, all_reduce_algo(comm, algo))
                 overwrite(xi)
                 assert_bits_equal(y, ref, f"{nbytes} B {dtype} {algo}")
             # in place
@@ -187,7 +187,7 @@ def body_bulk_half_and_whole(rank, world):
         x = int_valued(nbytes // 2, torch.bfloat16, gen)
         inputs.append(x.clone())
         delay_random_rank(rank, world, rng)
-        outputs.append(torch.ops._tpcomm.all_reduce(x, comm.comm_id, BULK))
+        outputs.append(torch.ops._tpcomm.all_reduce(x, comm.comm_id, all_reduce_algo(comm, "bulk")))
         overwrite(x)
     for i, (x, y) in enumerate(zip(inputs, outputs)):
         assert_bits_equal(y, nccl_all_reduce(x), f"bulk op {i}, {2 * x.numel()} B")
@@ -210,7 +210,7 @@ def body_nan_inf(rank, world):
             x[4] = float("-inf")
             x[5] = -0.0
             ref = nccl_all_reduce(x)
-            for algo in (PACKET, BULK):
+            for algo in (PACKET, all_reduce_algo(comm, "bulk")):
                 xi = x.clone()
                 delay_random_rank(rank, world, rng)
                 y = torch.ops._tpcomm.all_reduce(xi, comm.comm_id, algo)
@@ -417,7 +417,7 @@ def body_sizes_for_any_world(rank, world):
                 continue
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            y = torch.ops._tpcomm.all_reduce(x, comm.comm_id, ALGO[algo])
+            y = torch.ops._tpcomm.all_reduce(x, comm.comm_id, all_reduce_algo(comm, algo))
             overwrite(x)
             assert_bits_equal(y, nccl_all_reduce(kept), f"{nbytes} B on {algo} at {world} ranks")
     comm.check()
@@ -439,14 +439,14 @@ def body_line_kernels_in_place_and_mismatch(rank, world):
                 continue
             ref = nccl_all_reduce(x)
             delay_random_rank(rank, world, rng)
-            torch.ops._tpcomm.all_reduce_out(x, x, comm.comm_id, ALGO[algo])
+            torch.ops._tpcomm.all_reduce_out(x, x, comm.comm_id, all_reduce_algo(comm, algo))
             assert_bits_equal(x, ref, f"{nbytes} B on {algo} in place at {world} ranks")
     comm.check()
     comm.close()
     for algo in ("line", "two_shot"):
         bad = tpcomm.Communicator(max_bytes=CAP, timeout_s=2.0)
         x = torch.ones((32 * KiB if rank == 0 else 64 * KiB) // 2, dtype=torch.bfloat16, device="cuda")
-        torch.ops._tpcomm.all_reduce(x, bad.comm_id, ALGO[algo])
+        torch.ops._tpcomm.all_reduce(x, bad.comm_id, all_reduce_algo(comm, algo))
         torch.cuda.synchronize()  # returns: every wait is bounded
         with pytest.raises(tpcomm.TpcommError):
             bad.check()

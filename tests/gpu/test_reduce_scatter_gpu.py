@@ -12,8 +12,8 @@ import torch
 
 import multiproc
 import tpcomm
-from gpu_checks import (ALGO, DTYPES, Calls, KiB, MiB, assert_bits_equal, assert_custom_only, chunk_numel,
-                        delay_random_rank, int_valued, nccl_all_reduce, nccl_reduce_scatter, overwrite, round16,
+from gpu_checks import (ALGO, DTYPES, Calls, KiB, MiB, all_reduce_algo, assert_bits_equal, assert_custom_only,
+                        chunk_numel, delay_random_rank, int_valued, nccl_all_reduce, nccl_reduce_scatter, overwrite, round16,
                         shared_rng, takes)
 
 pytestmark = pytest.mark.gpu
@@ -144,7 +144,7 @@ def body_bulk_back_to_back(rank, world):
             x = int_valued(CAP // 2, torch.bfloat16, gen)
             kept = x.clone()
             delay_random_rank(rank, world, rng)
-            y = ops.all_reduce(x, comm.comm_id, ALGO["bulk"])
+            y = ops.all_reduce(x, comm.comm_id, all_reduce_algo(comm, "bulk"))
             overwrite(x)
             done.append((f"all_reduce after op {i}", kept, y, nccl_all_reduce))
     for what, kept, y, reference in done:

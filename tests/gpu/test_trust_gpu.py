@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import multiproc
 import tpcomm
-from gpu_checks import (BULK, LINE, PACKET, KiB, MiB, assert_bits_equal, assert_custom_only, delay_random_rank,
-                        int_valued, nccl_all_gather, nccl_all_reduce, overwrite, rounds, sleep_us)
+from gpu_checks import (LINE, PACKET, KiB, MiB, all_reduce_algo, assert_bits_equal, assert_custom_only,
+                        delay_random_rank, int_valued, nccl_all_gather, nccl_all_reduce, overwrite, rounds, sleep_us)
 
 pytestmark = pytest.mark.gpu
 
@@ -209,7 +209,8 @@ def body_epoch_wrap(rank, world):
              for i in range(8)]  # epochs 2..9: flags reused
     verify(done, "across the wrap")
     x = int_valued(3 * MiB // 2, torch.bfloat16, gen)
-    assert_bits_equal(torch.ops._tpcomm.all_reduce(x, comm.comm_id, BULK), nccl_all_reduce(x), "bulk after the wrap")
+    assert_bits_equal(torch.ops._tpcomm.all_reduce(x, comm.comm_id, all_reduce_algo(comm, "bulk")), nccl_all_reduce(x),
+                      "bulk after the wrap")
     comm.check()
     comm.close()
 

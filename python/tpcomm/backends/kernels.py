@@ -10,9 +10,8 @@ graph capture needs nothing more. Errors come back as tpcomm's exception
 classes."""
 import torch
 
-from .. import _dtypes, _lib
+from .. import _dtypes, _lib, routing
 from .._fake import NAMESPACE
-from ..routing import ALGO_CODES as ALGOS
 
 # Looked up once: every eager all_reduce calls them.
 _is_compiling = torch.compiler.is_compiling
@@ -26,9 +25,13 @@ def _op(name):
 
 
 class Kernels:
-    def __init__(self, comm_id, device_index):
+    def __init__(self, comm_id, device_index, caps):
         self.comm_id = comm_id  # the communicator's id, which the ops take
         self.device_index = device_index  # of the communicator's CUDA device: its current stream
+        # kernel name -> its tpc_algo code, per op: "bulk" names the one-shot
+        # all_reduce at two ranks (routing.VARIANTS)
+        self._codes = {op: {kernel: routing.algo_code(op, kernel, caps)
+                            for kernel in routing.KERNELS + routing.QUANTIZED} for op in routing.OPS}
         self._all_reduce_out = _op("all_reduce_out")
         self._norm_out = _op("all_reduce_add_rms_norm_out")
         self._all_gather = _op("all_gather")
@@ -52,7 +55,8 @@ class Kernels:
             return run
         call = self._fastpath.all_reduce if self._fastpath is not None else None
         through_op = self._all_reduce_out
-        comm_id, dtype_code, algo_code, device = self.comm_id, _dtypes.CODE[dtype], ALGOS[algo], self.device_index
+        comm_id, dtype_code, device = self.comm_id, _dtypes.CODE[dtype], self.device_index
+        algo_code = self._codes["all_reduce"][algo]
 
         def run(x, out=None):
             if out is None:
@@ -85,20 +89,20 @@ class Kernels:
 
     def all_gather(self, x, dim, algo):
         try:
-            return self._all_gather(x, dim, self.comm_id, ALGOS[algo])
+            return self._all_gather(x, dim, self.comm_id, self._codes["all_gather"][algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter(self, parts, algo):
         """Part `rank` of the sum; parts: dim 0 holds world_size equal parts."""
         try:
-            return self._reduce_scatter(parts, self.comm_id, ALGOS[algo])
+            return self._reduce_scatter(parts, self.comm_id, self._codes["reduce_scatter"][algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def reduce_scatter_f32(self, parts, algo):
         """The same part as fp32 sums, not rounded to the dtype."""
         try:
-            return self._reduce_scatter_f32(parts, self.comm_id, ALGOS[algo])
+            return self._reduce_scatter_f32(parts, self.comm_id, self._codes["reduce_scatter"][algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
