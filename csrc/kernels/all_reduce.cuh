@@ -185,21 +185,29 @@ TPC_DEVICE tpc_two_shot tpc_two_shot_of(const tpc_kernel_args *a) {
   return c;
 }
 
-/* Units of chunk o: chunk-local x exists only below this. */
-TPC_DEVICE uint64_t tpc_two_shot_units(const tpc_two_shot *c, int o) {
-  const uint64_t begin = (uint64_t)o * c->chunk;
-  if (begin >= c->units) return 0;
-  return c->units - begin < c->chunk ? c->units - begin : c->chunk;
+/* Units of chunk o, of `units` cut in chunks of `chunk` (every two-shot
+ * kernel): chunk-local x exists only below this. */
+TPC_DEVICE uint64_t tpc_chunk_units(uint64_t units, uint64_t chunk, int o) {
+  const uint64_t begin = (uint64_t)o * chunk;
+  if (begin >= units) return 0;
+  return units - begin < chunk ? units - begin : chunk;
 }
 
-/* Sender's scatter slot (gather = 0) or gather slot (gather = 1) in rank
- * owner's part of the region: the n-1 scatter slots, then the n-1 gather
- * slots. */
+/* Sender's scatter slot (gather = 0) or gather slot (gather = 1), of
+ * slot_bytes each, in rank owner's part of the region (every two-shot
+ * kernel): the n-1 scatter slots, then the n-1 gather slots. */
+TPC_DEVICE char *tpc_shot_slot(const tpc_kernel_args *a, const tpc_steps *s, int use, uint64_t slot_bytes,
+                               int owner, int sender, int gather) {
+  const char *region = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, use);
+  const uint64_t index = (uint64_t)gather * (uint64_t)(a->world - 1) + (uint64_t)(sender - (sender > owner));
+  return (char *)region + index * slot_bytes;
+}
+
+TPC_DEVICE uint64_t tpc_two_shot_units(const tpc_two_shot *c, int o) { return tpc_chunk_units(c->units, c->chunk, o); }
+
 TPC_DEVICE char *tpc_two_shot_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_two_shot *c, int owner,
                                    int sender, int gather) {
-  const char *region = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, c->use);
-  const uint64_t index = (uint64_t)gather * (uint64_t)(a->world - 1) + (uint64_t)(sender - (sender > owner));
-  return (char *)region + index * c->chunk * 16;
+  return tpc_shot_slot(a, s, c->use, c->chunk * 16, owner, sender, gather);
 }
 
 /* Phase one of step t: this rank's input of every peer o's chunk into o's

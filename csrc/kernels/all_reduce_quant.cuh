@@ -80,20 +80,11 @@ TPC_DEVICE tpc_quant_shot tpc_quant_shot_of(const tpc_kernel_args *a) {
   return c;
 }
 
-/* Units of chunk o: chunk-local x exists only below this. */
-TPC_DEVICE uint64_t tpc_quant_units(const tpc_quant_shot *c, int o) {
-  const uint64_t begin = (uint64_t)o * c->chunk;
-  if (begin >= c->units) return 0;
-  return c->units - begin < c->chunk ? c->units - begin : c->chunk;
-}
+TPC_DEVICE uint64_t tpc_quant_units(const tpc_quant_shot *c, int o) { return tpc_chunk_units(c->units, c->chunk, o); }
 
-/* Sender's scatter slot (gather = 0) or gather slot (gather = 1) in rank
- * owner's part of the region. */
 TPC_DEVICE char *tpc_quant_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_quant_shot *c, int owner,
                                 int sender, int gather) {
-  const char *region = owner == a->rank ? s->slots : tpc_stream_region(a, owner, s->parity, c->use);
-  const uint64_t index = (uint64_t)gather * (uint64_t)(a->world - 1) + (uint64_t)(sender - (sender > owner));
-  return (char *)region + index * c->slot;
+  return tpc_shot_slot(a, s, c->use, c->slot, owner, sender, gather);
 }
 
 /* The 8 values of unit x quantized with its group (every lane calls it),
