@@ -74,11 +74,12 @@ class Communicator:
         self.max_bytes = self.config.max_bytes
         self.packet_max_bytes = min(self.config.packet_max_bytes, self.max_bytes)
         self.timeout_s = float(self.config.timeout_s)
-        self.table = routing_table.load_table(_group_setup.table_source(table if isinstance(table, dict) else self.config.table,
-                                                           self.device))
+        self.table = routing_table.load_table(
+            _group_setup.table_source(table if isinstance(table, dict) else self.config.table, self.device))
         self._routes = routing_table.effective_routes(self.table, self.world_size, dict(self.config.force),
                                                       self.config.forbid, self.config.quantize)
-        self.comm_id = self._last_comm_id = 0  # the id the internal ops take (0: off or closed); _last_comm_id outlives close
+        # the id the internal ops take (0: off or closed); _last_comm_id outlives close
+        self.comm_id = self._last_comm_id = 0
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
         self._nccl = Nccl(self.group)  # the fallback
@@ -95,17 +96,10 @@ class Communicator:
         else:
             self._open()
         _registry.register(self)
-        if self.world_size == 1:
-            pass
-        elif self.disabled_reason is not None:
-            log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
-                                      f"{self.disabled_reason}")
-        else:
-            log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
-                                   f"{routing.summary(self._routes, self._caps)}")
 
     def _open(self):
-        """Collective: the C communicator (or the group's verdict why not) and AITER."""
+        """Collective: the C communicator (or the group's verdict why not) and
+        AITER; logs what the group's calls will take."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._lib, self._comm, self.disabled_reason = _group_setup.open_group(  # collective
                 self.group, self.rank, self.world_size, self.device, self.serial, self.config, self._routes,
@@ -117,6 +111,12 @@ class Communicator:
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,
                 functools.partial(_group_setup.agreed_error, self.group, self.rank, self.world_size))
+        if self.disabled_reason is not None:
+            log_once(logging.WARNING, f"tpcomm: custom path off, every call goes to torch.distributed: "
+                                      f"{self.disabled_reason}")
+        else:
+            log_once(logging.INFO, f"tpcomm: {self.world_size} ranks on {self.device.type}: "
+                                   f"{routing.summary(self._routes, self._caps)}")
 
     @property
     def enabled(self) -> bool:
@@ -281,7 +281,8 @@ class Communicator:
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
-        if (self._aiter is not None and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
+        if (self._aiter is not None
+                and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
                 and self._aiter.takes(op, x)):
             aiter_cell = self._cell(op, "aiter")
             cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
@@ -354,7 +355,8 @@ class Communicator:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
-        missing = _group_setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}", timeout_s)
+        missing = _group_setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}",
+                                          timeout_s)
         if missing:
             self._release(self._lib.tpc_comm_abort, "abort")
             raise CollectiveTimeout(
