@@ -11,7 +11,7 @@ import torch
 import multiproc
 import tpcomm
 from gpu_checks import (ALGO, KERNELS, Calls, KiB, MiB, assert_custom_only, delay_random_rank, overwrite, round16,
-                        shared_rng)
+                        shared_rng, stats_label)
 
 pytestmark = pytest.mark.gpu
 
@@ -238,14 +238,16 @@ def body_seed_routing(rank, world):
             y = _seed_all_gather(comm, x, dim)
             overwrite(x)
             calls.expect("all_gather", route, calls=1 if kernel else 0)
-            assert comm.stats().get(("all_gather", "nccl")) is None, comm.stats()  # the contract never falls back
+            assert calls.ran("all_gather", "nccl") == 0, comm.stats()  # the contract never falls back
             _assert_same_bits(y, torch.cat(xs, dim), f"seed all_gather {shape} {dtype} dim {dim} ({route})")
             took[(shape, dim)] = kernel
     assert all(took[(s, 0)] for s, d in SEED_CASES if s[0] * s[1] * d.itemsize <= SEED_CAP), took
     assert not any(took[((48, 1024), dim)] for dim in (0, 1, -1)), "48 x 1024 bf16 is above the cap"
 
     graph_cases = [((1, 1024), torch.bfloat16, 0), ((8, 1024), torch.bfloat16, -1), ((1, 32768), torch.bfloat16, 1),
-                   ((8, 2), torch.float32, 1), ((1, 16), torch.float32, 0), ((48, 1024), torch.bfloat16, 0)]
+                   ((8, 2), torch.float32, 1), ((1, 16), torch.float32, 0)]
+    if stats_label(comm, "nccl") == "nccl":  # a case above the cap: NCCL is captured; gloo (ranks sharing a GPU) is not
+        graph_cases.append(((48, 1024), torch.bfloat16, 0))
     static = [torch.zeros(s, dtype=d, device="cuda") for s, d, _ in graph_cases]
     for x, (_, _, dim) in zip(static, graph_cases):
         _seed_all_gather(comm, x, dim)  # warm up (NCCL's communicator exists before capture)
@@ -257,7 +259,8 @@ def body_seed_routing(rank, world):
     captured = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in comm.stats().items()}
     want = sum(x.nbytes <= SEED_CAP and comm.route_all_gather(x, dim) in KERNELS
                for x, (_, _, dim) in zip(static, graph_cases))
-    assert want == len(graph_cases) - 1 or want == len(graph_cases) - 2, want  # 48 x 1024 is above the cap
+    above_cap = sum(s[0] * s[1] * d.itemsize > SEED_CAP for s, d, _ in graph_cases)
+    assert len(graph_cases) - above_cap - 1 <= want <= len(graph_cases) - above_cap, want
     assert sum(n for (op, b), n in captured.items() if b in KERNELS) == want, captured
     for replay in range(20):
         refs = []
