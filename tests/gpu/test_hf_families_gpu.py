@@ -132,6 +132,7 @@ def _logits(run, ids):
 
 def _fp32_logits(family, model_dir, ids, device):
     """The reference: the same weights in fp32, one device, no TP."""
+    torch.set_float32_matmul_precision("highest")  # fp32 matmuls, never TF32: the reference must be fp32
     _, model_cls, _ = hf_families.model_class(family)
     model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     return _logits(model, ids).float()
