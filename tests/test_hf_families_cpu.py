@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from hf_families import by_op
+
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,21 +35,18 @@ def test_families_on_gloo_ranks(tmp_path, world):
     for family, r in results.items():
         rows, gathers, embeddings = r["row_parallel_per_forward"], r["gathered_per_forward"], r["embedding_all_reduces"]
         assert rows > 0, family
-        fused_key = "all_reduce_rms_norm_add_rms_norm" if r["sandwich_norm"] else "all_reduce_add_rms_norm"
+        fused_key = r["fused_key"]
         for mode, m in r["modes"].items():
             what = f"{family} at {world} ranks, {mode}"
             assert m["tokens_agree"], what
             calls = m["calls"]
-            by_op = {}
-            for key, n in calls.items():
-                op = key.split("/")[0]
-                by_op[op] = by_op.get(op, 0) + n
-            assert by_op.get("all_gather", 0) == gathers, (what, calls)
+            ops = by_op(calls)
+            assert ops.get("all_gather", 0) == gathers, (what, calls)
             if mode == "install":  # eager: each row-parallel all-reduce, and the embedding's, on tpcomm
-                assert by_op == {k: v for k, v in {"all_reduce": rows + embeddings, "all_gather": gathers}.items()
-                                 if v}, (what, calls)
+                assert ops == {k: v for k, v in {"all_reduce": rows + embeddings, "all_gather": gathers}.items()
+                               if v}, (what, calls)
                 continue
             # compiled: each row-parallel all-reduce fused, counted once under its pattern's key
-            assert by_op.get(fused_key) == rows, (what, calls)
-            assert by_op.get("all_reduce", 0) == embeddings, (what, calls)
+            assert ops.get(fused_key) == rows, (what, calls)
+            assert ops.get("all_reduce", 0) == embeddings, (what, calls)
             assert m["pass"][fused_key] == rows and m["pass"]["all_gather"] == gathers, (what, m["pass"])
