@@ -23,6 +23,8 @@ Unfused gives the reference within 1 ulp (NCCL's order on more than 2 ranks).
 Config.fused_kernel=False leaves only "unfused"."""
 import torch
 
+from . import _constants as C
+
 
 def check_args(x, residual, weight, eps):
     """Shapes, dtypes and eps; raises before anything collective happens."""
@@ -42,7 +44,8 @@ def run(comm, how, x, residual, weight, eps, in_place):
         xc, rc = x.contiguous(), residual.contiguous()
         direct = in_place and xc is x and rc is residual
         normed, summed = (x, residual) if direct else (torch.empty_like(xc), torch.empty_like(rc))
-        comm.kernels.all_reduce_add_rms_norm(xc, rc, weight.contiguous(), eps, normed, summed)
+        comm.kernels.all_reduce_norm(C.TPC_PATTERN_ADD_NORM, xc, rc, weight.contiguous(), None, eps, 0.0, 0.0, normed,
+                                     summed)
     elif how == "split":
         normed, summed = by_rows(comm, x, residual, weight, eps)
     else:
