@@ -6,9 +6,12 @@ norm; tpcomm.reference is the definition the tests use).
 
 Three routes, chosen from what every rank shares (shape, dtype, config) by
 tpcomm.routing.add_rms_norm:
-  "fused"   one launch of tpcomm's fused kernel (csrc/kernels/all_reduce_norm.cuh):
+  "fused"   one launch of tpcomm's fused kernel family
+            (csrc/kernels/all_reduce_norm.cuh) on pattern ADD_NORM:
             fp16/bf16, the input within the packet cap, a row of at most
-            TPC_NORM_MAX_ROW_BYTES.
+            TPC_NORM_MAX_ROW_BYTES. The other fusion patterns
+            (tpcomm.norm_patterns) run on the same family where this route
+            is "fused".
   "split"   larger inputs (prefill), or rows too long for the kernel, whose
             rows divide among the ranks: the reduce-scatter kernels hand each
             rank the fp32 sums of its rows (unrounded), the rank adds its rows
