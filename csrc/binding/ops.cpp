@@ -200,7 +200,7 @@ void all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, std::opti
   const int64_t hidden = input.size(input.dim() - 1);
   if (residual.numel() != input.numel() || normed.numel() != input.numel() || stream_out.numel() != input.numel())
     fail("tpcomm: all_reduce_norm: residual and the outputs must have the input's size");
-  for (int i = 2; i < 6; i += 3)
+  for (int i : {2, 5})  // the weights: one row each
     if (all[i] && all[i]->numel() != hidden)
       fail("tpcomm: all_reduce_norm: %s has %lld values, the last dimension %lld", names[i],
            static_cast<long long>(all[i]->numel()), static_cast<long long>(hidden));
