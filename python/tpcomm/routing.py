@@ -9,8 +9,7 @@ Caps through ctypes): the core validates every op against the same limits,
 so a rule is written once. route() walks the table's band for the size and,
 where the band's kernel cannot take the call, the kernels it falls back to;
 add_rms_norm() picks the fused op's route, norm_pattern() that of every
-fusion pattern. The C core runs the kernel it is
-told.
+fusion pattern. The C core runs the kernel it is told.
 
 Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 128-byte lines, CUDA builds only: it rests on NVLink delivering a warp's
