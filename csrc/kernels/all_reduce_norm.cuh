@@ -27,7 +27,7 @@
  * per warp, then the warps in index order), so every rank with the same
  * residual computes the same bits. Nothing is rounded before the outputs:
  * each is the fp32 reference (tpcomm.reference.reference_all_reduce_norm)
- * rounded once; the adds after a product are __fadd_rn so that the
+ * rounded once; the add after a product is tpc_add_rn so that the
  * compiler does not contract them into an fma the reference does not do. A
  * thread reads and writes only its own units, and writes them last, so out
  * may be the input and out2 the residual (the in-place variant).
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       float w[4], r[4];
       tpc_norm_load(a.weight, u, a.dtype, a.weight_offset, w);
       tpc_norm_load(residual, base + u, a.dtype, -0.0f, r);
-      for (int j = 0; j < 4; ++j) v[k][j] = __fadd_rn(r[j], v[k][j] * scale * w[j]);
+      for (int j = 0; j < 4; ++j) v[k][j] = tpc_add_rn(r[j], v[k][j] * scale * w[j]);
       if (PATTERN == TPC_PATTERN_NORM_ADD) {
         uint32_t o[2];
         tpc_round(v[k], o, 2, a.dtype);
