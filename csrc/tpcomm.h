@@ -246,9 +246,9 @@ tpc_result tpc_id_all_reduce(uint64_t comm_id, const void *in, void *out, size_t
  * identical bits on every rank whose residual is the same. Float16 or
  * bfloat16; row_bytes a multiple of 16 up to TPC_NORM_MAX_ROW_BYTES dividing
  * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned;
- * next_weight given for NORM_ADD_NORM only (NULL otherwise); eps and next_eps
- * in [0, 1]; weight_offset 0 or 1 (Gemma's 1 + w). normed may be in and
- * stream_out may be residual. */
+ * next_weight and next_eps are NORM_ADD_NORM's (next_weight NULL and
+ * next_eps ignored otherwise); eps and next_eps in [0, 1]; weight_offset 0 or
+ * 1 (Gemma's 1 + w). normed may be in and stream_out may be residual. */
 tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const void *in, const void *residual,
                                const void *weight, const void *next_weight, void *normed, void *stream_out,
                                size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
