@@ -60,7 +60,7 @@ extern "C" {
  * kernels' wide blocks, the fused norm kernel); one control warp of 32
  * threads comes on top. */
 #define TPC_BLOCK_THREADS 512
-/* Longest row (bytes of the last dimension) tpc_all_reduce_add_rms_norm takes:
+/* Longest row (bytes of the last dimension) tpc_all_reduce_norm takes:
  * TPC_BLOCK_THREADS threads x 8 packet units of 8 bytes, held in registers. */
 #define TPC_NORM_MAX_ROW_BYTES 32768
 
@@ -108,6 +108,15 @@ typedef enum {
 
 /* The collectives, as the kind word of a header names them (layout.h). */
 typedef enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 } tpc_collective;
+
+/* What tpc_all_reduce_norm computes around the all-reduce s (fp32, rank
+ * order) with residual r, norm_w(v) = v * rsqrt(mean(v^2) + eps) * (w + weight_offset):
+ * returns (normed, stream_out). tpcomm.norm_patterns.Pattern is this enum. */
+typedef enum {
+  TPC_PATTERN_ADD_NORM = 0,     /* z = s + r: (norm_w(z), z) */
+  TPC_PATTERN_NORM_ADD = 1,     /* o = r + norm_w(s): (o, o) */
+  TPC_PATTERN_NORM_ADD_NORM = 2 /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
+} tpc_norm_pattern;
 
 /* Which GPUs a build runs on: the line protocol rests on NVLink delivering
  * a warp's 128-byte store whole, which AMD's fabric does not promise. */
@@ -222,18 +231,35 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
 tpc_result tpc_id_all_reduce(uint64_t comm_id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
                              tpc_algo algo, void *stream);
 
-/* All-reduce, residual add and RMSNorm of the rows of a 16-bit tensor (the
- * last dimension, row_bytes long, is a row; nbytes is the whole input), in one
- * launch of the packet kernel. With z = (sum over ranks in fp32, in rank order)
- * + residual, in fp32:
- *   residual_out = round(z), normed = round(z * rsqrt(mean(z^2) + eps) * weight),
+/* The fused all-reduce + residual add + RMSNorm family, one launch of the
+ * packet kernel for every tpc_norm_pattern, over the rows of a 16-bit tensor
+ * (the last dimension, row_bytes long, is a row; nbytes is the whole input).
+ * With s = the sum over ranks in fp32, in rank order, r = residual and
+ * w' = weight + weight_offset, all in fp32 (nothing rounded in between):
+ *   ADD_NORM       z = s + r
+ *                  normed = round(z * rsqrt(mean(z^2) + eps) * w'), stream_out = round(z)
+ *   NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * w'
+ *                  normed = stream_out = round(o)
+ *   NORM_ADD_NORM  o as NORM_ADD
+ *                  normed = round(o * rsqrt(mean(o^2) + next_eps) * (next_weight + weight_offset)),
+ *                  stream_out = round(o)
  * identical bits on every rank whose residual is the same. Float16 or
  * bfloat16; row_bytes a multiple of 16 up to TPC_NORM_MAX_ROW_BYTES dividing
- * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned; normed
- * may be in and residual_out may be residual. */
-tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const void *residual, const void *weight,
-                                       void *normed, void *residual_out, size_t nbytes, size_t row_bytes,
-                                       tpc_dtype dtype, float eps, void *stream);
+ * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned;
+ * next_weight and next_eps are NORM_ADD_NORM's (next_weight NULL and
+ * next_eps ignored otherwise); eps and next_eps in [0, 1]; weight_offset 0 or
+ * 1 (Gemma's 1 + w). normed may be in and stream_out may be residual. */
+tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const void *in, const void *residual,
+                               const void *weight, const void *next_weight, void *normed, void *stream_out,
+                               size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
+                               float weight_offset, void *stream);
+
+/* The fused norm's own rules (limits.c), apart from the kernel's sizes:
+ * pattern known, next_weight given iff NORM_ADD_NORM, eps (and next_eps
+ * where it is used) in [0, 1], weight_offset 0 or 1. TPC_OK or
+ * TPC_ERR_INVALID_ARG with a sentence in why[0 .. why_len). */
+tpc_result tpc_norm_check(int pattern, const void *next_weight, float eps, float next_eps, float weight_offset,
+                          char *why, size_t why_len);
 
 /* Gather nbytes from every rank. The output is the concatenation along a
  * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):
@@ -258,7 +284,7 @@ tpc_result tpc_reduce_scatter(tpc_comm *comm, const void *in, void *out, size_t 
 
 /* The same sums, written as fp32 and not rounded: out holds chunk_bytes /
  * (element size) floats, 16-byte aligned. For the bulk path of
- * all_reduce_add_rms_norm, which adds the residual before it rounds. A failed
+ * the fused norm's "split" route, which adds the residual before it rounds. A failed
  * op fills out with fp32 NaN. */
 tpc_result tpc_reduce_scatter_f32(tpc_comm *comm, const void *in, float *out, size_t chunk_bytes,
                                   tpc_dtype dtype, tpc_algo algo, void *stream);

@@ -91,22 +91,31 @@ class Cases:
         op = self.ops.reduce_scatter_f32 if f32 else self.ops.reduce_scatter
         same(op(x, self.comm.comm_id, algo), want if f32 else want.to(dtype))
 
-    def add_rms_norm(self, rows, hidden, dtype, in_place):
-        from tpcomm.reference import reference_add_rms_norm, ulp_distance
+    def add_rms_norm(self, rows, hidden, dtype, in_place, pattern=C.TPC_PATTERN_ADD_NORM, offset=0.0):
+        """The fused norm family on `pattern` (tpc_norm_pattern). The stream
+        output of ADD_NORM (z) is the reference bit for bit; o (the others)
+        takes a norm, so it and every normed output are held to 1 ulp (the
+        kernel sums the squares in another order)."""
+        from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
         x, xs = self.inputs((rows, hidden), dtype)
         residual = ints((rows, hidden), 0, self.salt + 100, dtype)  # the same on every rank
         weight = ints((hidden,), 0, self.salt + 200, dtype)
-        want_normed, want_sum = reference_add_rms_norm(xs, residual, weight, EPS)
-        if in_place:  # normed into x, the sum into residual: the kernel without "spread"
-            normed, summed = x, residual
+        next_weight = ints((hidden,), 0, self.salt + 300, dtype) if pattern == C.TPC_PATTERN_NORM_ADD_NORM else None
+        want_normed, want_stream = reference_all_reduce_norm(xs, residual, weight, EPS, pattern, offset, next_weight,
+                                                             EPS / 2)
+        if in_place:  # normed into x, the stream output into residual: the kernel without "spread"
+            normed, stream = x, residual
         else:
-            normed, summed = torch.empty_like(x), torch.empty_like(x)
-        self.ops.all_reduce_add_rms_norm_out(x, residual, weight, EPS, normed, summed, self.comm.comm_id)
-        same(summed, want_sum)
-        far = int(ulp_distance(normed, want_normed).max())
-        if far > 1:
-            raise AssertionError(f"normed is {far} ulp from the reference")
+            normed, stream = torch.empty_like(x), torch.empty_like(x)
+        self.ops.all_reduce_norm_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, normed, stream,
+                                     self.comm.comm_id)
+        if pattern == C.TPC_PATTERN_ADD_NORM:
+            same(stream, want_stream)
+        for got, want, what in ((stream, want_stream, "stream"), (normed, want_normed, "normed")):
+            far = int(ulp_distance(got, want).max())
+            if far > 1:
+                raise AssertionError(f"{what} is {far} ulp from the reference")
 
     def all(self):
         """(name, thunk) of every case: each kernel of launch.cu, its bands'
@@ -156,11 +165,15 @@ class Cases:
             ("reduce_scatter bulk 5 MiB parts f32 out",
              lambda: self.reduce_scatter((n * big_part,), f16, BULK, True)),
             ("reduce_scatter bulk f32 out", lambda: self.reduce_scatter((n * 16384,), f32, BULK, True)),
-            # the fused norm: out of place with few rows ("spread": every block
-            # pushes) and in place; the split route is reduce_scatter f32 out
-            # (above), torch's norm and an all_gather
+            # the fused norm family: out of place with few rows ("spread": every
+            # block pushes) and in place, each pattern (the second norm's block
+            # sum of NORM_ADD_NORM, weight 1 + w); the split route is
+            # reduce_scatter f32 out (above), torch's norm and an all_gather
             ("all_reduce_add_rms_norm spread", lambda: self.add_rms_norm(2, 4096, bf16, False)),
             ("all_reduce_add_rms_norm in place", lambda: self.add_rms_norm(8, 2048, f16, True)),
+            ("all_reduce_rms_norm_add spread", lambda: self.add_rms_norm(3, 2048, f16, False, C.TPC_PATTERN_NORM_ADD)),
+            ("all_reduce_rms_norm_add_rms_norm in place, weight 1 + w",
+             lambda: self.add_rms_norm(4, 4096, bf16, True, C.TPC_PATTERN_NORM_ADD_NORM, 1.0)),
         ]
 
 

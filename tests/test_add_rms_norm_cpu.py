@@ -208,17 +208,20 @@ def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
 
 def test_internal_op_schema_and_fake():
     tpcomm.load()
-    schema = torch.ops._tpcomm.all_reduce_add_rms_norm_out.default._schema
-    assert str(schema) == ("_tpcomm::all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, "
-                           "float eps, Tensor(a!) normed, Tensor(b!) residual_out, int comm_id) -> ()")
+    schema = torch.ops._tpcomm.all_reduce_norm_out.default._schema
+    assert str(schema) == ("_tpcomm::all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, "
+                           "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, "
+                           "Tensor(a!) normed, Tensor(b!) stream_out, int comm_id) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    assert written == ["normed", "residual_out"]
+    assert written == ["normed", "stream_out"]
     with _testing.stand_in(2) as comm, FakeTensorMode():
         x = torch.empty(3, 4096, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops._tpcomm.all_reduce_add_rms_norm_out(
-            x, torch.empty_like(x), torch.empty(4096, device="cuda", dtype=torch.bfloat16), 1e-6,
-            torch.empty_like(x), torch.empty_like(x), comm.comm_id)
-        assert out is None
+        w = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+        for pattern, next_weight in ((0, None), (1, None), (2, w)):
+            out = torch.ops._tpcomm.all_reduce_norm_out(x, torch.empty_like(x), w, next_weight, 1e-6, 1e-6, 1.0,
+                                                        pattern, torch.empty_like(x), torch.empty_like(x),
+                                                        comm.comm_id)
+            assert out is None
 
 
 def test_dispatcher_op_schema_and_fake_shapes():

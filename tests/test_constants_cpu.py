@@ -53,3 +53,13 @@ def test_every_constant_is_the_value_a_c_compiler_gives(tmp_path):
     out = subprocess.run([str(tmp_path / "values")], check=True, capture_output=True, text=True).stdout
     compiled = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
     assert compiled == {n: getattr(_constants, n) for n in names}
+
+
+def test_every_algorithm_code_is_in_lib():
+    """_lib.ALGO_* is every tpc_algo of the header (the quantized ones and the
+    one-shot bulk included), read from _constants rather than copied."""
+    from tpcomm import _lib
+
+    algos = {name: value for name, value in vars(_constants).items() if name.startswith("TPC_ALGO_")}
+    assert {"TPC_ALGO_QUANTIZED_FP8", "TPC_ALGO_QUANTIZED_INT4", "TPC_ALGO_BULK_ONE_SHOT"} <= set(algos)
+    assert {name: getattr(_lib, name[len("TPC_"):]) for name in algos} == algos

@@ -2,18 +2,23 @@
 torch.ops._tpcomm.all_reduce_norm on gloo ranks (no kernel: the all-reduce
 in fp32, the rest in torch): the fp32 reference bit for bit, the same bits
 on every rank, each call counted once under its pattern's key and nothing
-else; bad arguments raise before anything collective; and the compile
-pass's matchers on small graphs (the sandwich norm with its next norm, a
-dropout and a reshape between the all-reduce and the add)."""
+else; bad arguments raise before anything collective; which route each
+pattern takes (the fused kernel family where ADD_NORM's would) and what the
+fused route hands the kernel; and the compile pass's matchers on small
+graphs (the sandwich norm with its next norm, a dropout and a reshape
+between the all-reduce and the add)."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm import _constants as C
+from tpcomm import norm_patterns, routing
 from tpcomm.norm_patterns import STATS_KEY, Pattern
 from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 from multiproc import run_ranks
+from test_add_rms_norm_cpu import _comm, _meta
 
 SHAPES = [(1, 64), (3, 128), (2, 2, 256)]
 
@@ -77,6 +82,86 @@ def test_patterns_on_two_ranks():
 
 def test_patterns_on_three_ranks():
     run_ranks(3, _body_patterns)
+
+
+def test_pattern_is_the_c_enum():
+    assert [(p.name, int(p)) for p in Pattern] == [
+        ("ADD_NORM", C.TPC_PATTERN_ADD_NORM), ("NORM_ADD", C.TPC_PATTERN_NORM_ADD),
+        ("NORM_ADD_NORM", C.TPC_PATTERN_NORM_ADD_NORM)]
+
+
+def test_route_of_each_pattern_from_add_norms():
+    """Every pattern and offset takes the fused kernel where ADD_NORM does;
+    only ADD_NORM with weight w keeps "split" (and a group of one's route);
+    a next weight of another dtype stays unfused."""
+    bf16 = torch.bfloat16
+    for add_norm in ("fused", "split", "unfused", "single rank"):
+        assert routing.norm_pattern(add_norm, Pattern.ADD_NORM, 0.0, bf16) == add_norm
+        for pattern, offset in ((Pattern.ADD_NORM, 1.0), (Pattern.NORM_ADD, 0.0), (Pattern.NORM_ADD, 1.0),
+                                (Pattern.NORM_ADD_NORM, 0.0), (Pattern.NORM_ADD_NORM, 1.0)):
+            nw = bf16 if pattern == Pattern.NORM_ADD_NORM else None
+            want = "fused" if add_norm == "fused" else "unfused"
+            assert routing.norm_pattern(add_norm, pattern, offset, bf16, nw) == want, (add_norm, pattern, offset)
+    assert routing.norm_pattern("fused", Pattern.NORM_ADD_NORM, 1.0, bf16, torch.float32) == "unfused"
+    assert routing.norm_pattern("fused", Pattern.NORM_ADD_NORM, 0.0, torch.float16, torch.float16) == "fused"
+
+
+def test_route_of_each_pattern_on_a_communicator():
+    c, w = _comm(), _meta((4096,))
+    decode, prefill, fp32 = _meta((8, 4096)), _meta((130, 4096)), _meta((1, 4096), torch.float32)
+    for pattern in (Pattern.NORM_ADD, Pattern.NORM_ADD_NORM):
+        nw = w if pattern == Pattern.NORM_ADD_NORM else None
+        for offset in (0.0, 1.0):
+            assert norm_patterns.route(c, pattern, decode, w, nw, offset) == "fused"
+            assert norm_patterns.route(c, pattern, prefill, w, nw, offset) == "unfused"  # over the packet cap
+            assert norm_patterns.route(c, pattern, fp32, _meta((4096,), torch.float32), nw, offset) == "unfused"
+            assert norm_patterns.route(_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
+            assert norm_patterns.route(_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
+    row = C.TPC_NORM_MAX_ROW_BYTES // 2
+    assert norm_patterns.route(c, Pattern.NORM_ADD, _meta((1, row)), _meta((row,)), None, 1.0) == "fused"
+    assert norm_patterns.route(c, Pattern.NORM_ADD, _meta((1, row + 8)), _meta((row + 8,)), None, 1.0) == "unfused"
+    assert norm_patterns.route(c, Pattern.ADD_NORM, prefill, w, None, 0.0) == "split"
+    assert norm_patterns.route(c, Pattern.ADD_NORM, prefill, w, None, 1.0) == "unfused"
+    assert norm_patterns.route(c, Pattern.ADD_NORM, decode, w, None, 1.0) == "fused"
+
+
+class _RecordingKernels:
+    """Stands in for backends.kernels.Kernels: records what the fused route
+    hands the kernel family and writes distinct values into its outputs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, normed,
+                        stream_out):
+        self.calls.append((pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset))
+        normed.fill_(1.0)
+        stream_out.fill_(2.0)
+
+
+def test_fused_route_hands_the_kernel_its_pattern_and_counts_once():
+    c = _comm()
+    c._kernels, c._stat_cells = _RecordingKernels(), {}
+    # x not contiguous: the kernel gets a contiguous copy
+    x, residual = torch.randn(4, 64, dtype=torch.bfloat16)[:, ::2], torch.randn(4, 32, dtype=torch.bfloat16)
+    w, nw = torch.randn(32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    calls = 0
+    for pattern in (Pattern.ADD_NORM, Pattern.NORM_ADD, Pattern.NORM_ADD_NORM):
+        for offset in ((1.0,) if pattern == Pattern.ADD_NORM else (0.0, 1.0)):
+            next_weight = nw if pattern == Pattern.NORM_ADD_NORM else None
+            normed, stream = norm_patterns.run(c, int(pattern), x, residual, w, next_weight, 1e-5, 1e-6, offset)
+            calls += 1
+            got = c._kernels.calls[-1]
+            assert got[0] == pattern and got[5:] == (1e-5, 1e-6, offset)
+            assert got[1].is_contiguous() and torch.equal(got[1], x) and got[2] is residual and got[3] is w
+            assert got[4] is next_weight
+            assert normed.shape == x.shape and bool((normed == 1).all()) and bool((stream == 2).all())
+            assert normed.data_ptr() != stream.data_ptr()
+    assert len(c._kernels.calls) == calls
+    assert c.stats() == {
+        (STATS_KEY[Pattern.ADD_NORM], "fused"): {"calls": 1, "bytes": x.numel() * 2},
+        (STATS_KEY[Pattern.NORM_ADD], "fused"): {"calls": 2, "bytes": 2 * x.numel() * 2},
+        (STATS_KEY[Pattern.NORM_ADD_NORM], "fused"): {"calls": 2, "bytes": 2 * x.numel() * 2}}
 
 
 class _GemmaNorm(torch.nn.Module):

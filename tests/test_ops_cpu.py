@@ -79,8 +79,8 @@ CPU_CALLS = {
     "all_gather": lambda x, h: torch.ops._tpcomm.all_gather(x, 0, h, P),
     "reduce_scatter": lambda x, h: torch.ops._tpcomm.reduce_scatter(x, h, P),
     "reduce_scatter_f32": lambda x, h: torch.ops._tpcomm.reduce_scatter_f32(x, h, P),
-    "all_reduce_add_rms_norm_out": lambda x, h: torch.ops._tpcomm.all_reduce_add_rms_norm_out(
-        x, x, x, 1e-6, torch.empty_like(x), torch.empty_like(x), h),
+    "all_reduce_norm_out": lambda x, h: torch.ops._tpcomm.all_reduce_norm_out(
+        x, x, x, None, 1e-6, 1e-6, 0.0, 0, torch.empty_like(x), torch.empty_like(x), h),
 }
 
 

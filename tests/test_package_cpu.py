@@ -24,7 +24,7 @@ def test_import_alone_registers_the_ops():
             "for name in ('custom_all_reduce', 'custom_all_gather', 'custom_reduce_scatter', 'custom_all_reduce_add_rms_norm'):\n"
             "    print(getattr(torch.ops.tpcomm, name).default._schema)\n"
             "for name in ('all_reduce', 'all_reduce_out', 'all_gather', 'reduce_scatter', 'reduce_scatter_f32',\n"
-            "             'all_reduce_add_rms_norm_out'):\n"
+            "             'all_reduce_norm_out'):\n"
             "    print(getattr(torch.ops._tpcomm, name).default._schema)\n"
             "print('public:', sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('tpcomm::')))\n")
     env = source_tree.subprocess_env()

@@ -13,6 +13,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -173,41 +174,53 @@ void all_reduce_out(Tensor input, Tensor out, int64_t comm_id, int64_t algo) {
   all_reduce_into(input, out, comm_id, algo);
 }
 
-// The sum of input over the ranks plus residual, and its RMSNorm over the last
-// dimension times weight, into residual_out and normed (which may be residual
-// and input themselves: the in-place variant). Misaligned views are copied,
-// as for all_reduce, so the kernel's choice never depends on a pointer.
-void all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, double eps, Tensor normed,
-                                 Tensor residual_out, int64_t comm_id) {
+// The fused norm family (tpc_all_reduce_norm): pattern `pattern` (a
+// tpc_norm_pattern) over the sum of input over the ranks, residual and the
+// weights, into normed and stream_out (which may be input and residual
+// themselves: the in-place variant). next_weight is NORM_ADD_NORM's second
+// weight (None for the others: the C core checks which). Misaligned views are
+// copied, as for all_reduce, so the kernel's choice never depends on a pointer.
+void all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, std::optional<Tensor> next_weight, double eps,
+                         double next_eps, double weight_offset, int64_t pattern, Tensor normed, Tensor stream_out,
+                         int64_t comm_id) {
   Held held(comm_id);
   tpc_comm *comm = held.get();
-  const Tensor *all[] = {&input, &residual, &weight, &normed, &residual_out};
-  const char *names[] = {"input", "residual", "weight", "normed", "residual_out"};
-  for (int i = 0; i < 5; ++i) {
+  const Tensor *all[] = {&input, &residual, &weight, &normed, &stream_out,
+                         next_weight.has_value() ? &next_weight.value() : nullptr};
+  const char *names[] = {"input", "residual", "weight", "normed", "stream_out", "next_weight"};
+  for (int i = 0; i < 6; ++i) {
+    if (!all[i]) continue;
     check_tensor(comm, *all[i], names[i]);
-    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_add_rms_norm: %s must be contiguous", names[i]);
+    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_norm: %s must be contiguous", names[i]);
     if (all[i]->scalar_type() != input.scalar_type())
-      fail("tpcomm: all_reduce_add_rms_norm: %s has another dtype than the input", names[i]);
+      fail("tpcomm: all_reduce_norm: %s has another dtype than the input", names[i]);
   }
-  const tpc_dtype dtype = reduce_dtype(input, "all_reduce_add_rms_norm");
-  if (input.dim() < 1) fail("tpcomm: all_reduce_add_rms_norm needs a tensor with at least one dimension");
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce_norm");
+  if (input.dim() < 1) fail("tpcomm: all_reduce_norm needs a tensor with at least one dimension");
   const int64_t hidden = input.size(input.dim() - 1);
-  if (residual.numel() != input.numel() || normed.numel() != input.numel() || residual_out.numel() != input.numel())
-    fail("tpcomm: all_reduce_add_rms_norm: residual and the outputs must have the input's size");
-  if (weight.numel() != hidden)
-    fail("tpcomm: all_reduce_add_rms_norm: weight has %lld values, the last dimension %lld",
-         static_cast<long long>(weight.numel()), static_cast<long long>(hidden));
+  if (residual.numel() != input.numel() || normed.numel() != input.numel() || stream_out.numel() != input.numel())
+    fail("tpcomm: all_reduce_norm: residual and the outputs must have the input's size");
+  for (int i : {2, 5})  // the weights: one row each
+    if (all[i] && all[i]->numel() != hidden)
+      fail("tpcomm: all_reduce_norm: %s has %lld values, the last dimension %lld", names[i],
+           static_cast<long long>(all[i]->numel()), static_cast<long long>(hidden));
+  if (pattern < INT32_MIN || pattern > INT32_MAX) fail("tpcomm: all_reduce_norm: unknown pattern %lld",
+                                                      static_cast<long long>(pattern));
   const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
   const size_t row_bytes = static_cast<size_t>(hidden) * input.element_size();
   const Tensor in = aligned_input(input), res = aligned_input(residual), w = aligned_input(weight);
+  const std::optional<Tensor> next_w =
+      next_weight.has_value() ? std::optional<Tensor>(aligned_input(*next_weight)) : std::nullopt;
   Tensor normed_dst = aligned16(normed) ? normed : new_output(normed, sizes_of(normed));
-  Tensor residual_dst = aligned16(residual_out) ? residual_out : new_output(residual_out, sizes_of(residual_out));
-  check(comm, tpc_all_reduce_add_rms_norm(comm, in.const_data_ptr(), res.const_data_ptr(), w.const_data_ptr(),
-                                          normed_dst.mutable_data_ptr(), residual_dst.mutable_data_ptr(), nbytes,
-                                          row_bytes, dtype, static_cast<float>(eps),
-                                          current_stream(input.get_device_index())));
+  Tensor stream_dst = aligned16(stream_out) ? stream_out : new_output(stream_out, sizes_of(stream_out));
+  check(comm, tpc_all_reduce_norm(comm, static_cast<tpc_norm_pattern>(pattern), in.const_data_ptr(),
+                                  res.const_data_ptr(), w.const_data_ptr(),
+                                  next_w.has_value() ? next_w->const_data_ptr() : nullptr,
+                                  normed_dst.mutable_data_ptr(), stream_dst.mutable_data_ptr(), nbytes, row_bytes,
+                                  dtype, static_cast<float>(eps), static_cast<float>(next_eps),
+                                  static_cast<float>(weight_offset), current_stream(input.get_device_index())));
   if (!aligned16(normed)) torch::stable::copy_(normed, normed_dst);
-  if (!aligned16(residual_out)) torch::stable::copy_(residual_out, residual_dst);
+  if (!aligned16(stream_out)) torch::stable::copy_(stream_out, stream_dst);
 }
 
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
@@ -282,8 +295,9 @@ void all_reduce_out_not_cuda(Tensor input, Tensor, int64_t, int64_t) { needs_cud
 Tensor all_gather_not_cuda(Tensor input, int64_t, int64_t, int64_t) { needs_cuda("all_gather", input); }
 Tensor reduce_scatter_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter", input); }
 Tensor reduce_scatter_f32_not_cuda(Tensor input, int64_t, int64_t) { needs_cuda("reduce_scatter_f32", input); }
-void all_reduce_add_rms_norm_out_not_cuda(Tensor input, Tensor, Tensor, double, Tensor, Tensor, int64_t) {
-  needs_cuda("all_reduce_add_rms_norm_out", input);
+void all_reduce_norm_out_not_cuda(Tensor input, Tensor, Tensor, std::optional<Tensor>, double, double, double, int64_t,
+                                  Tensor, Tensor, int64_t) {
+  needs_cuda("all_reduce_norm_out", input);
 }
 
 }  // namespace
@@ -297,8 +311,9 @@ STABLE_TORCH_LIBRARY(_tpcomm, m) {
   m.def("all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor");
   m.def("reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor");
   m.def("reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor");
-  m.def("all_reduce_add_rms_norm_out(Tensor input, Tensor residual, Tensor weight, float eps, "
-        "Tensor(a!) normed, Tensor(b!) residual_out, int comm_id) -> ()");
+  m.def("all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, Tensor? next_weight, float eps, "
+        "float next_eps, float weight_offset, int pattern, Tensor(a!) normed, Tensor(b!) stream_out, "
+        "int comm_id) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
@@ -307,7 +322,7 @@ STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
   m.impl("all_gather", TORCH_BOX(&all_gather));
   m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter));
   m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32));
-  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out));
+  m.impl("all_reduce_norm_out", TORCH_BOX(&all_reduce_norm_out));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
@@ -316,5 +331,5 @@ STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
   m.impl("all_gather", TORCH_BOX(&all_gather_not_cuda));
   m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter_not_cuda));
   m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32_not_cuda));
-  m.impl("all_reduce_add_rms_norm_out", TORCH_BOX(&all_reduce_add_rms_norm_out_not_cuda));
+  m.impl("all_reduce_norm_out", TORCH_BOX(&all_reduce_norm_out_not_cuda));
 }

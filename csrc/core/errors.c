@@ -51,9 +51,13 @@ const char *tpc_comm_last_error(const tpc_comm *comm) {
 }
 
 static const char *op_name(uint32_t kind) {
+  if (TPC_KIND_BASE_OP(kind) == TPC_OP_ALL_REDUCE_NORM) switch (TPC_KIND_PATTERN(kind)) {
+      case TPC_PATTERN_ADD_NORM: return "all_reduce_norm ADD_NORM";
+      case TPC_PATTERN_NORM_ADD: return "all_reduce_norm NORM_ADD";
+      case TPC_PATTERN_NORM_ADD_NORM: return "all_reduce_norm NORM_ADD_NORM";
+    }
   switch (TPC_KIND_OP(kind)) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
-    case TPC_OP_ALL_REDUCE_NORM: return "all_reduce_add_rms_norm";
     case TPC_OP_ALL_GATHER: return "all_gather";
     case TPC_OP_REDUCE_SCATTER: return "reduce_scatter";
   }

@@ -100,6 +100,12 @@ static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_b
   return (uint32_t)(op & 0xff) | (uint32_t)(algo & 0xff) << 8 | (uint32_t)(dtype & 0xff) << 16 | row_fold << 24;
 }
 #define TPC_KIND_OP(kind) ((kind) & 0xffu)
+/* The fused norm's op byte also carries its tpc_norm_pattern in the high
+ * nibble (ops.c), so ranks that call different patterns fail as a mismatch
+ * of the op instead of computing different outputs from the same sums. */
+#define TPC_KIND_NORM_OP(op, pattern) ((op) | (pattern) << 4)
+#define TPC_KIND_BASE_OP(kind) ((kind) & 0x0fu)
+#define TPC_KIND_PATTERN(kind) (((kind) >> 4) & 0x0fu)
 #define TPC_KIND_ALGO(kind) (((kind) >> 8) & 0xffu)
 #define TPC_KIND_DTYPE(kind) (((kind) >> 16) & 0xffu)
 
@@ -127,12 +133,19 @@ typedef struct {
   int32_t op;                 /* TPC_OP_* */
   int32_t poison_out;         /* out is floating point: fill it with NaN on failure */
   int32_t max_blocks;         /* multiprocessors of the device: packet kernels spread over at most this many */
-  /* all_reduce + residual add + RMSNorm only: out is the normed output */
+  /* the fused norm family (tpc_all_reduce_norm) only: out is the normed output */
   const void *residual;       /* added to the sum; read before out2 is written (may alias it) */
-  const void *weight;         /* the norm's weight, one row */
-  void *out2;                 /* residual out: the sum plus the residual */
+  const void *weight;         /* the (first) norm's weight, one row */
+  void *out2;                 /* the stream output: z (ADD_NORM) or o */
   float eps;
   int32_t out_f32;            /* reduce_scatter: out holds the fp32 sums, not rounded to the dtype */
+  /* Appended after every other field, so that no other kernel's parameter
+   * offsets move (their machine code stays as it was). */
+  const void *next_weight;    /* NORM_ADD_NORM: the second norm's weight, one row; NULL otherwise */
+  float next_eps;             /* NORM_ADD_NORM: the second norm's eps */
+  int32_t pattern;            /* a tpc_norm_pattern: the launch picks the kernel's instantiation by it */
+  float weight_offset;        /* added to every weight value in fp32: 1.0f, or -0.0f for none (-0 + w is w,
+                                 -0.0 included, so offset 0 leaves ADD_NORM's bits as they were) */
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

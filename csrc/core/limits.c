@@ -86,7 +86,7 @@ static const char *op_name(int op) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
     case TPC_OP_ALL_GATHER: return "all_gather";
     case TPC_OP_REDUCE_SCATTER: return "reduce_scatter";
-    default: return "all_reduce_add_rms_norm";
+    default: return "all_reduce_norm";
   }
 }
 
@@ -167,5 +167,30 @@ tpc_result tpc_kernel_check(const tpc_kernel_limits *l, int op, int algo, int dt
     return refuse(TPC_ERR_TOO_LARGE, why, len, "%s%s of %llu x %zu bytes is over the cap of %llu", name,
                   op == TPC_OP_ALL_GATHER ? " output" : "", (unsigned long long)l->chunks, chunk,
                   (unsigned long long)l->max_bytes);
+  return TPC_OK;
+}
+
+static const char *const pattern_names[] = {"ADD_NORM", "NORM_ADD", "NORM_ADD_NORM"};
+
+tpc_result tpc_norm_check(int pattern, const void *next_weight, float eps, float next_eps, float weight_offset,
+                          char *why, size_t len) {
+  if (pattern < TPC_PATTERN_ADD_NORM || pattern > TPC_PATTERN_NORM_ADD_NORM)
+    return refuse(TPC_ERR_INVALID_ARG, why, len,
+                  "all_reduce_norm: unknown pattern %d (ADD_NORM %d, NORM_ADD %d or NORM_ADD_NORM %d)", pattern,
+                  TPC_PATTERN_ADD_NORM, TPC_PATTERN_NORM_ADD, TPC_PATTERN_NORM_ADD_NORM);
+  /* the second norm's weight is what NORM_ADD_NORM reads, and only it */
+  const int second = pattern == TPC_PATTERN_NORM_ADD_NORM;
+  if (second != (next_weight != NULL))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: pattern %s takes %s next_weight",
+                  pattern_names[pattern], second ? "a" : "no");
+  /* written as negations so that NaN fails them too */
+  if (!(eps >= 0.0f && eps <= 1.0f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: eps %g is not in [0, 1]", (double)eps);
+  if (second && !(next_eps >= 0.0f && next_eps <= 1.0f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: next_eps %g is not in [0, 1]", (double)next_eps);
+  /* the weight is w or 1 + w (Gemma's convention): nothing else is a convention anyone uses */
+  if (weight_offset != 0.0f && weight_offset != 1.0f)
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: weight_offset %g is not 0 or 1",
+                  (double)weight_offset);
   return TPC_OK;
 }

@@ -81,7 +81,7 @@ static tpc_result launch_on_device(tpc_comm *comm, int op, const tpc_kernel_args
   const char *what = "launching reduce_scatter";
   if (op == TPC_OP_ALL_REDUCE_NORM) {
     code = rt->launch_all_reduce_norm(a, stream);
-    what = "launching all_reduce_add_rms_norm";
+    what = "launching all_reduce_norm";
   } else if (op == TPC_OP_ALL_REDUCE) {
     code = rt->launch_all_reduce(a, algo, stream);
     what = "launching all_reduce";
@@ -173,26 +173,34 @@ tpc_result tpc_reduce_scatter_f32(tpc_comm *comm, const void *in, float *out, si
   return reduce_scatter(comm, in, out, chunk_bytes, dtype, algo, 1, stream);
 }
 
-tpc_result tpc_all_reduce_add_rms_norm(tpc_comm *comm, const void *in, const void *residual, const void *weight,
-                                       void *normed, void *residual_out, size_t nbytes, size_t row_bytes,
-                                       tpc_dtype dtype, float eps, void *stream) {
-  static const char name[] = "all_reduce_add_rms_norm";
+tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const void *in, const void *residual,
+                               const void *weight, const void *next_weight, void *normed, void *stream_out,
+                               size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
+                               float weight_offset, void *stream) {
   tpc_result r = begin_op(comm, in, normed, stream);
   if (r != TPC_OK) return r;
-  if (!residual || !weight || !residual_out)
-    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: NULL residual, weight or residual output", name);
-  const void *const ptrs[] = {in, residual, weight, normed, residual_out};
-  r = check_kernel(comm, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, (int)dtype, nbytes, row_bytes, ptrs, 5);
+  if (!residual || !weight || !stream_out)
+    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: NULL residual, weight or stream output");
+  char why[256];
+  r = tpc_norm_check((int)pattern, next_weight, eps, next_eps, weight_offset, why, sizeof why);
+  if (r != TPC_OK) return tpc_fail(comm, r, "%s", why);
+  const void *const ptrs[] = {in, residual, weight, normed, stream_out, next_weight};
+  r = check_kernel(comm, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, (int)dtype, nbytes, row_bytes, ptrs,
+                   next_weight ? 6 : 5);
   if (r != TPC_OK) return r;
-  if (!(eps >= 0.0f) || eps > 1.0f)
-    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "%s: eps %g is not in [0, 1]", name, (double)eps);
   tpc_kernel_args a;
   fill_args(comm, &a, in, normed, nbytes, nbytes, row_bytes, dtype, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET,
             reduce_nan[dtype]);
   a.residual = residual;
   a.weight = weight;
-  a.out2 = residual_out;
+  a.out2 = stream_out;
   a.eps = eps;
+  a.next_weight = next_weight;
+  a.next_eps = pattern == TPC_PATTERN_NORM_ADD_NORM ? next_eps : 0.0f;
+  a.pattern = (int32_t)pattern;
+  a.kind = tpc_kind_word(TPC_KIND_NORM_OP(TPC_OP_ALL_REDUCE_NORM, (int)pattern), TPC_ALGO_PACKET, dtype, row_bytes);
+  /* -0 + w is w exactly (signed zeros included): offset 0 computes what the kernel did before it had one */
+  a.weight_offset = weight_offset == 1.0f ? 1.0f : -0.0f;
   return launch_on_device(comm, TPC_OP_ALL_REDUCE_NORM, &a, TPC_ALGO_PACKET, stream);
 }
 

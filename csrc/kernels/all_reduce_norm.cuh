@@ -1,26 +1,36 @@
 /*
- * All-reduce + residual add + RMSNorm in one launch (packet path), for the
- * row counts of decode: what a transformer layer runs after its row-parallel
- * matmul, with the add and the norm that follow folded in.
+ * The fused all-reduce + residual add + RMSNorm family in one launch (packet
+ * path), for the row counts of decode: what a transformer layer runs around
+ * its row-parallel matmul's all-reduce, with the adds and norms folded in.
+ * The pattern (tpc_norm_pattern, tpcomm.h) is a template parameter: one
+ * source, one instantiation per pattern, which launch.cu picks from the
+ * args. A runtime branch would be uniform over the grid as well, but each
+ * instantiation keeps only its own pattern's live values in registers (the
+ * kernel already runs at its register cap: tests/test_kernel_resources.py)
+ * and carries none of the others' code.
  *
  * One block per row (blocks stride over the rows). Every rank pushes its row
  * as packets into every peer's slot, exactly as the all-reduce packet kernel
  * does. With fewer rows than the launch has blocks ("spread": decode's 1 to
  * 8 rows), every block pushes a contiguous share of all rows' packets first,
  * because one multiprocessor's remote stores saturate early, and only the
- * first `rows` blocks go on to reduce; the launch spreads only when out is
- * not the input, since a reducing block may write out before another block
+ * first `rows` blocks go on to reduce; the launch spreads only when no output
+ * is the input, since a reducing block may write out before another block
  * has read that input to push it. Then each data thread sums its units over
- * the ranks in fp32 in rank
- * order, adds the residual in fp32 and keeps the result z in registers. The
- * block sums z^2 in a fixed order (a butterfly per warp, then the warps in
- * index order), so every rank with the same residual computes the same bits:
- *   residual_out = round(z)
- *   normed       = round(z * rsqrt(mean(z^2) + eps) * weight)
- * z is never rounded before the norm: the result is the fp32 reference
- * (all-reduce in rank order, add, RMSNorm) rounded once. A thread reads and
- * writes only its own units, and writes them last, so out may be the input
- * and out2 the residual (the in-place variant).
+ * the ranks in fp32 in rank order (s) and keeps the values in registers.
+ * With r the residual and w' = w + weight_offset, all in fp32:
+ *   ADD_NORM       z = s + r;  out = round(z * rsqrt(mean(z^2) + eps) * w'), out2 = round(z)
+ *   NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * w';  out = out2 = round(o)
+ *   NORM_ADD_NORM  o as NORM_ADD;  out = round(o * rsqrt(mean(o^2) + next_eps) * (next_w + weight_offset)),
+ *                  out2 = round(o)
+ * Each block sums its squares in a fixed order (tpc_block_sum: a butterfly
+ * per warp, then the warps in index order), so every rank with the same
+ * residual computes the same bits. Nothing is rounded before the outputs:
+ * each is the fp32 reference (tpcomm.reference.reference_all_reduce_norm)
+ * rounded once; the add after a product is tpc_add_rn so that the
+ * compiler does not contract them into an fma the reference does not do. A
+ * thread reads and writes only its own units, and writes them last, so out
+ * may be the input and out2 the residual (the in-place variant).
  *
  * 16-bit dtypes only: a unit holds 4 values. A row holds at most
  * TPC_NORM_MAX_ROW_BYTES (tpcomm.h): TPC_NORM_THREADS data threads with
@@ -62,10 +72,20 @@ TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32
   tpc_poison_fill(a, a->out2, a->nbytes);
 }
 
+/* The 4 fp32 values of a unit of a 16-bit row (weight or residual) plus `add`:
+ * -0.0f adds nothing (-0 + v is v exactly, signed zeros included). */
+TPC_DEVICE void tpc_norm_load(const void *row, uint64_t u, int dtype, float add, float *v) {
+  const uint2 raw = ((const uint2 *)row)[u];
+  const uint32_t words[2] = {raw.x, raw.y};
+  for (int j = 0; j < 4; ++j) v[j] = add;
+  tpc_accumulate(v, words, 2, dtype);
+}
+
 /* The launch bound caps registers so that a full block (17 warps) fits: the
  * register file is split over 4 schedulers, so 98 registers a thread, what
  * the compiler picks unbounded, allow only 16 warps (launch error 701;
  * tests/test_kernel_resources.py checks every kernel against its block). */
+template <int PATTERN>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_packet_start p;
@@ -78,7 +98,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const uint64_t row_units = a.row_bytes / TPC_PACKET_DATA_BYTES;
   const uint64_t rows = a.nbytes / a.row_bytes;
   const float inv_n = 1.0f / (float)(row_units * 4);
-  const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual, *weight = (const uint2 *)a.weight;
+  const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual;
   uint2 *out = (uint2 *)a.out, *out2 = (uint2 *)a.out2;
   const int spread = gridDim.x > rows; /* the same in every block */
 
@@ -99,35 +119,80 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
         tpc_packet_push(&a, op.epoch, base + u, [&](int) { return v; });
       }
 
-    float z[TPC_NORM_UNITS][4];
+    /* v: z (ADD_NORM) or s, then o; what the first norm normalises */
+    float v[TPC_NORM_UNITS][4];
     float squares = 0.0f;
 #pragma unroll
     for (int k = 0; k < TPC_NORM_UNITS; ++k) {
       const uint64_t u = t + (uint64_t)k * data_threads;
-      for (int j = 0; j < 4; ++j) z[k][j] = 0.0f;
+      for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
-      tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, z[k]);
-      const uint2 r = residual[base + u];
-      const uint32_t words[2] = {r.x, r.y};
-      tpc_accumulate(z[k], words, 2, a.dtype);
-      for (int j = 0; j < 4; ++j) squares += z[k][j] * z[k][j];
+      tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, v[k]);
+      if (PATTERN == TPC_PATTERN_ADD_NORM) {
+        const uint2 r = residual[base + u];
+        const uint32_t words[2] = {r.x, r.y};
+        tpc_accumulate(v[k], words, 2, a.dtype);
+      }
+      for (int j = 0; j < 4; ++j) squares += v[k][j] * v[k][j];
     }
 
     int broken = 0;
     const float scale = rsqrtf(tpc_block_sum(squares, op.failed, &broken) * inv_n + a.eps);
+    if (PATTERN == TPC_PATTERN_ADD_NORM) {
+#pragma unroll
+      for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+        const uint64_t u = t + (uint64_t)k * data_threads;
+        if (t >= data_threads || u >= row_units) continue;
+        float w[4];
+        tpc_norm_load(a.weight, u, a.dtype, a.weight_offset, w);
+        float normed[4];
+        for (int j = 0; j < 4; ++j) normed[j] = v[k][j] * scale * w[j];
+        uint32_t n[2], s[2];
+        tpc_round(normed, n, 2, a.dtype);
+        tpc_round(v[k], s, 2, a.dtype);
+        out[base + u] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
+        out2[base + u] = broken ? tpc_poison8(&a) : make_uint2(s[0], s[1]);
+      }
+      continue;
+    }
+
+    /* NORM_ADD and NORM_ADD_NORM: o = r + s * scale * w', kept in v */
+    float squares2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < TPC_NORM_UNITS; ++k) {
       const uint64_t u = t + (uint64_t)k * data_threads;
       if (t >= data_threads || u >= row_units) continue;
-      const uint2 wv = weight[u];
-      const uint32_t wwords[2] = {wv.x, wv.y};
+      float w[4], r[4];
+      tpc_norm_load(a.weight, u, a.dtype, a.weight_offset, w);
+      tpc_norm_load(residual, base + u, a.dtype, -0.0f, r);
+      for (int j = 0; j < 4; ++j) v[k][j] = tpc_add_rn(r[j], v[k][j] * scale * w[j]);
+      if (PATTERN == TPC_PATTERN_NORM_ADD) {
+        uint32_t o[2];
+        tpc_round(v[k], o, 2, a.dtype);
+        const uint2 packed = broken ? tpc_poison8(&a) : make_uint2(o[0], o[1]);
+        out[base + u] = packed;
+        out2[base + u] = packed;
+      } else {
+        for (int j = 0; j < 4; ++j) squares2 += v[k][j] * v[k][j];
+      }
+    }
+    if (PATTERN == TPC_PATTERN_NORM_ADD) continue;
+
+    /* NORM_ADD_NORM: the second norm, over o, in the same fixed order */
+    int broken2 = 0;
+    const float scale2 = rsqrtf(tpc_block_sum(squares2, op.failed, &broken2) * inv_n + a.next_eps);
+    broken |= broken2;
+#pragma unroll
+    for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+      const uint64_t u = t + (uint64_t)k * data_threads;
+      if (t >= data_threads || u >= row_units) continue;
       float w[4];
-      tpc_start(w, wwords, 2, a.dtype); /* -0 + w: w exactly */
+      tpc_norm_load(a.next_weight, u, a.dtype, a.weight_offset, w);
       float normed[4];
-      for (int j = 0; j < 4; ++j) normed[j] = z[k][j] * scale * w[j];
+      for (int j = 0; j < 4; ++j) normed[j] = v[k][j] * scale2 * w[j];
       uint32_t n[2], s[2];
       tpc_round(normed, n, 2, a.dtype);
-      tpc_round(z[k], s, 2, a.dtype);
+      tpc_round(v[k], s, 2, a.dtype);
       out[base + u] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
       out2[base + u] = broken ? tpc_poison8(&a) : make_uint2(s[0], s[1]);
     }

@@ -38,6 +38,9 @@ static unsigned tpc_packet_max_blocks(const tpc_kernel_args *args) {
 /* The fused norm kernel's rows are sized by the same block (tpcomm.h). */
 static_assert(TPC_NORM_THREADS == TPC_BLOCK_THREADS, "the norm kernel's block is TPC_BLOCK_THREADS data threads");
 
+/* CUDA's limit on a kernel's parameters; every kernel takes one tpc_kernel_args. */
+static_assert(sizeof(tpc_kernel_args) <= 4096, "the kernels' argument block fits the kernel parameter limit");
+
 typedef struct {
   unsigned blocks, threads;
 } tpc_geometry;
@@ -188,7 +191,7 @@ extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, 
                     tpc_stream_geometry(args->nbytes / 16), args, stream);
 }
 
-/* One block per row, up to one per multiprocessor; as many data threads as
+/* The fused norm family: one block per row, up to one per multiprocessor; as many data threads as
  * the row has packet units (a multiple of 32, at most TPC_NORM_THREADS: the
  * rest is looped over, TPC_NORM_UNITS per thread at most). Few rows, written
  * out of place, get as many blocks as the packet all-reduce would use to push
@@ -206,5 +209,9 @@ extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *str
   g.blocks = (unsigned)(wanted < max_blocks ? wanted : max_blocks);
   g.threads = (unsigned)(row_units < TPC_NORM_THREADS ? (row_units + 31) / 32 * 32 : TPC_NORM_THREADS) +
               TPC_CONTROL_THREADS;
-  return tpc_launch(tpc_all_reduce_norm_kernel, g, args, stream);
+  /* the pattern picks the instantiation (all_reduce_norm.cuh says why a template); the core checked its range */
+  return tpc_launch(args->pattern == TPC_PATTERN_NORM_ADD        ? tpc_all_reduce_norm_kernel<TPC_PATTERN_NORM_ADD>
+                    : args->pattern == TPC_PATTERN_NORM_ADD_NORM ? tpc_all_reduce_norm_kernel<TPC_PATTERN_NORM_ADD_NORM>
+                                                                 : tpc_all_reduce_norm_kernel<TPC_PATTERN_ADD_NORM>,
+                    g, args, stream);
 }

@@ -294,6 +294,20 @@ TPC_DEVICE float tpc_warp_sum(float v) {
   return v;
 }
 
+/* a + b rounded once, never fused with the product that made either into an
+ * fma: code held to a reference that rounds the product first (the fused
+ * norm's o = r + s * scale * w). CUDA's __fadd_rn is an instruction the
+ * compiler does not contract; HIP's is a plain `+`, which hipcc's default
+ * (-ffp-contract=fast-honor-pragmas) would fuse but for the pragma. */
+TPC_DEVICE float tpc_add_rn(float a, float b) {
+#ifdef TPC_HIP
+#pragma clang fp contract(off)
+  return a + b;
+#else
+  return __fadd_rn(a, b);
+#endif
+}
+
 /* v of the lane whose index differs from this one's in the bits of `mask`
  * (within 32 lanes); every lane of the warp takes part. */
 TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {

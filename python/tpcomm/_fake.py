@@ -26,8 +26,9 @@ def register():
     def _all_reduce_out_fake(input, out, comm_id, algo):
         return None
 
-    @torch.library.register_fake(f"{NAMESPACE}::all_reduce_add_rms_norm_out")
-    def _all_reduce_add_rms_norm_out_fake(input, residual, weight, eps, normed, residual_out, comm_id):
+    @torch.library.register_fake(f"{NAMESPACE}::all_reduce_norm_out")
+    def _all_reduce_norm_out_fake(input, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, normed,
+                                  stream_out, comm_id):
         return None
 
     @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")

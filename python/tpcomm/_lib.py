@@ -20,9 +20,9 @@ NORM_MAX_ROW_BYTES = C.TPC_NORM_MAX_ROW_BYTES  # the longest row the fused norm 
 OK, ERR_INVALID_ARG, ERR_RUNTIME, ERR_PEER, ERR_STATE, ERR_TIMEOUT, ERR_MISMATCH, ERR_TOO_LARGE, ERR_CLOSED = (
     C.TPC_OK, C.TPC_ERR_INVALID_ARG, C.TPC_ERR_RUNTIME, C.TPC_ERR_PEER, C.TPC_ERR_STATE, C.TPC_ERR_TIMEOUT,
     C.TPC_ERR_MISMATCH, C.TPC_ERR_TOO_LARGE, C.TPC_ERR_CLOSED)
-# tpc_algo
-ALGO_PACKET, ALGO_BULK, ALGO_LINE, ALGO_BULK_ONE_SHOT = (C.TPC_ALGO_PACKET, C.TPC_ALGO_BULK, C.TPC_ALGO_LINE,
-                                                       C.TPC_ALGO_BULK_ONE_SHOT)
+# tpc_algo: ALGO_PACKET, ALGO_BULK, ALGO_LINE, ALGO_TWO_SHOT, ALGO_QUANTIZED_FP8/INT8/INT4,
+# ALGO_BULK_ONE_SHOT: every TPC_ALGO_* of csrc/tpcomm.h, read from _constants (generated from the header)
+globals().update({name[len("TPC_"):]: value for name, value in vars(C).items() if name.startswith("TPC_ALGO_")})
 
 
 class Config(ctypes.Structure):

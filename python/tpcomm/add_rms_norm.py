@@ -6,9 +6,12 @@ norm; tpcomm.reference is the definition the tests use).
 
 Three routes, chosen from what every rank shares (shape, dtype, config) by
 tpcomm.routing.add_rms_norm:
-  "fused"   one launch of tpcomm's fused kernel (csrc/kernels/all_reduce_norm.cuh):
+  "fused"   one launch of tpcomm's fused kernel family
+            (csrc/kernels/all_reduce_norm.cuh) on pattern ADD_NORM:
             fp16/bf16, the input within the packet cap, a row of at most
-            TPC_NORM_MAX_ROW_BYTES.
+            TPC_NORM_MAX_ROW_BYTES. The other fusion patterns
+            (tpcomm.norm_patterns) run on the same family where this route
+            is "fused".
   "split"   larger inputs (prefill), or rows too long for the kernel, whose
             rows divide among the ranks: the reduce-scatter kernels hand each
             rank the fp32 sums of its rows (unrounded), the rank adds its rows
@@ -22,6 +25,8 @@ normed output within 1 ulp (its mean of squares is summed in another order).
 Unfused gives the reference within 1 ulp (NCCL's order on more than 2 ranks).
 Config.fused_kernel=False leaves only "unfused"."""
 import torch
+
+from . import _constants as C
 
 
 def check_args(x, residual, weight, eps):
@@ -42,7 +47,8 @@ def run(comm, how, x, residual, weight, eps, in_place):
         xc, rc = x.contiguous(), residual.contiguous()
         direct = in_place and xc is x and rc is residual
         normed, summed = (x, residual) if direct else (torch.empty_like(xc), torch.empty_like(rc))
-        comm.kernels.all_reduce_add_rms_norm(xc, rc, weight.contiguous(), eps, normed, summed)
+        comm.kernels.all_reduce_norm(C.TPC_PATTERN_ADD_NORM, xc, rc, weight.contiguous(), None, eps, 0.0, 0.0, normed,
+                                     summed)
     elif how == "split":
         normed, summed = by_rows(comm, x, residual, weight, eps)
     else:

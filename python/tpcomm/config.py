@@ -16,7 +16,8 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
     TPCOMM_FORBID            none             kernels never used, e.g. bulk,line (their sizes go to NCCL)
     TPCOMM_AITER             1                0: AMD AITER's all-reduce off (tried first on ROCm
                                               where it imports)
-    TPCOMM_FUSED_KERNEL      1                0: all_reduce_add_rms_norm never on the fused kernel
+    TPCOMM_FUSED_KERNEL      1                0: all_reduce_add_rms_norm and every fusion pattern
+                                              never on the fused kernel family
     TPCOMM_QUANTIZE          none             fp8, int8 or int4: float16/bfloat16 all_reduces from the
                                               table's quantized_min_bytes on send quantized values (not
                                               exact: docs/design.md bounds the error)
@@ -44,7 +45,7 @@ class Config:
     forbid: tuple = ()         # (backend, ...)
     disable: bool = False
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
-    fused_kernel: bool = True  # all_reduce_add_rms_norm on the fused kernel where it takes the call
+    fused_kernel: bool = True  # the fusion patterns on the fused kernel family where it takes the call
     quantize: str = None       # None, "fp8", "int8" or "int4": the quantized all_reduce (opt-in)
 
     @classmethod

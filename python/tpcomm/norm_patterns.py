@@ -16,24 +16,33 @@ applies to every norm of the call. Every intermediate (s, z, o, the norms)
 stays in fp32 and each output is rounded once to the input's dtype, so the
 result depends only on the ranks' inputs: the same bits on every rank.
 tpcomm.reference.reference_all_reduce_norm is the definition the tests hold
-the op to.
+the op to. Pattern is csrc/tpcomm.h's tpc_norm_pattern.
 
-ADD_NORM with weight_offset 0 is Communicator.all_reduce_add_rms_norm (its
-routes: the fused kernel, split, unfused). The others run the all-reduce in
-fp32 through the Communicator's route (uncounted: the call counts once,
-under the pattern's key) and the rest in torch, in fp32.
+Every pattern and offset runs in one launch of the fused kernel family
+(csrc/kernels/all_reduce_norm.cuh, route "fused") where ADD_NORM would:
+fp16/bf16, every weight of the input's dtype, the input within the packet
+cap, a row of at most TPC_NORM_MAX_ROW_BYTES, Config.fused_kernel on
+(tpcomm.routing.norm_pattern decides). Its stream output is the reference
+bit for bit for ADD_NORM and within 1 ulp for the others (o takes the norm
+of s, whose mean of squares the kernel sums in another order), its normed
+output within 1 ulp. ADD_NORM with weight_offset 0 is
+Communicator.all_reduce_add_rms_norm, whose "split" route also takes
+prefill sizes. Anything else runs "unfused": the all-reduce in fp32 through
+the Communicator's route (uncounted: the call counts once, under the
+pattern's key) and the rest in torch, in fp32.
 """
 import enum
 
 import torch
 
-from . import add_rms_norm
+from . import _constants as C
+from . import add_rms_norm, routing
 
 
 class Pattern(enum.IntEnum):
-    ADD_NORM = 0
-    NORM_ADD = 1
-    NORM_ADD_NORM = 2
+    ADD_NORM = C.TPC_PATTERN_ADD_NORM
+    NORM_ADD = C.TPC_PATTERN_NORM_ADD
+    NORM_ADD_NORM = C.TPC_PATTERN_NORM_ADD_NORM
 
 
 # The key each pattern's calls count under in Communicator.stats()
@@ -73,15 +82,30 @@ def check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_
         raise ValueError(f"tpcomm: weight_offset={weight_offset!r} must be 0 (weight w) or 1 (weight 1 + w)")
 
 
+def route(comm, pattern, x, weight, next_weight, weight_offset):
+    """How run() takes this call: "fused", "unfused", or (ADD_NORM with
+    weight w) any route of Communicator.all_reduce_add_rms_norm."""
+    return routing.norm_pattern(comm.route_all_reduce_add_rms_norm(x, weight), pattern, weight_offset, x.dtype,
+                                None if next_weight is None else next_weight.dtype)
+
+
 def run(comm, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset):
     """(normed, stream) of `pattern` over comm's group (see the module's doc);
-    counted once in comm.stats() under STATS_KEY[pattern]."""
+    counted once in comm.stats() under STATS_KEY[pattern] and the route that ran."""
     check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset)
     pattern = Pattern(pattern)
     if pattern == Pattern.ADD_NORM and not weight_offset:
         return comm.all_reduce_add_rms_norm(x, residual, weight, eps)
-    cell = comm._cell(STATS_KEY[pattern], "unfused")
+    how = route(comm, pattern, x, weight, next_weight, weight_offset)
+    cell = comm._cell(STATS_KEY[pattern], how)
     cell[0] += 1
     cell[1] += x.numel() * x.element_size()
+    if how == "fused":
+        xc, rc = x.contiguous(), residual.contiguous()
+        normed, stream = torch.empty_like(xc), torch.empty_like(rc)
+        comm.kernels.all_reduce_norm(pattern, xc, rc, weight.contiguous(),
+                                     None if next_weight is None else next_weight.contiguous(), eps, next_eps,
+                                     weight_offset, normed, stream)
+        return normed, stream
     sums = add_rms_norm.uncounted(comm, "all_reduce", x.float())
     return from_sums(pattern, sums, residual, weight, next_weight, eps, next_eps, weight_offset, x.dtype)

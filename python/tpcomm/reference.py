@@ -42,8 +42,9 @@ def reference_all_reduce_norm(inputs, residual, weight, eps, pattern, weight_off
     r = residual.float()
     dtype = inputs[0].dtype
 
-    def norm(v, w, e):
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * (w.float() + weight_offset)
+    def norm(v, w, e):  # offset 0 adds nothing: +0 would turn a weight of -0.0 into +0.0
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * (w.float() + weight_offset if weight_offset
+                                                                       else w.float())
 
     if int(pattern) == 0:
         z = s + r

@@ -8,8 +8,8 @@ core's statement of each kernel's rules (csrc/core/limits.c, read once per
 Caps through ctypes): the core validates every op against the same limits,
 so a rule is written once. route() walks the table's band for the size and,
 where the band's kernel cannot take the call, the kernels it falls back to;
-add_rms_norm() picks the fused op's route. The C core runs the kernel it is
-told.
+add_rms_norm() picks the fused op's route, norm_pattern() that of every
+fusion pattern. The C core runs the kernel it is told.
 
 Backends: "packet" (barrier-free, small sizes), "line" (the packet scheme in
 128-byte lines, CUDA builds only: it rests on NVLink delivering a warp's
@@ -232,6 +232,21 @@ def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
         return "fused"
     if (nbytes // row) % caps.world_size == 0 and route(routes, caps, "reduce_scatter", dtype, nbytes) in KERNELS:
         return "split"
+    return "unfused"
+
+
+def norm_pattern(add_norm_route, pattern, weight_offset, dtype, next_weight_dtype=None):
+    """How fusion pattern `pattern` (tpcomm.norm_patterns.Pattern) with this
+    weight offset runs, from add_norm_route, what add_rms_norm() gives
+    all_reduce_add_rms_norm of the same input and weight: every pattern runs
+    on the fused kernel family where ADD_NORM would ("fused"; a next weight of
+    the input's dtype); ADD_NORM with weight w is all_reduce_add_rms_norm
+    itself, "split" included; the rest is "unfused" (all-reduce in fp32, then
+    torch)."""
+    if int(pattern) == C.TPC_PATTERN_ADD_NORM and not weight_offset:
+        return add_norm_route
+    if add_norm_route == "fused" and next_weight_dtype in (None, dtype):
+        return "fused"
     return "unfused"
 
 

@@ -181,7 +181,7 @@ void test_debug_set_epoch(void);
 /* test_ops.c */
 void test_reduce_scatter(void);
 void test_reduce_scatter_f32(void);
-void test_all_reduce_add_rms_norm(void);
+void test_all_reduce_norm(void);
 void test_all_reduce_validation(void);
 void test_all_reduce_algo_and_args(void);
 void test_quantized_validation(void);

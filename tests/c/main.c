@@ -37,7 +37,7 @@ int main(void) {
   RUN(test_all_reduce_validation);
   RUN(test_reduce_scatter);
   RUN(test_reduce_scatter_f32);
-  RUN(test_all_reduce_add_rms_norm);
+  RUN(test_all_reduce_norm);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_quantized_validation);
   RUN(test_all_gather);

@@ -128,6 +128,8 @@ void test_describe(void) {
   const uint32_t ag_pk_256 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 256);
   const uint32_t ag_pk_64 = tpc_kind_word(TPC_OP_ALL_GATHER, TPC_ALGO_PACKET, 0, 64);
   const uint32_t norm_bf16 = tpc_kind_word(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
+  const uint32_t norm_add_bf16 = tpc_kind_word(TPC_KIND_NORM_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_NORM_ADD),
+                                               TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
 
   static const struct {
     int code, peer, reported;
@@ -148,7 +150,10 @@ void test_describe(void) {
       {TPC_ERR_MISMATCH, 0, 0, 16, 256, 256, 4, {"the dtype differs", "peer 0", NULL, NULL}},
       {TPC_ERR_MISMATCH, 0, 0, 17, 256, 256, 5, {"the layout (all_gather dim) differs", NULL, NULL, NULL}},
       {TPC_ERR_MISMATCH, 1, 0, 17, 256, 256, 7,
-       {"the op differs", "peer: all_reduce_add_rms_norm packet of 256 bytes", "this rank: all_reduce packet", NULL}},
+       {"the op differs", "peer: all_reduce_norm ADD_NORM packet of 256 bytes", "this rank: all_reduce packet", NULL}},
+      /* ranks that call different fusion patterns of one shape */
+      {TPC_ERR_MISMATCH, 1, 0, 17, 256, 256, 8,
+       {"the op differs", "peer: all_reduce_norm NORM_ADD packet", "this rank: all_reduce_norm ADD_NORM packet", NULL}},
       /* a peer found the mismatch and told this rank */
       {TPC_ERR_MISMATCH, 1, 1, 18, 0, 0, 0, {"peer 1 found that the ranks called different ops at op #18", NULL, NULL, NULL}},
       /* a peer aborted */
@@ -166,6 +171,7 @@ void test_describe(void) {
       case 5: peer_kind = ag_pk_64; own_kind = ag_pk_256; break;
       case 6: peer_kind = ar_ln_f32; own_kind = ar_pk_f32; break;
       case 7: peer_kind = norm_bf16; own_kind = ar_pk_bf16; break;
+      case 8: peer_kind = norm_add_bf16; own_kind = norm_bf16; break;
     }
     fill_record(rec, cases[i].code, cases[i].peer, cases[i].epoch, cases[i].reported,
                 (uint32_t)cases[i].peer_bytes_, peer_kind, (uint32_t)cases[i].own_bytes_, own_kind);

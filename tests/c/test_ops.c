@@ -2,6 +2,8 @@
  * The collectives: what each op refuses and why, the kernel it is told to
  * run, and the arguments that kernel gets; stream and device handling.
  */
+#include <math.h>
+
 #include "harness.h"
 
 /* reduce_scatter: the checks of all_reduce on the chunk (packet cap on one
@@ -99,12 +101,20 @@ void test_reduce_scatter_f32(void) {
   CHECK_ALL_RELEASED();
 }
 
-void test_all_reduce_add_rms_norm(void) {
+/* tpc_all_reduce_norm with pattern ADD_NORM, weight offset 0 and no next_weight */
+static tpc_result add_norm(tpc_comm *c, const void *in, const void *res, const void *weight, void *normed,
+                           void *res_out, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps) {
+  return tpc_all_reduce_norm(c, TPC_PATTERN_ADD_NORM, in, res, weight, NULL, normed, res_out, nbytes, row_bytes, dtype,
+                             eps, 0.0f, 0.0f, STREAM_A);
+}
+
+void test_all_reduce_norm(void) {
   fake_reset();
   world w;
   CHECK(make_world(&w, 2, 1));
   tpc_comm *c = w.comm[1];
   unsigned char *in = scratch_in, *res = scratch_in + MAX_BYTES, *weight = scratch_in + 2 * MAX_BYTES;
+  unsigned char *next_weight = scratch_in + 3 * MAX_BYTES;
   unsigned char *normed = scratch_out, *res_out = scratch_out + MAX_BYTES;
   static const struct {
     size_t nbytes, row_bytes;
@@ -114,7 +124,7 @@ void test_all_reduce_add_rms_norm(void) {
     tpc_result want;
     const char *needle;
   } cases[] = {
-      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "all_reduce_add_rms_norm: dtype 0 (float32) is not float16 or bfloat16"},
+      {64, 64, TPC_FLOAT32, 0, 1e-6f, TPC_ERR_INVALID_ARG, "all_reduce_norm: dtype 0 (float32) is not float16 or bfloat16"},
       {64, 24, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 24 bytes: the packet kernel needs a positive multiple of 16 up to 32768"},
       {64, 0, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "a row of 0 bytes"},
       {TPC_NORM_MAX_ROW_BYTES + 16, TPC_NORM_MAX_ROW_BYTES + 16, TPC_FLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG,
@@ -123,44 +133,93 @@ void test_all_reduce_add_rms_norm(void) {
       {0, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_INVALID_ARG, "of 0 bytes"},
       {PACKET_MAX + 64, 64, TPC_BFLOAT16, 0, 1e-6f, TPC_ERR_TOO_LARGE, "of 1088 bytes is over the packet cap of 1024"},
       {64, 64, TPC_BFLOAT16, 8, 1e-6f, TPC_ERR_INVALID_ARG, "every tensor must be 16-byte aligned"},
-      {64, 64, TPC_BFLOAT16, 0, -1.0f, TPC_ERR_INVALID_ARG, "eps -1 is not in [0, 1]"},
+      {64, 64, TPC_BFLOAT16, 0, -1.0f, TPC_ERR_INVALID_ARG, "all_reduce_norm: eps -1 is not in [0, 1]"},
       {64, 64, TPC_BFLOAT16, 0, 0.0f / 0.0f, TPC_ERR_INVALID_ARG, "is not in [0, 1]"},
+      {64, 64, TPC_BFLOAT16, 0, 1.0f / 0.0f, TPC_ERR_INVALID_ARG, "eps inf is not in [0, 1]"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
-    CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight + cases[i].misalign, normed, res_out, cases[i].nbytes,
-                                            cases[i].row_bytes, (tpc_dtype)cases[i].dtype, cases[i].eps, STREAM_A),
+    CHECK_RC(c, add_norm(c, in, res, weight + cases[i].misalign, normed, res_out, cases[i].nbytes, cases[i].row_bytes,
+                         (tpc_dtype)cases[i].dtype, cases[i].eps),
              cases[i].want);
     CHECK_MSG(c, cases[i].needle);
   }
-  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, NULL, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f, STREAM_A),
-           TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "NULL residual, weight or residual output");
+  CHECK_RC(c, add_norm(c, in, NULL, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f), TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "NULL residual, weight or stream output");
+  /* the family's own rules: pattern, next_weight iff NORM_ADD_NORM (aligned), next_eps, weight_offset */
+  static const struct {
+    int pattern;
+    int next; /* 0: no next_weight, 1: next_weight, 2: next_weight 8 bytes off */
+    float next_eps, offset;
+    const char *needle;
+  } rules[] = {
+      {3, 0, 0.0f, 0.0f, "all_reduce_norm: unknown pattern 3 (ADD_NORM 0, NORM_ADD 1 or NORM_ADD_NORM 2)"},
+      {-1, 0, 0.0f, 0.0f, "unknown pattern -1"},
+      {TPC_PATTERN_ADD_NORM, 1, 0.0f, 0.0f, "all_reduce_norm: pattern ADD_NORM takes no next_weight"},
+      {TPC_PATTERN_NORM_ADD, 1, 0.0f, 0.0f, "all_reduce_norm: pattern NORM_ADD takes no next_weight"},
+      {TPC_PATTERN_NORM_ADD_NORM, 0, 0.0f, 0.0f, "all_reduce_norm: pattern NORM_ADD_NORM takes a next_weight"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 2.0f, 0.0f, "all_reduce_norm: next_eps 2 is not in [0, 1]"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0.0f / 0.0f, 0.0f, "nan is not in [0, 1]"},
+      {TPC_PATTERN_NORM_ADD_NORM, 2, 1e-6f, 0.0f, "all_reduce_norm: every tensor must be 16-byte aligned"},
+      {TPC_PATTERN_NORM_ADD, 0, 0.0f, 0.5f, "all_reduce_norm: weight_offset 0.5 is not 0 or 1"},
+      {TPC_PATTERN_ADD_NORM, 0, 0.0f, -1.0f, "weight_offset -1 is not 0 or 1"},
+  };
+  for (size_t i = 0; i < sizeof rules / sizeof rules[0]; ++i) {
+    const void *next = rules[i].next ? next_weight + (rules[i].next == 2 ? 8 : 0) : NULL;
+    CHECK_RC(c, tpc_all_reduce_norm(c, (tpc_norm_pattern)rules[i].pattern, in, res, weight, next, normed, res_out, 64,
+                                    64, TPC_BFLOAT16, 1e-6f, rules[i].next_eps, rules[i].offset, STREAM_A),
+             TPC_ERR_INVALID_ARG);
+    CHECK_MSG(c, rules[i].needle);
+  }
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 0);
   /* 16 rows of 64 bytes (32 bf16 values), the packet cap exactly; in place */
-  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, in, res, PACKET_MAX, 64, TPC_BFLOAT16, 1e-5f, STREAM_A),
-           TPC_OK);
+  CHECK_RC(c, add_norm(c, in, res, weight, in, res, PACKET_MAX, 64, TPC_BFLOAT16, 1e-5f), TPC_OK);
   CHECK_EQ(fake.last_op_entry, FK_LAUNCH_ALL_REDUCE_NORM);
   check_args(&w, 1, in, in, PACKET_MAX, 64, TPC_BFLOAT16, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, NAN_BF16);
   CHECK_PTR(fake.last_args.residual, res);
   CHECK_PTR(fake.last_args.weight, weight);
   CHECK_PTR(fake.last_args.out2, res);
+  CHECK_PTR(fake.last_args.next_weight, NULL);
   CHECK(fake.last_args.eps == 1e-5f);
-  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, normed, res_out, 128, 128, TPC_FLOAT16, 0.0f, STREAM_A),
-           TPC_OK);
+  CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_ADD_NORM);
+  /* offset 0 is passed as -0.0f: -0 + w is w, signed zeros included */
+  CHECK(fake.last_args.weight_offset == 0.0f && signbit(fake.last_args.weight_offset));
+  CHECK_RC(c, add_norm(c, in, res, weight, normed, res_out, 128, 128, TPC_FLOAT16, 0.0f), TPC_OK);
   check_args(&w, 1, in, normed, 128, 128, TPC_FLOAT16, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, NAN_F16);
   CHECK_PTR(fake.last_args.out2, res_out);
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 2);
+  /* NORM_ADD with weight 1 + w; next_eps out of range is not its concern */
+  CHECK_RC(c, tpc_all_reduce_norm(c, TPC_PATTERN_NORM_ADD, in, res, weight, NULL, normed, res_out, 128, 64,
+                                  TPC_BFLOAT16, 1e-6f, 5.0f, 1.0f, STREAM_A),
+           TPC_OK);
+  CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_NORM_ADD);
+  CHECK(fake.last_args.weight_offset == 1.0f);
+  CHECK(fake.last_args.next_eps == 0.0f);
+  CHECK_PTR(fake.last_args.next_weight, NULL);
+  /* the pattern rides in the header's op byte: ranks calling different patterns mismatch */
+  CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_KIND_NORM_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_NORM_ADD),
+                                              TPC_ALGO_PACKET, TPC_BFLOAT16, 64));
+  CHECK_RC(c, tpc_all_reduce_norm(c, TPC_PATTERN_NORM_ADD_NORM, in, res, weight, next_weight, in, res, 128, 128,
+                                  TPC_FLOAT16, 1e-6f, 1e-5f, 0.0f, STREAM_A),
+           TPC_OK);
+  CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_NORM_ADD_NORM);
+  CHECK_PTR(fake.last_args.next_weight, next_weight);
+  CHECK(fake.last_args.next_eps == 1e-5f);
+  CHECK(fake.last_args.eps == 1e-6f);
+  CHECK_PTR(fake.last_args.out, in);
+  CHECK_PTR(fake.last_args.out2, res);
+  CHECK_EQ(TPC_KIND_PATTERN(fake.last_args.kind), TPC_PATTERN_NORM_ADD_NORM);
+  CHECK_EQ(TPC_KIND_BASE_OP(fake.last_args.kind), TPC_OP_ALL_REDUCE_NORM);
+  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 4);
   /* the other ops leave the norm's fields empty */
   CHECK_RC(c, tpc_all_reduce(c, in, normed, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_PTR(fake.last_args.residual, NULL);
   CHECK_PTR(fake.last_args.out2, NULL);
+  CHECK_PTR(fake.last_args.next_weight, NULL);
+  CHECK_EQ(fake.last_args.pattern, 0);
   fake_fail_nth(FK_LAUNCH_ALL_REDUCE_NORM, 1, 78);
-  CHECK_RC(c, tpc_all_reduce_add_rms_norm(c, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f, STREAM_A),
-           TPC_ERR_RUNTIME);
-  CHECK_MSG(c, "launching all_reduce_add_rms_norm failed");
-  CHECK_RC(NULL, tpc_all_reduce_add_rms_norm(NULL, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f,
-                                             STREAM_A),
-           TPC_ERR_INVALID_ARG);
+  CHECK_RC(c, add_norm(c, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f), TPC_ERR_RUNTIME);
+  CHECK_MSG(c, "launching all_reduce_norm failed");
+  CHECK_RC(NULL, add_norm(NULL, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f), TPC_ERR_INVALID_ARG);
   destroy_world(&w);
   CHECK_ALL_RELEASED();
 }

@@ -4,7 +4,7 @@ core directly (tpcomm._fastpath): "packet" (barrier-free, small and medium
 sizes), "line" (the same scheme in 128-byte lines of data and flag, CUDA
 builds only), "two_shot" (all_reduce in lines, in two phases), "bulk" (large
 sizes: streamed, or the two-shot all-reduce of more than two ranks), and the
-fused all-reduce + add + RMSNorm. The caller picks the kernel (tpcomm.routing says which can take a
+fused all-reduce + add + RMSNorm family (every tpcomm.norm_patterns pattern). The caller picks the kernel (tpcomm.routing says which can take a
 call). They read only their input and the buffers registered at init, so
 graph capture needs nothing more. Errors come back as tpcomm's exception
 classes."""
@@ -33,7 +33,7 @@ class Kernels:
         self._codes = {op: {kernel: routing.algo_code(op, kernel, caps)
                             for kernel in routing.KERNELS + routing.QUANTIZED} for op in routing.OPS}
         self._all_reduce_out = _op("all_reduce_out")
-        self._norm_out = _op("all_reduce_add_rms_norm_out")
+        self._norm_out = _op("all_reduce_norm_out")
         self._all_gather = _op("all_gather")
         self._reduce_scatter = _op("reduce_scatter")
         self._reduce_scatter_f32 = _op("reduce_scatter_f32")
@@ -79,11 +79,14 @@ class Kernels:
         """The sum of x over the group on kernel `algo` (see all_reduce_runner)."""
         return self.all_reduce_runner(x.dtype, algo)(x, out)
 
-    def all_reduce_add_rms_norm(self, x, residual, weight, eps, normed, residual_out):
-        """The fused kernel: writes normed and residual_out (they may be x and
-        residual); every tensor contiguous, of x's 16-bit dtype."""
+    def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, normed,
+                        stream_out):
+        """The fused kernel family on fusion pattern `pattern` (tpcomm.norm_patterns):
+        writes normed and stream_out (they may be x and residual); every tensor
+        contiguous, of x's 16-bit dtype; next_weight None but for NORM_ADD_NORM."""
         try:
-            self._norm_out(x, residual, weight, float(eps), normed, residual_out, self.comm_id)
+            self._norm_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
+                           int(pattern), normed, stream_out, self.comm_id)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
