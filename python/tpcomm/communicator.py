@@ -246,31 +246,29 @@ class Communicator:
     def route_all_reduce(self, x: torch.Tensor) -> str:
         """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", "nccl", or
         "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
-        if self.world_size == 1:
-            return SINGLE_RANK
-        return routing.route(self._routes, self._caps, "all_reduce", x.dtype, x.numel() * x.element_size())
+        return self._route(routing.route, "all_reduce", x.dtype, x.numel() * x.element_size())
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        if self.world_size == 1:
-            return SINGLE_RANK
-        return routing.route(self._routes, self._caps, "all_gather", x.dtype, x.numel() * x.element_size(),
-                             routing.row_bytes(x.shape, dim, x.element_size()))
+        return self._route(routing.route, "all_gather", x.dtype, x.numel() * x.element_size(),
+                           routing.row_bytes(x.shape, dim, x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
         """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        if self.world_size == 1:
-            return SINGLE_RANK
-        return routing.route(self._routes, self._caps, "reduce_scatter", x.dtype, x.numel() * x.element_size())
+        return self._route(routing.route, "reduce_scatter", x.dtype, x.numel() * x.element_size())
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
         kernel), "split" (reduce-scatter in fp32, the norm on this rank's rows,
         all-gather) or "unfused" (all_reduce in fp32, then torch)."""
-        if self.world_size == 1:
-            return SINGLE_RANK  # add_rms_norm.run: the unfused way, whose all_reduce is a copy
-        return routing.add_rms_norm(self._routes, self._caps, self.config.fused_kernel, x.dtype, weight.dtype,
-                                    x.numel() * x.element_size(), x.shape[-1] * x.element_size() if x.dim() else 0)
+        return self._route(routing.add_rms_norm, self.config.fused_kernel, x.dtype, weight.dtype,
+                           x.numel() * x.element_size(), x.shape[-1] * x.element_size() if x.dim() else 0)
+
+    def _route(self, how, *args):
+        """routing's answer `how(routes, caps, *args)`; a group of one has one
+        route for every call (add_rms_norm.run takes it the unfused way, whose
+        all_reduce is a copy)."""
+        return SINGLE_RANK if self.world_size == 1 else how(self._routes, self._caps, *args)
 
     def _remember(self, op, key, x, nbytes, backend, dim=0):
         """Memoises the route of a call like x (a few thousand shapes at most:
