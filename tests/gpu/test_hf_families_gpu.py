@@ -240,8 +240,7 @@ def _family_body(rank, world, family, root, inner, on_gpu):
     route = "fused" if on_gpu else "unfused"  # CPU ranks have no kernel
     assert fused == {f"{fused_key}/{route}": rows}, (
         f"{what}: expected all {rows} row-parallel all-reduces fused as {fused_key} on the route {route!r}, got "
-        f"{fused}; a pattern the fused CUDA kernel does not take (NORM_ADD_NORM, weight offset 1) routes "
-        f"'unfused'")
+        f"{fused}; 'unfused' means routing.norm_pattern refused the call (dtype, row length, packet cap)")
     comm.close()
 
 
