@@ -82,6 +82,13 @@ def load_tp(family, model_dir, dtype):
     return model_cls.from_pretrained(model_dir, dtype=dtype, distributed_config=tp).eval()
 
 
+def tp_group(model):
+    """The process group of the model's TP mesh: its "tp" dimension, or the
+    mesh itself where transformers made it one-dimensional without names."""
+    mesh = model._device_mesh
+    return (mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh).get_group()
+
+
 def expected(model):
     """What a forward of the TP model issues, from its modules and TP plan:
     row-parallel all-reduces, the embedding's all-reduces, DTensor all-gathers,
@@ -131,7 +138,7 @@ def run_family(family, model_dir):
 
     save_model(family, model_dir)
     model = load_tp(family, model_dir, torch.float32)
-    group = model._device_mesh["tp"].get_group()
+    group = tp_group(model)
     comm = tpcomm.Communicator(group, device=torch.device("cpu"))
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
 

@@ -17,6 +17,7 @@ import tpcomm
 from gpu_checks import (DTYPES, KERNELS, PACKET, Calls, KiB, MiB, all_reduce_algo, assert_bits_equal,
                         assert_custom_only, delay_random_rank, int_valued, nccl_all_gather, nccl_all_reduce,
                         no_compile_caches, overwrite, same_on_all_ranks, shared_rng, stats_label, takes)
+from tpcomm import _constants
 from tpcomm.reference import rank_order_sum
 
 pytestmark = pytest.mark.gpu
@@ -283,7 +284,8 @@ def body_errors(rank, world):
         torch.ops._tpcomm.all_reduce(torch.ones(8, dtype=torch.float64, device="cuda"), comm.comm_id, PACKET)
     with pytest.raises(RuntimeError, match="over the"):
         torch.ops._tpcomm.all_reduce(torch.ones(2 * MiB // 4, device="cuda"), comm.comm_id, PACKET)
-    for bad in (0, 5, -1):  # the kernels are 1 to 4; there is no automatic choice in the C core
+    unknown = 1 + max(v for k, v in vars(_constants).items() if k.startswith("TPC_ALGO_"))
+    for bad in (0, unknown, -1):  # no automatic choice (0) in the C core, nor a code past the header's
         with pytest.raises(RuntimeError, match=f"algorithm {bad}"):
             torch.ops._tpcomm.all_reduce(x, comm.comm_id, bad)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):

@@ -183,7 +183,7 @@ def _family_body(rank, world, family, root, inner, on_gpu):
     hf_families.save_model(family, model_dir, SHAPE, norm_spread=NORM_SPREAD)
     model = hf_families.load_tp(family, model_dir, torch.bfloat16)
     assert next(model.parameters()).device == device, next(model.parameters()).device
-    group = model._device_mesh["tp"].get_group()
+    group = hf_families.tp_group(model)
     comm = tpcomm.Communicator(group, device=device)
     if on_gpu:
         assert comm.enabled, comm.disabled_reason
