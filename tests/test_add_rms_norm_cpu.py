@@ -8,11 +8,12 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tpcomm
-from tpcomm import _lib, _testing, add_rms_norm, routing, routing_table
+from tpcomm import _lib, _testing, add_rms_norm, routing
 from tpcomm.config import Config
 from tpcomm.reference import rank_order_sum, reference_add_rms_norm, ulp_distance
 
 from multiproc import run_ranks
+from routing_only import meta, routing_comm
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -157,43 +158,30 @@ def test_errors_name_what_is_wrong():
 
 # The route is plain Python over shapes and the configuration; checked on a
 # Communicator whose set-up is skipped and that pretends to be enabled.
-def _comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, world_size=2, forbid=()):
-    comm = object.__new__(tpcomm.Communicator)
-    comm.world_size = world_size
-    comm.config = Config(fused_kernel=fused_kernel)
-    comm._routes = routing_table.effective_routes(routing_table.load_table(None), world_size, {}, forbid)
-    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None
-    return comm
-
-
-def _meta(shape, dtype=torch.bfloat16):
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def test_route_to_the_fused_kernel():
-    c = _comm()
-    w = _meta((4096,))
-    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "fused"
-    assert c.route_all_reduce_add_rms_norm(_meta((128, 4096)), w) == "fused"        # 1 MiB: the packet cap
-    assert c.route_all_reduce_add_rms_norm(_meta((129, 4096)), w) == "unfused"      # over it, 129 rows for 2 ranks
-    assert c.route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "split"         # 65 rows a rank
-    assert c.route_all_reduce_add_rms_norm(_meta((2048, 4096)), w) == "split"        # 16 MiB: max_bytes
-    assert c.route_all_reduce_add_rms_norm(_meta((2050, 4096)), w) == "unfused"     # over it: NCCL's
-    assert _comm(world_size=4).route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "unfused"  # 130 % 4
-    assert _comm(world_size=4).route_all_reduce_add_rms_norm(_meta((132, 4096)), w) == "split"
-    assert _comm(forbid=("packet", "bulk")).route_all_reduce_add_rms_norm(_meta((130, 4096)), w) == "unfused"
-    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float16), _meta((4096,), torch.float16)) == "fused"
-    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096), torch.float32), _meta((4096,), torch.float32)) == "unfused"
-    assert c.route_all_reduce_add_rms_norm(_meta((1, 4096)), _meta((4096,), torch.float32)) == "unfused"  # weight
+    c = routing_comm()
+    w = meta((4096,))
+    assert c.route_all_reduce_add_rms_norm(meta((1, 4096)), w) == "fused"
+    assert c.route_all_reduce_add_rms_norm(meta((128, 4096)), w) == "fused"        # 1 MiB: the packet cap
+    assert c.route_all_reduce_add_rms_norm(meta((129, 4096)), w) == "unfused"      # over it, 129 rows for 2 ranks
+    assert c.route_all_reduce_add_rms_norm(meta((130, 4096)), w) == "split"         # 65 rows a rank
+    assert c.route_all_reduce_add_rms_norm(meta((2048, 4096)), w) == "split"        # 16 MiB: max_bytes
+    assert c.route_all_reduce_add_rms_norm(meta((2050, 4096)), w) == "unfused"     # over it: NCCL's
+    assert routing_comm(world_size=4).route_all_reduce_add_rms_norm(meta((130, 4096)), w) == "unfused"  # 130 % 4
+    assert routing_comm(world_size=4).route_all_reduce_add_rms_norm(meta((132, 4096)), w) == "split"
+    assert routing_comm(forbid=("packet", "bulk")).route_all_reduce_add_rms_norm(meta((130, 4096)), w) == "unfused"
+    assert c.route_all_reduce_add_rms_norm(meta((1, 4096), torch.float16), meta((4096,), torch.float16)) == "fused"
+    assert c.route_all_reduce_add_rms_norm(meta((1, 4096), torch.float32), meta((4096,), torch.float32)) == "unfused"
+    assert c.route_all_reduce_add_rms_norm(meta((1, 4096)), meta((4096,), torch.float32)) == "unfused"  # weight
     row = _lib.NORM_MAX_ROW_BYTES // 2
-    assert c.route_all_reduce_add_rms_norm(_meta((2, row)), _meta((row,))) == "fused"
-    assert c.route_all_reduce_add_rms_norm(_meta((1, row + 8)), _meta((row + 8,))) == "unfused"  # row too long
-    assert c.route_all_reduce_add_rms_norm(_meta((2, row + 8)), _meta((row + 8,))) == "split"  # for the kernel
-    assert c.route_all_reduce_add_rms_norm(_meta((2, 36)), _meta((36,))) == "unfused"  # 72-byte rows
-    assert c.route_all_reduce_add_rms_norm(_meta((0, 64)), _meta((64,))) == "unfused"
-    assert _comm(fused_kernel=False).route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "unfused"
-    assert _comm(enabled=False).route_all_reduce_add_rms_norm(_meta((1, 4096)), w) == "unfused"
-    assert _comm(packet_max_bytes=64 * KiB).route_all_reduce_add_rms_norm(_meta((9, 4096)), w) == "unfused"
+    assert c.route_all_reduce_add_rms_norm(meta((2, row)), meta((row,))) == "fused"
+    assert c.route_all_reduce_add_rms_norm(meta((1, row + 8)), meta((row + 8,))) == "unfused"  # row too long
+    assert c.route_all_reduce_add_rms_norm(meta((2, row + 8)), meta((row + 8,))) == "split"  # for the kernel
+    assert c.route_all_reduce_add_rms_norm(meta((2, 36)), meta((36,))) == "unfused"  # 72-byte rows
+    assert c.route_all_reduce_add_rms_norm(meta((0, 64)), meta((64,))) == "unfused"
+    assert routing_comm(fused_kernel=False).route_all_reduce_add_rms_norm(meta((1, 4096)), w) == "unfused"
+    assert routing_comm(enabled=False).route_all_reduce_add_rms_norm(meta((1, 4096)), w) == "unfused"
+    assert routing_comm(packet_max_bytes=64 * KiB).route_all_reduce_add_rms_norm(meta((9, 4096)), w) == "unfused"
 
 
 def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):

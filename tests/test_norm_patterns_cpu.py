@@ -18,7 +18,7 @@ from tpcomm.norm_patterns import STATS_KEY, Pattern
 from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 from multiproc import run_ranks
-from test_add_rms_norm_cpu import _comm, _meta
+from routing_only import meta, routing_comm
 
 SHAPES = [(1, 64), (3, 128), (2, 2, 256)]
 
@@ -107,19 +107,19 @@ def test_route_of_each_pattern_from_add_norms():
 
 
 def test_route_of_each_pattern_on_a_communicator():
-    c, w = _comm(), _meta((4096,))
-    decode, prefill, fp32 = _meta((8, 4096)), _meta((130, 4096)), _meta((1, 4096), torch.float32)
+    c, w = routing_comm(), meta((4096,))
+    decode, prefill, fp32 = meta((8, 4096)), meta((130, 4096)), meta((1, 4096), torch.float32)
     for pattern in (Pattern.NORM_ADD, Pattern.NORM_ADD_NORM):
         nw = w if pattern == Pattern.NORM_ADD_NORM else None
         for offset in (0.0, 1.0):
             assert norm_patterns.route(c, pattern, decode, w, nw, offset) == "fused"
             assert norm_patterns.route(c, pattern, prefill, w, nw, offset) == "unfused"  # over the packet cap
-            assert norm_patterns.route(c, pattern, fp32, _meta((4096,), torch.float32), nw, offset) == "unfused"
-            assert norm_patterns.route(_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
-            assert norm_patterns.route(_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
+            assert norm_patterns.route(c, pattern, fp32, meta((4096,), torch.float32), nw, offset) == "unfused"
+            assert norm_patterns.route(routing_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
+            assert norm_patterns.route(routing_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
     row = C.TPC_NORM_MAX_ROW_BYTES // 2
-    assert norm_patterns.route(c, Pattern.NORM_ADD, _meta((1, row)), _meta((row,)), None, 1.0) == "fused"
-    assert norm_patterns.route(c, Pattern.NORM_ADD, _meta((1, row + 8)), _meta((row + 8,)), None, 1.0) == "unfused"
+    assert norm_patterns.route(c, Pattern.NORM_ADD, meta((1, row)), meta((row,)), None, 1.0) == "fused"
+    assert norm_patterns.route(c, Pattern.NORM_ADD, meta((1, row + 8)), meta((row + 8,)), None, 1.0) == "unfused"
     assert norm_patterns.route(c, Pattern.ADD_NORM, prefill, w, None, 0.0) == "split"
     assert norm_patterns.route(c, Pattern.ADD_NORM, prefill, w, None, 1.0) == "unfused"
     assert norm_patterns.route(c, Pattern.ADD_NORM, decode, w, None, 1.0) == "fused"
@@ -140,7 +140,7 @@ class _RecordingKernels:
 
 
 def test_fused_route_hands_the_kernel_its_pattern_and_counts_once():
-    c = _comm()
+    c = routing_comm()
     c._kernels, c._stat_cells = _RecordingKernels(), {}
     # x not contiguous: the kernel gets a contiguous copy
     x, residual = torch.randn(4, 64, dtype=torch.bfloat16)[:, ::2], torch.randn(4, 32, dtype=torch.bfloat16)
