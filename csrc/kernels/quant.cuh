@@ -61,8 +61,7 @@ TPC_DEVICE float tpc_quant_qmax(int mode) {
 /* Payload bytes of one 16-byte unit (8 values). */
 TPC_DEVICE uint32_t tpc_quant_unit_bytes(int mode) { return mode == TPC_QUANT_INT4 ? 4u : 8u; }
 
-/* e4m3 ("fn": no infinities, 0x7f NaN) of a finite |y| <= 448, to nearest
- * even: below 2^-6 the subnormals, steps of 2^-9 (y * 512 is exact). */
+/* A float's bits and back (__float_as_uint, __uint_as_float), on the host too. */
 TPC_HOST_DEVICE uint32_t tpc_bits_of(float f) {
   uint32_t u;
   __builtin_memcpy(&u, &f, 4);
@@ -75,6 +74,8 @@ TPC_HOST_DEVICE float tpc_float_of(uint32_t u) {
   return f;
 }
 
+/* e4m3 ("fn": no infinities, 0x7f NaN) of a finite |y| <= 448, to nearest
+ * even: below 2^-6 the subnormals, steps of 2^-9 (y * 512 is exact). */
 TPC_HOST_DEVICE uint32_t tpc_e4m3_of(float y) {
   const uint32_t sign = (tpc_bits_of(y) >> 24) & 0x80u;
   const float a = fabsf(y);
@@ -200,8 +201,7 @@ TPC_DEVICE float tpc_quant_scaled(float v, float inv) {
  * changes the code: |v| <= A gives |v * inv| <= A * inv (rounding is
  * monotonic) < qmax + 1/2 for every A (benchmarks/quant_identity.cu), and
  * rint maps (qmax, qmax + 1/2) to qmax as the clamp would. */
-TPC_DEVICE uint32_t tpc_quant_code(float v, float inv, int mode) {
-  (void)mode;
+TPC_DEVICE uint32_t tpc_quant_code(float v, float inv) {
   return (uint32_t)(int32_t)rintf(tpc_quant_scaled(v, inv));
 }
 
@@ -217,7 +217,7 @@ TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
   uint32_t lo = 0, hi = 0;
   if (mode == TPC_QUANT_INT4) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) lo |= (tpc_quant_code(f[i], inv, mode) & 15u) << (4 * i);
+    for (int i = 0; i < 8; ++i) lo |= (tpc_quant_code(f[i], inv) & 15u) << (4 * i);
   } else if (mode == TPC_QUANT_FP8) {
 #pragma unroll
     for (int i = 0; i < 4; i += 2) {
@@ -226,9 +226,9 @@ TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) lo |= (tpc_quant_code(f[i], inv, mode) & 255u) << (8 * i);
+    for (int i = 0; i < 4; ++i) lo |= (tpc_quant_code(f[i], inv) & 255u) << (8 * i);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) hi |= (tpc_quant_code(f[4 + i], inv, mode) & 255u) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= (tpc_quant_code(f[4 + i], inv) & 255u) << (8 * i);
   }
   return make_uint2(lo, hi);
 }
