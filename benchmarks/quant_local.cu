@@ -76,9 +76,9 @@ __global__ void ql_quantize(const uint4 *in, char *payload, float *scales, int m
 }
 
 /* tpc_quant_reduce's on a step: n ranks' codes (payloads and scales at a
- * stride), a rank's loads all issued before its decodes, summed. */
-/* Registers capped for 3 resident blocks an SM (uncapped it takes 2), so
- * more warps keep their steps' loads in flight; nothing spills. */
+ * stride), a rank's loads all issued before its decodes, summed. Registers
+ * capped for 3 resident blocks an SM (uncapped it takes 2), so more warps
+ * keep their steps' loads in flight; nothing spills. */
 __global__ void __launch_bounds__(QL_THREADS, 3)
     ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride, uint64_t scale_stride,
                    int n, uint4 *out, int mode) {
