@@ -8,6 +8,10 @@
  *                  rank order, rounded to bf16 (reads n x 9 or 5 MiB,
  *                  writes 16 MiB)
  *
+ * The kernels do per unit what all_reduce_quant.cuh's phases do (the same
+ * codec calls, units laid out and loaded as stream.cuh's steps), from and
+ * into plain device memory instead of peers' slots.
+ *
  * Each is reported as its bytes read and written per second, and as the
  * fraction of the bandwidth of cudaMemcpyAsync (device to device) of 16 MiB
  * (its 16 MiB read and 16 MiB written per second). Medians of 50 timed
@@ -25,6 +29,7 @@
 #include <vector>
 
 #include "kernels/quant.cuh"
+#include "kernels/stream.cuh"
 #include "probe_check.h"
 
 #define QL_BYTES (16u << 20)
@@ -35,38 +40,71 @@
 static const int ql_modes[] = {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4};
 static const char *const ql_names[] = {"", "fp8", "int8", "int4"};
 
-/* A unit a lane, grid-stride; a warp's lanes take consecutive units (the
- * loop bound is a multiple of the warp, so every lane runs every shuffle). */
+/* As the kernel moves them (stream.cuh): warp steps of TPC_STREAM_UNITS
+ * units a lane, lane l's k-th unit of step w being w * TPC_STREAM_STEP_UNITS
+ * + k * 32 + l, every load of a step issued before any is used; a warp
+ * takes steps w, w + W, ... (W warps in the grid). QL_UNITS is a multiple of
+ * a step, so every lane runs every shuffle. */
+TPC_DEVICE uint64_t ql_unit(uint64_t step, int k) {
+  return step * TPC_STREAM_STEP_UNITS + (uint64_t)k * TPC_STREAM_LANES + threadIdx.x % TPC_STREAM_LANES;
+}
+
+#define QL_STEPS (QL_UNITS / TPC_STREAM_STEP_UNITS)
+#define QL_FOR_STEPS(w)                                                                               \
+  for (uint64_t w = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / TPC_STREAM_LANES; w < QL_STEPS; \
+       w += (uint64_t)gridDim.x * blockDim.x / TPC_STREAM_LANES)
+
+/* tpc_quant_scatter's work on a step: each unit quantized with its group. */
 __global__ void ql_quantize(const uint4 *in, char *payload, float *scales, int mode) {
   const uint32_t bytes = tpc_quant_unit_bytes(mode);
-  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
-       u += (uint64_t)gridDim.x * blockDim.x) {
-    float f[8];
-    tpc_unit_floats(in[u], TPC_BFLOAT16, f);
-    const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), mode);
-    const uint2 p = tpc_quant_encode(f, q.inv, mode);
-    if (bytes == 8) ((uint2 *)payload)[u] = p;
-    else ((uint32_t *)payload)[u] = p.x;
-    if (u % TPC_QUANT_LANES == 0) scales[u / TPC_QUANT_LANES] = q.scale;
+  QL_FOR_STEPS(w) {
+    uint4 v[TPC_STREAM_UNITS];
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = in[ql_unit(w, k)];
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+      const uint64_t u = ql_unit(w, k);
+      float f[8];
+      tpc_unit_floats(v[k], TPC_BFLOAT16, f);
+      const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), mode);
+      const uint2 p = tpc_quant_encode(f, q.inv, mode);
+      if (bytes == 8) ((uint2 *)payload)[u] = p;
+      else ((uint32_t *)payload)[u] = p.x;
+      if (u % TPC_QUANT_LANES == 0) scales[u / TPC_QUANT_LANES] = q.scale;
+    }
   }
 }
 
-/* n ranks' codes (payloads and scales at a stride) decoded and summed. */
-__global__ void ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride,
-                               uint64_t scale_stride, int n, uint4 *out, int mode) {
+/* tpc_quant_reduce's on a step: n ranks' codes (payloads and scales at a
+ * stride), a rank's loads all issued before its decodes, summed. Registers
+ * capped for 3 resident blocks an SM (uncapped it takes 2), so more warps
+ * keep their steps' loads in flight; nothing spills. */
+__global__ void __launch_bounds__(QL_THREADS, 3)
+    ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride, uint64_t scale_stride,
+                   int n, uint4 *out, int mode) {
   const uint32_t bytes = tpc_quant_unit_bytes(mode);
-  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
-       u += (uint64_t)gridDim.x * blockDim.x) {
-    float acc[8];
+  QL_FOR_STEPS(w) {
+    float acc[TPC_STREAM_UNITS][8];
     for (int q = 0; q < n; ++q) {
       const char *p = payload + q * payload_stride;
-      const uint2 v = bytes == 8 ? ((const uint2 *)p)[u] : make_uint2(((const uint32_t *)p)[u], 0u);
-      float f[8];
-      tpc_quant_decode(v, scales[q * scale_stride + u / TPC_QUANT_LANES], mode, f);
+      uint2 v[TPC_STREAM_UNITS];
+      float scale[TPC_STREAM_UNITS];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = q == 0 ? -0.0f + f[i] : acc[i] + f[i];
+      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+        const uint64_t u = ql_unit(w, k);
+        v[k] = bytes == 8 ? ((const uint2 *)p)[u] : make_uint2(((const uint32_t *)p)[u], 0u);
+        scale[k] = scales[q * scale_stride + u / TPC_QUANT_LANES];
+      }
+#pragma unroll
+      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+        float f[8];
+        tpc_quant_decode(v[k], scale[k], mode, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
+      }
     }
-    out[u] = tpc_unit_of_floats(acc, TPC_BFLOAT16);
+#pragma unroll
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) out[ql_unit(w, k)] = tpc_unit_of_floats(acc[k], TPC_BFLOAT16);
   }
 }
 

@@ -1,0 +1,118 @@
+/*
+ * quant.cuh's hardware paths give the same bits as its software ones, on
+ * every input the codec can see:
+ *
+ *   e4m3 encode  (sm_89+: cvt.rn.satfinite.e4m3x2.f32, through cuda_fp8.h)
+ *                every fp32 bit pattern but NaN (tpc_quant_scaled's
+ *                values), against the clamp to +-448 and tpc_e4m3_of; and
+ *                that never makes a NaN code (0x7f, 0xff);
+ *   e4m3 decode  (sm_89+: cvt.rn.f16x2.e4m3x2) every code but the NaN ones;
+ *   int clamp    for qmax 127 and 7, every group absmax A in
+ *                [TPC_QUANT_TINY, FLT_MAX]: A * (qmax / A) < qmax + 1/2 (each
+ *                operation rounded as tpc_quant_scale_of and
+ *                tpc_quant_scaled do), so tpc_quant_code needs no clamp;
+ *   absmax step  (sm_80+: max.NaN.f32) every pattern of v against every
+ *                magnitude or NaN m (m is never negative): the same bits,
+ *                or NaN for both.
+ *
+ * On the CPU (no argument): tpc_e4m3_sat_of and tpc_e4m3_value against
+ * cuda_fp8.h's host conversions, the same functions as its device ones (the
+ * header's contract). On a GPU (`device`): tpc_e4m3x2_of, tpc_e4m3x2_value
+ * and tpc_absmax2, as the kernels compile them, against the software path,
+ * both halves of each pair. Exits 1 on any difference.
+ *
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_identity.cu -o build/quant_identity
+ *   build/quant_identity          (CPU, all 2^32 patterns, about a minute)
+ *   build/quant_identity device   (sm_89+ GPU)
+ */
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "kernels/quant.cuh"
+#include "probe_check.h"
+
+/* Whether tpc_quant_scaled can return y: not NaN. */
+static __host__ __device__ bool qi_reachable(float y) { return y == y; }
+
+/* The same bits, or both NaN. */
+static __device__ bool qi_same(float a, float b) { return tpc_bits_of(a) == tpc_bits_of(b) || (a != a && b != b); }
+
+static __host__ __device__ bool qi_nan_code(uint32_t c) { return (c & 0x7fu) == 0x7fu; }
+
+static int qi_cpu(void) {
+  unsigned long long checked = 0, bad = 0;
+  uint32_t u = 0;
+  do {
+    const float y = tpc_float_of(u);
+    if (qi_reachable(y)) {
+      ++checked;
+      const uint32_t mine = tpc_e4m3_sat_of(y);
+      const uint32_t theirs = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+      if (mine != theirs || qi_nan_code(mine)) {
+        if (bad++ < 5) fprintf(stderr, "encode %08x (%g): software %02x, cuda_fp8.h %02x\n", u, y, mine, theirs);
+      }
+    }
+  } while (++u != 0);
+  for (uint32_t c = 0; c < 256; ++c) {
+    if (qi_nan_code(c)) continue;
+    __half_raw h;
+    h.x = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, __NV_E4M3).x;
+    const float theirs = __half2float(h), mine = tpc_e4m3_value(c);
+    if (tpc_bits_of(mine) != tpc_bits_of(theirs) && bad++ < 10)
+      fprintf(stderr, "decode %02x: software %g, cuda_fp8.h %g\n", c, mine, theirs);
+  }
+  for (const float qmax : {127.0f, 7.0f}) {
+    for (uint32_t u = tpc_bits_of(TPC_QUANT_TINY); u < 0x7f800000u; ++u) {
+      const float a = tpc_float_of(u), inv = qmax / a; /* IEEE fp32, to nearest: __fdiv_rn, __fmul_rn */
+      if (!(a * inv < qmax + 0.5f) && bad++ < 15) fprintf(stderr, "qmax %g, absmax %g: %g\n", qmax, a, a * inv);
+    }
+  }
+  printf("cpu: %llu non-NaN values, 254 codes, the int clamps: %llu differences\n", checked, bad);
+  return bad != 0;
+}
+
+/* Pattern i and a second, unrelated one (a permutation of all patterns), so
+ * each half of a pair meets every value. */
+__global__ void qi_encode(unsigned long long *bad) {
+  unsigned long long n = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint32_t u0 = (uint32_t)i, u1 = (uint32_t)i * 2654435761u + 0x9e3779b9u;
+    float y0 = tpc_float_of(u0), y1 = tpc_float_of(u1);
+    if (!qi_reachable(y0)) y0 = 0.0f;
+    if (!qi_reachable(y1)) y1 = -0.0f;
+    const uint32_t hw = tpc_e4m3x2_of(y0, y1) & 0xffffu, sw = tpc_e4m3_sat_of(y0) | tpc_e4m3_sat_of(y1) << 8;
+    n += hw != sw || qi_nan_code(sw) || qi_nan_code(sw >> 8);
+    const float v = tpc_float_of(u0), m = fabsf(tpc_float_of(u1)); /* u1 takes every pattern too */
+    n += !qi_same(tpc_absmax2(m, v), tpc_absmax2_soft(m, v)) || !qi_same(tpc_absmax2(0.0f, v), tpc_absmax2_soft(0.0f, v));
+  }
+  atomicAdd(bad, n);
+}
+
+__global__ void qi_decode(unsigned long long *bad) {
+  const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x; /* 65536 pairs */
+  if (qi_nan_code(c) || qi_nan_code(c >> 8)) return;
+  float a, b;
+  tpc_e4m3x2_value(c | 0xabcd0000u, &a, &b); /* bits above the pair ignored */
+  if (tpc_bits_of(a) != tpc_bits_of(tpc_e4m3_value(c & 0xffu)) ||
+      tpc_bits_of(b) != tpc_bits_of(tpc_e4m3_value(c >> 8)))
+    atomicAdd(bad, 1ull);
+}
+
+static int qi_device(void) {
+  unsigned long long *bad, nbad[2];
+  CHECK(cudaMalloc(&bad, 2 * sizeof *bad));
+  CHECK(cudaMemset(bad, 0, 2 * sizeof *bad));
+  qi_encode<<<4096, 256>>>(bad);
+  qi_decode<<<256, 256>>>(bad + 1);
+  CHECK(cudaGetLastError());
+  CHECK(cudaMemcpy(nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost));
+  printf("device: 2^32 encoded pairs and absmax steps: %llu differences; 65536 decoded pairs: %llu differences\n", nbad[0], nbad[1]);
+  return nbad[0] != 0 || nbad[1] != 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "device")) return qi_device();
+  return qi_cpu();
+}
