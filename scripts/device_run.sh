@@ -18,6 +18,8 @@
 #     tests/gpu/test_quantized_gpu.py with every rank on GPU 0 at each world
 #     size given (default 2 3 4 8; one log per world size)
 #   bash scripts/device_run.sh quant_local
+#     benchmarks/quant_identity.cu on the GPU (the codecs' conversion
+#     instructions give their software definition's bits), then
 #     benchmarks/quant_local.cu: the quantized all-reduce's local work beside
 #     a device-to-device copy (quant_local_<gpu>.txt)
 #   bash scripts/device_run.sh accuracy
@@ -64,6 +66,9 @@ if [ "$what" = quant ]; then
   done
 fi
 if [ "$what" = quant_local ]; then
+  # first the codecs' instructions against their software definition (benchmarks/quant_identity.cu)
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_identity.cu -o build/quant_identity \
+    && CUDA_VISIBLE_DEVICES=0 timeout 120 build/quant_identity device | tee "$results/quant_identity_$gpus.txt"
   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o build/quant_local \
     && CUDA_VISIBLE_DEVICES=0 timeout 120 build/quant_local | tee "$results/quant_local_$gpus.txt"
 fi
