@@ -50,17 +50,22 @@ static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_N
 #endif
 
 /* The sum of v over the block, the same bits in every thread; every thread
- * of the block calls it. Also a barrier: returns in *broken whether any
- * thread of the block has failed. */
-TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken) {
-  __shared__ float partial[1024 / 32];
+ * of the block calls it, `call` counting its calls in the op (the same in
+ * every thread). Also a barrier: returns in *broken whether any thread of the
+ * block has failed. The partial sums alternate between two halves by call:
+ * one call's reads and the next call's writes touch different halves, and the
+ * call after that writes this half only after the next call's barrier, which
+ * every thread reaches after its reads here. So one barrier a call orders
+ * every reuse. */
+TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) {
+  __shared__ float partial[2][1024 / 32];
+  float *half = partial[call & 1u];
   v = tpc_warp_sum(v);
-  if (threadIdx.x % TPC_WARP_LANES == 0) partial[threadIdx.x / TPC_WARP_LANES] = v;
+  if (threadIdx.x % TPC_WARP_LANES == 0) half[threadIdx.x / TPC_WARP_LANES] = v;
   *broken = __syncthreads_or(failed);
   float sum = 0.0f;
   const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
-  for (unsigned w = 0; w < warps; ++w) sum += partial[w];
-  __syncthreads(); /* partial is reused by the next row */
+  for (unsigned w = 0; w < warps; ++w) sum += half[w];
   return sum;
 }
 
@@ -111,6 +116,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     }
   }
 
+  unsigned sums = 0; /* tpc_block_sum's calls */
   for (uint64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const uint64_t base = row * row_units;
     if (!spread && t < data_threads)
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     }
 
     int broken = 0;
-    const float scale = rsqrtf(tpc_block_sum(squares, op.failed, &broken) * inv_n + a.eps);
+    const float scale = rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
     if (PATTERN == TPC_PATTERN_ADD_NORM) {
 #pragma unroll
       for (int k = 0; k < TPC_NORM_UNITS; ++k) {
@@ -180,7 +186,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
 
     /* NORM_ADD_NORM: the second norm, over o, in the same fixed order */
     int broken2 = 0;
-    const float scale2 = rsqrtf(tpc_block_sum(squares2, op.failed, &broken2) * inv_n + a.next_eps);
+    const float scale2 = rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
     broken |= broken2;
 #pragma unroll
     for (int k = 0; k < TPC_NORM_UNITS; ++k) {
