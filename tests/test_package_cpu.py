@@ -37,6 +37,25 @@ def test_import_alone_registers_the_ops():
                          "'tpcomm::custom_all_reduce_add_rms_norm', 'tpcomm::custom_reduce_scatter']"), lines[-1]
 
 
+def test_inductor_pass_as_the_readme_names_it():
+    """`tpcomm.inductor_pass.TpcommPass()` after a plain `import tpcomm`, as the
+    README writes it, in a fresh interpreter that had not imported inductor
+    before that attribute was named."""
+    code = ("import sys, tpcomm\n"
+            "print('inductor before:', 'torch._inductor.custom_graph_pass' in sys.modules)\n"
+            "p = tpcomm.inductor_pass.TpcommPass()\n"
+            "print(type(p).__name__, p.uuid() == tpcomm.inductor_pass.TpcommPass().uuid())\n"
+            "try:\n"
+            "    tpcomm.no_such_attribute\n"
+            "except AttributeError as e:\n"
+            "    print('AttributeError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=source_tree.subprocess_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["inductor before: False", "TpcommPass True",
+                                       "AttributeError: module 'tpcomm' has no attribute 'no_such_attribute'"], out.stdout
+
+
 def test_console_script_and_metadata():
     """What pyproject.toml declares (read from the checkout, so the test
     needs no installed copy): one console script (`tpcomm`, whose commands

@@ -46,3 +46,12 @@ except ImportError as _e:
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "routing_table"]
 from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)
+
+
+def __getattr__(name):
+    """`tpcomm.inductor_pass` on first use: it imports torch._inductor, which
+    takes seconds that `import tpcomm` should not pay."""
+    if name == "inductor_pass":
+        import importlib
+        return importlib.import_module(".inductor_pass", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
