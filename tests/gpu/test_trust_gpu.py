@@ -59,15 +59,15 @@ def body_stale_handle_and_replay_after_close(rank, world):
     stale = comm.comm_id
     comm.close()
     x = torch.ones(64, device="cuda")
-    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+    with pytest.raises(RuntimeError, match=f"comm_id {stale} is closed"):
         torch.ops._tpcomm.all_reduce(x, stale, PACKET)
-    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+    with pytest.raises(RuntimeError, match=f"comm_id {stale} is closed"):
         torch.ops._tpcomm.all_gather(x, 0, stale, PACKET)
-    with pytest.raises(RuntimeError, match=f"communicator id {stale} is closed"):
+    with pytest.raises(RuntimeError, match=f"comm_id {stale} is closed"):
         torch.ops._tpcomm.all_reduce_out(x, torch.empty_like(x), stale, PACKET)
     with pytest.raises(RuntimeError, match="unknown"):
         torch.ops._tpcomm.all_reduce(x, stale + 100000, PACKET)
-    with pytest.raises(RuntimeError, match="communicator id 0 is unknown"):
+    with pytest.raises(RuntimeError, match="comm_id 0 is unknown"):
         torch.ops._tpcomm.all_reduce(x, 0, PACKET)
     with pytest.raises(tpcomm.CommunicatorClosed, match="closed"):
         comm.all_reduce(x)
