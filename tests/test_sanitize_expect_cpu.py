@@ -22,7 +22,7 @@ def line_of(name, text):
 ZEROING = f"/src/csrc/kernels/stream.cuh:{line_of('stream.cuh', 'tpc_stream_pushed()[lane] = 0')}"
 ACQUIRE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'ld.acquire.cta.u32')}"
 RELEASE = f"/src/csrc/kernels/portability.cuh:{line_of('portability.cuh', 'st.release.cta.u32')}"
-ELSEWHERE = f"/src/csrc/kernels/all_reduce_norm.cuh:{line_of('all_reduce_norm.cuh', 'sum += partial[w]')}"
+ELSEWHERE = f"/src/csrc/kernels/all_reduce_norm.cuh:{line_of('all_reduce_norm.cuh', 'sum += half[w]')}"
 
 
 def hazard(write, read, space="__shared__"):
