@@ -13,13 +13,25 @@
  *                tpc_quant_scaled do), so tpc_quant_code needs no clamp;
  *   absmax step  (sm_80+: max.NaN.f32) every pattern of v against every
  *                magnitude or NaN m (m is never negative): the same bits,
- *                or NaN for both.
+ *                or NaN for both;
+ *   int codes    tpc_quant_int (rounding by adding 1.5 * 2^23, packing by
+ *                byte permutes) against tpc_quant_code's rint packed as
+ *                the payload's layout says, int8 and int4: every scaled
+ *                value |y| < qmax + 1/2 in every position, every pattern
+ *                with inv 0 (a NaN or zero-scale group), and every
+ *                combination of codes in a word (15^8 int4, 255^4 int8);
+ *   int values   tpc_quant_int_value against tpc_quant_value for every
+ *                32-bit payload word, int8 and int4;
+ *   scales       tpc_quant_scale_of's quotients (sm_90: an fma-corrected
+ *                guess, no slow path) against __fdiv_rn for every absmax
+ *                in [TPC_QUANT_TINY, FLT_MAX], each mode.
  *
  * On the CPU (no argument): tpc_e4m3_sat_of and tpc_e4m3_value against
  * cuda_fp8.h's host conversions, the same functions as its device ones (the
  * header's contract). On a GPU (`device`): tpc_e4m3x2_of, tpc_e4m3x2_value
  * and tpc_absmax2, as the kernels compile them, against the software path,
- * both halves of each pair. Exits 1 on any difference.
+ * both halves of each pair, and the integer codecs against their
+ * definition. Exits 1 on any difference.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_identity.cu -o build/quant_identity
  *   build/quant_identity          (CPU, all 2^32 patterns, about a minute)
@@ -100,16 +112,114 @@ __global__ void qi_decode(unsigned long long *bad) {
     atomicAdd(bad, 1ull);
 }
 
+/* The payload by tpc_quant_code's definition: byte i the code of value i
+ * (int4: nibble i of .x). */
+static __device__ uint2 qi_int_def(const float f[8], float inv, int mode) {
+  uint32_t lo = 0, hi = 0;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t c = tpc_quant_code(f[i], inv);
+    if (mode == TPC_QUANT_INT4) lo |= (c & 15u) << (4 * i);
+    else if (i < 4) lo |= (c & 255u) << (8 * i);
+    else hi |= (c & 255u) << (8 * (i - 4));
+  }
+  return make_uint2(lo, hi);
+}
+
+static __device__ unsigned long long qi_int_differs(const float f[8], float inv, int mode) {
+  const uint2 a = tpc_quant_int(f, inv, mode), b = qi_int_def(f, inv, mode);
+  return a.x != b.x || a.y != b.y;
+}
+
+/* Every scaled value in every position (pattern i and its permutation
+ * alternate), those past qmax + 1/2 replaced by 0; then every pattern as a
+ * value of a group whose inv is 0. */
+__global__ void qi_int_encode(int mode, unsigned long long *bad) {
+  const float lim = tpc_quant_qmax(mode) + 0.5f;
+  unsigned long long n = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const float y0 = tpc_float_of((uint32_t)i), y1 = tpc_float_of((uint32_t)i * 2654435761u + 0x9e3779b9u);
+    const float r0 = fabsf(y0) < lim ? y0 : 0.0f, r1 = fabsf(y1) < lim ? y1 : -0.0f;
+    const float f[8] = {r0, r1, r1, r0, r0, r1, r1, r0}, g[8] = {y0, y1, y0, y1, y1, y0, y1, y0};
+    n += qi_int_differs(f, 1.0f, mode) + qi_int_differs(g, 0.0f, mode);
+  }
+  atomicAdd(bad, n);
+}
+
+/* Every combination of codes in a word: index i's base-(2 qmax + 1) digits
+ * as the codes (int8: the high word's in reverse order). */
+__global__ void qi_int_pack(int mode, unsigned long long *bad) {
+  const uint32_t base = 2 * (uint32_t)tpc_quant_qmax(mode) + 1, per_word = mode == TPC_QUANT_INT4 ? 8 : 4;
+  uint64_t combos = 1;
+  for (uint32_t d = 0; d < per_word; ++d) combos *= base;
+  unsigned long long n = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < combos;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    float f[8];
+    uint64_t r = i;
+    for (uint32_t d = 0; d < per_word; ++d, r /= base) {
+      f[d] = (float)((int)(r % base) - (int)(base / 2));
+      if (per_word == 4) f[7 - d] = f[d];
+    }
+    n += qi_int_differs(f, 1.0f, mode);
+  }
+  atomicAdd(bad, n);
+}
+
+/* Every payload word's values (int8: the high word a permutation of it). */
+__global__ void qi_int_decode(int mode, unsigned long long *bad) {
+  unsigned long long n = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint2 p = make_uint2((uint32_t)i, mode == TPC_QUANT_INT4 ? 0u : (uint32_t)i * 2654435761u + 0x9e3779b9u);
+    float f[8];
+    tpc_quant_int_value(p, mode, f);
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t code = mode == TPC_QUANT_INT4 ? p.x >> (4 * k) : (k < 4 ? p.x : p.y) >> (8 * (k & 3));
+      n += tpc_bits_of(f[k]) != tpc_bits_of(tpc_quant_value(code, mode));
+    }
+  }
+  atomicAdd(bad, n);
+}
+
+/* Every group absmax a mode quantizes with: scale and inv as __fdiv_rn. */
+__global__ void qi_scales(unsigned long long *bad) {
+  unsigned long long n = 0;
+  const uint32_t lo = tpc_bits_of(TPC_QUANT_TINY);
+  for (uint64_t i = lo + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < 0x7f800000u;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const float a = tpc_float_of((uint32_t)i);
+    for (int m : {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4}) {
+      const tpc_quant_scale s = tpc_quant_scale_of(a, m);
+      const float qmax = tpc_quant_qmax(m);
+      n += tpc_bits_of(s.scale) != tpc_bits_of(__fdiv_rn(a, qmax)) || tpc_bits_of(s.inv) != tpc_bits_of(__fdiv_rn(qmax, a));
+    }
+  }
+  atomicAdd(bad, n);
+}
+
 static int qi_device(void) {
-  unsigned long long *bad, nbad[2];
-  CHECK(cudaMalloc(&bad, 2 * sizeof *bad));
-  CHECK(cudaMemset(bad, 0, 2 * sizeof *bad));
+  unsigned long long *bad, nbad[6];
+  CHECK(cudaMalloc(&bad, sizeof nbad));
+  CHECK(cudaMemset(bad, 0, sizeof nbad));
   qi_encode<<<4096, 256>>>(bad);
   qi_decode<<<256, 256>>>(bad + 1);
+  for (int m : {TPC_QUANT_INT8, TPC_QUANT_INT4}) {
+    qi_int_encode<<<4096, 256>>>(m, bad + 2);
+    qi_int_pack<<<4096, 256>>>(m, bad + 3);
+    qi_int_decode<<<4096, 256>>>(m, bad + 4);
+  }
+  qi_scales<<<4096, 256>>>(bad + 5);
   CHECK(cudaGetLastError());
   CHECK(cudaMemcpy(nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost));
   printf("device: 2^32 encoded pairs and absmax steps: %llu differences; 65536 decoded pairs: %llu differences\n", nbad[0], nbad[1]);
-  return nbad[0] != 0 || nbad[1] != 0;
+  printf("device, int8 and int4: 2^32 scaled values and 2^32 zero-inv groups: %llu differences; every word's codes "
+         "(255^4, 15^8): %llu differences; 2^32 payload words decoded: %llu differences\n",
+         nbad[2], nbad[3], nbad[4]);
+  printf("device: every absmax's scale and inv, 3 modes: %llu differences\n", nbad[5]);
+  for (int i = 0; i < 6; ++i)
+    if (nbad[i]) return 1;
+  return 0;
 }
 
 int main(int argc, char **argv) {

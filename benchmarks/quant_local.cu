@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/quant.cuh"
@@ -54,53 +55,78 @@ TPC_DEVICE uint64_t ql_unit(uint64_t step, int k) {
   for (uint64_t w = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / TPC_STREAM_LANES; w < QL_STEPS; \
        w += (uint64_t)gridDim.x * blockDim.x / TPC_STREAM_LANES)
 
-/* tpc_quant_scatter's work on a step: each unit quantized with its group. */
-__global__ void ql_quantize(const uint4 *in, char *payload, float *scales, int mode) {
-  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+/* tpc_quant_scatter's work on a step: each unit quantized with its group,
+ * the scale written by the group's first lane. */
+template <int mode>
+__global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
+  constexpr uint32_t bytes = mode == TPC_QUANT_INT4 ? 4 : 8;
   QL_FOR_STEPS(w) {
+    const uint64_t first = ql_unit(w, 0);
+    char *p = payload + first * bytes;
+    float *sc = scales + first / TPC_QUANT_LANES;
     uint4 v[TPC_STREAM_UNITS];
 #pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = in[ql_unit(w, k)];
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = in[first + k * TPC_STREAM_LANES];
 #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      const uint64_t u = ql_unit(w, k);
       float f[8];
       tpc_unit_floats(v[k], TPC_BFLOAT16, f);
       const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), mode);
-      const uint2 p = tpc_quant_encode(f, q.inv, mode);
-      if (bytes == 8) ((uint2 *)payload)[u] = p;
-      else ((uint32_t *)payload)[u] = p.x;
-      if (u % TPC_QUANT_LANES == 0) scales[u / TPC_QUANT_LANES] = q.scale;
+      const uint2 c = tpc_quant_encode(f, q.inv, mode);
+      if (bytes == 8) *(uint2 *)(p + k * TPC_STREAM_LANES * 8) = c;
+      else *(uint32_t *)(p + k * TPC_STREAM_LANES * 4) = c.x;
+      if (threadIdx.x % TPC_QUANT_LANES == 0) sc[k * (TPC_STREAM_LANES / TPC_QUANT_LANES)] = q.scale;
     }
   }
 }
 
-/* tpc_quant_reduce's on a step: n ranks' codes (payloads and scales at a
- * stride), a rank's loads all issued before its decodes, summed. Registers
- * capped for 3 resident blocks an SM (uncapped it takes 2), so more warps
- * keep their steps' loads in flight; nothing spills. */
-__global__ void __launch_bounds__(QL_THREADS, 3)
+/* Rank q's codes of step w (payloads and scales at a stride): lane l's
+ * units w * TPC_STREAM_STEP_UNITS + l + 32 k, their scales 8 k apart. */
+typedef struct {
+  uint2 v[TPC_STREAM_UNITS];
+  float scale[TPC_STREAM_UNITS];
+} ql_codes;
+
+template <int mode>
+TPC_DEVICE ql_codes ql_load(const char *payload, const float *scales, uint64_t w) {
+  constexpr uint32_t bytes = mode == TPC_QUANT_INT4 ? 4 : 8;
+  const uint64_t first = ql_unit(w, 0);
+  const char *p = payload + first * bytes;
+  const float *sc = scales + first / TPC_QUANT_LANES;
+  ql_codes c;
+#pragma unroll
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    c.v[k] = bytes == 8 ? *(const uint2 *)(p + k * TPC_STREAM_LANES * 8)
+                        : make_uint2(*(const uint32_t *)(p + k * TPC_STREAM_LANES * 4), 0u);
+    c.scale[k] = sc[k * (TPC_STREAM_LANES / TPC_QUANT_LANES)];
+  }
+  return c;
+}
+
+/* tpc_quant_reduce's on a step: n ranks' codes, a rank's loads all issued
+ * before its decodes, summed in rank order (rank 0's values as they are:
+ * -0 + x is x). Registers capped for 3 resident blocks an SM (uncapped it
+ * takes 2), so more warps keep their steps' loads in flight. */
+#ifndef QL_DEQUANT_BLOCKS
+#define QL_DEQUANT_BLOCKS 3
+#endif
+template <int mode>
+__global__ void __launch_bounds__(QL_THREADS, QL_DEQUANT_BLOCKS)
     ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride, uint64_t scale_stride,
-                   int n, uint4 *out, int mode) {
-  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+                   int n, uint4 *out) {
   QL_FOR_STEPS(w) {
     float acc[TPC_STREAM_UNITS][8];
-    for (int q = 0; q < n; ++q) {
-      const char *p = payload + q * payload_stride;
-      uint2 v[TPC_STREAM_UNITS];
-      float scale[TPC_STREAM_UNITS];
+    ql_codes c = ql_load<mode>(payload, scales, w);
 #pragma unroll
-      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-        const uint64_t u = ql_unit(w, k);
-        v[k] = bytes == 8 ? ((const uint2 *)p)[u] : make_uint2(((const uint32_t *)p)[u], 0u);
-        scale[k] = scales[q * scale_stride + u / TPC_QUANT_LANES];
-      }
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) tpc_quant_decode(c.v[k], c.scale[k], mode, acc[k]);
+    for (int q = 1; q < n; ++q) {
+      c = ql_load<mode>(payload + q * payload_stride, scales + q * scale_stride, w);
 #pragma unroll
       for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
         float f[8];
-        tpc_quant_decode(v[k], scale[k], mode, f);
+        tpc_quant_decode(c.v[k], c.scale[k], mode, f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
+        for (int i = 0; i < 8; ++i) acc[k][i] += f[i];
       }
     }
 #pragma unroll
@@ -156,6 +182,14 @@ static std::vector<ql_row> ql_rows() {
                       (double)QL_BYTES});
   }
   return rows;
+}
+
+/* f(mode) with the mode as a compile-time constant (the kernels' templates). */
+template <typename F>
+static void ql_for_mode(int m, F f) {
+  if (m == TPC_QUANT_FP8) f(std::integral_constant<int, TPC_QUANT_FP8>());
+  else if (m == TPC_QUANT_INT8) f(std::integral_constant<int, TPC_QUANT_INT8>());
+  else f(std::integral_constant<int, TPC_QUANT_INT4>());
 }
 
 template <typename Launch>
@@ -218,7 +252,7 @@ int main(int argc, char **argv) {
   report(ql_time_us([&] { CHECK(cudaMemcpyAsync(copy, in, QL_BYTES, cudaMemcpyDeviceToDevice, s)); }, s));
   int failed = 0;
   for (int m : ql_modes) {
-    report(ql_time_us([&] { ql_quantize<<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, m); }, s));
+    report(ql_time_us([&] { ql_for_mode(m, [&](auto mode) { ql_quantize<mode()><<<blocks, QL_THREADS, 0, s>>>(in, payload, scales); }); }, s));
     CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
     ql_check<<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, m, bad);
     unsigned nbad = 0;
@@ -236,7 +270,9 @@ int main(int argc, char **argv) {
     for (int n : {2, 4, 8})
       report(ql_time_us(
           [&] {
-            ql_dequant_sum<<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out, m);
+            ql_for_mode(m, [&](auto mode) {
+              ql_dequant_sum<mode()><<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out);
+            });
           },
           s));
   }

@@ -45,6 +45,11 @@ if [ "${BUILD:-1}" != 0 ]; then
     python3 setup.py -q build_ext --inplace --force >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log"; exit 1; }
   echo "build (with -lineinfo): $(( $(date +%s) - start )) s"
 fi
+# The machine code the logs' program counters point into (sanitize_expect.py
+# finds the count releases in it: ptxas may tag one with another line).
+cuobjdump=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null \
+  || python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))')
+"$cuobjdump" -sass python/tpcomm/_C*.so >"$logs/kernels.sass" || { echo "cuobjdump failed on the build" >&2; exit 1; }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -55,11 +60,12 @@ status=0
 if [[ " $tools " == *" racecheck "* ]]; then
   nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Icsrc benchmarks/racecheck_stream_start.cu -o "$logs/racecheck_stream_start" \
     || exit 1
+  "$cuobjdump" -sass "$logs/racecheck_stream_start" >"$logs/racecheck_stream_start.sass" || exit 1
   for way in control data; do
     timeout -k 10 "$run_timeout" "$sanitizer" --tool racecheck --racecheck-report hazard --print-limit 0 \
       --log-file "$logs/racecheck-start-$way.log" "$logs/racecheck_stream_start" "$way" >"$logs/racecheck-start-$way.out" 2>&1
     rc=$?
-    verdict=$(python3 scripts/sanitize_expect.py racecheck "$logs/racecheck-start-$way.log")
+    verdict=$(python3 scripts/sanitize_expect.py racecheck "$logs/racecheck-start-$way.log" "$logs/racecheck_stream_start.sass")
     ok=$?
     printf '%-16s %s\n' "start ($way)" "$(head -1 <<<"$verdict")"
     if [ "$way" = control ] && { [ "$rc" != 0 ] || [ "$ok" != 0 ]; }; then
@@ -92,7 +98,7 @@ for world in $worlds; do
     for pid in "${peers[@]}"; do
       wait "$pid" || rc=$((rc ? rc : 1))
     done
-    verdict=$(python3 scripts/sanitize_expect.py "$tool" "$logs/$name.log") || rc=$((rc ? rc : 1))
+    verdict=$(python3 scripts/sanitize_expect.py "$tool" "$logs/$name.log" "$logs/kernels.sass") || rc=$((rc ? rc : 1))
     printf '%-16s %4d s  %s\n' "$name" $(( $(date +%s) - t0 )) "$(head -1 <<<"$verdict")"
     if [ "$rc" != 0 ]; then
       status=1

@@ -1,7 +1,7 @@
 """Reads one compute-sanitizer log written by scripts/sanitize.sh and says
 whether it holds anything unexpected.
 
-    python scripts/sanitize_expect.py TOOL LOG
+    python scripts/sanitize_expect.py TOOL LOG [SASS]
 
 memcheck, synccheck and initcheck must report 0 errors. racecheck may report
 one thing only: the handoff of the streamed kernels' push counts (pushed[] in
@@ -12,7 +12,11 @@ reports them (benchmarks/racecheck_stream_start.cu reproduces it). Every
 report must name exactly those two accesses, one release and one acquire of
 a count (found by the text of their source lines, so line numbers may move,
 or by the accessor's name where a frame has no line information), on shared
-memory. Anything else (the zeroing of the counts included), a log without
+memory. ptxas may tag the release's store with a neighbouring instruction's
+line (its address and value keep the release's lines): given SASS, the
+`cuobjdump -sass` of the build the log ran, a write whose program counter
+holds a count release there (MEMBAR.ALL.CTA, then ST.E.STRONG.SM: the
+st.release.cta of tpc_store_release_block) is the release whatever its line. Anything else (the zeroing of the counts included), a log without
 the tool's summary, or a tool error, exits 1 and is printed verbatim.
 """
 import collections
@@ -37,6 +41,25 @@ LOCATION = re.compile(r"([\w.+-]+\.(?:cuh|cu|h|hpp|cpp|c)):(\d+)")
 FUNCTION = re.compile(r"\bat (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:]*)\(")
 REPORT_START = re.compile(r"hazard detected|Race reported|^(Error|Warning):")
 KIND = re.compile(r"\b(RAW|WAR|WAW)\b")
+PC = re.compile(r"\+0x([0-9a-f]+)\b")
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)")
+
+
+def release_pcs(sass):
+    """Program counters of a count release in `cuobjdump -sass` text: an
+    ST.E.STRONG.SM right after a MEMBAR.ALL.CTA (in any kernel)."""
+    pcs, previous = set(), None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            previous = None
+        m = SASS_LINE.search(line)
+        if not m:
+            continue
+        op = m.group(2)
+        if op.startswith("ST.E.STRONG.SM") and previous == "MEMBAR.ALL.CTA":
+            pcs.add(int(m.group(1), 16))
+        previous = op
+    return frozenset(pcs)
 
 
 def _lines(sites):
@@ -77,9 +100,13 @@ def access_lines(report):
     return [line for line in report if re.search(r"Thread \(|access at", line)]
 
 
-def side(line, sites):
-    """"release", "acquire" or None: which side of the handoff an access is."""
+def side(line, sites, pcs=frozenset()):
+    """"release", "acquire" or None: which side of the handoff an access is
+    (pcs: release_pcs of the build)."""
     releases, acquires = sites
+    pc = PC.search(line)
+    if "Write" in line and pc and int(pc.group(1), 16) in pcs:
+        return "release"
     loc = LOCATION.search(line)
     if loc:
         where = f"{os.path.basename(loc.group(1))}:{loc.group(2)}"
@@ -89,16 +116,16 @@ def side(line, sites):
     return "release" if name in RELEASE_FUNCTIONS else "acquire" if name in ACQUIRE_FUNCTIONS else None
 
 
-def is_handoff(report, sites):
+def is_handoff(report, sites, pcs=frozenset()):
     """A report of one count's release against its acquire, on shared memory."""
     if "__global__" in report[0] or "__local__" in report[0]:
         return False
-    sides = sorted(side(line, sites) or "" for line in access_lines(report))
+    sides = sorted(side(line, sites, pcs) or "" for line in access_lines(report))
     return sides == ["acquire", "release"]
 
 
-def check(tool, text):
-    """(ok, lines to print)."""
+def check(tool, text, sass=""):
+    """(ok, lines to print); sass: the build's `cuobjdump -sass`, or ""."""
     summary = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors?|hazards?)", text)
     if not summary:
         return False, [f"{tool}: no summary line: the tool did not finish (see the log)"]
@@ -113,10 +140,10 @@ def check(tool, text):
     found = reports(text)
     if int(summary.group(2)) != len(found):
         return False, [f"racecheck: {summary.group(0)}, but {len(found)} reports could be read (see the log)"]
-    sites = handoff_sites()
-    unexpected = [r for r in found if not is_handoff(r, sites)]
+    sites, pcs = handoff_sites(), release_pcs(sass)
+    unexpected = [r for r in found if not is_handoff(r, sites, pcs)]
     kinds = collections.Counter((KIND.search(r[0]) or KIND.search(" ".join(r)) or ["race"])[0]
-                                for r in found if is_handoff(r, sites))
+                                for r in found if is_handoff(r, sites, pcs))
     by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none"
     said = [f"racecheck: {len(found)} reports, {len(found) - len(unexpected)} on the push counts' handoff "
             f"(release/acquire: {by_kind}), {len(unexpected)} unexpected; summary: {summary.group(0)}"]
@@ -126,11 +153,15 @@ def check(tool, text):
 
 
 def main():
-    if len(sys.argv) != 3 or sys.argv[1] not in ("memcheck", "racecheck", "synccheck", "initcheck"):
-        raise SystemExit("usage: sanitize_expect.py {memcheck|racecheck|synccheck|initcheck} LOG")
-    tool, path = sys.argv[1:]
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        raise SystemExit("usage: sanitize_expect.py {memcheck|racecheck|synccheck|initcheck} LOG [SASS]")
+    tool, path = sys.argv[1:3]
+    sass = ""
+    if len(sys.argv) == 4:
+        with open(sys.argv[3], errors="replace") as f:
+            sass = f.read()
     with open(path, errors="replace") as f:
-        ok, said = check(tool, f.read())
+        ok, said = check(tool, f.read(), sass)
     print("\n".join(said))
     sys.exit(0 if ok else 1)
 

@@ -18,8 +18,11 @@
  *   else scale s = A / qmax and code = round(clamp(v * (qmax / A), +-qmax))
  *     (to nearest even; e4m3 saturated at 448), decoded as code * s.
  * Every step is one IEEE fp32 operation, rounded to nearest, never
- * contracted into an fma (__fmul_rn), so python/tpcomm/quantized_reference.py
- * reproduces the bits on the CPU, and docs/design.md bounds the error:
+ * contracted into an fma (__fmul_rn); where the kernels compute one another
+ * way (the codes by a magic constant, the quotients without __fdiv_rn's slow
+ * path), benchmarks/quant_identity.cu checks the same bits on every input.
+ * So python/tpcomm/quantized_reference.py reproduces the bits on the CPU,
+ * and docs/design.md bounds the error:
  * |v - decode| <= A / (2 qmax) + 2^-21 A (int), 2^-4 A + 2^-18 A (fp8).
  */
 #ifndef TPCOMM_QUANT_CUH
@@ -174,6 +177,34 @@ typedef struct {
   float scale, inv;
 } tpc_quant_scale;
 
+/* a / d, for a in [TPC_QUANT_TINY, FLT_MAX] and d a mode's qmax, r the
+ * nearest float to 1 / d: the quotient's first guess, corrected once by its
+ * exact residual (an fma); __fdiv_rn's bits (benchmarks/quant_identity.cu
+ * checks every a) without its range check, a branch around a slow path that
+ * would split the warp between the group's shuffles. */
+TPC_DEVICE float tpc_quant_div_by(float a, float d, float r) {
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
+}
+
+/* n / a for a in [TPC_QUANT_TINY, FLT_MAX] and n a qmax, as __fdiv_rn: the
+ * hardware's approximate 1 / a refined by one Newton step, then the same
+ * correction. Past 2^64, a is scaled by 2^-64 first and the quotient after
+ * (exact: both stay normal), so 1 / a is never subnormal. HIP: __fdiv_rn. */
+TPC_DEVICE float tpc_quant_div_of(float n, float a) {
+#ifdef TPC_HIP
+  return __fdiv_rn(n, a);
+#else
+  const bool big = a >= 18446744073709551616.0f; /* 2^64 */
+  const float b = big ? __fmul_rn(a, TPC_QUANT_TINY) : a;
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+  y = __fmaf_rn(__fmaf_rn(-b, y, 1.0f), y, y);
+  const float q = __fmul_rn(n, y), inv = __fmaf_rn(__fmaf_rn(-q, b, n), y, q);
+  return big ? __fmul_rn(inv, TPC_QUANT_TINY) : inv;
+#endif
+}
+
 TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax, int mode) {
   const float qmax = tpc_quant_qmax(mode);
   tpc_quant_scale s;
@@ -184,8 +215,13 @@ TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax, int mode) {
     s.scale = 0.0f;
     s.inv = 0.0f;
   } else {
+    const float r = mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
+#ifdef TPC_HIP
     s.scale = __fdiv_rn(absmax, qmax);
-    s.inv = __fdiv_rn(qmax, absmax);
+#else
+    s.scale = tpc_quant_div_by(absmax, qmax, r);
+#endif
+    s.inv = tpc_quant_div_of(qmax, absmax);
   }
   return s;
 }
@@ -196,39 +232,107 @@ TPC_DEVICE float tpc_quant_scaled(float v, float inv) {
   return y != y ? 0.0f : y;
 }
 
-/* One value's integer code (int8, int4; its low 8 or 4 bits): rint of the
- * scaled value clamped to +-qmax, with the clamp left out because it never
- * changes the code: |v| <= A gives |v * inv| <= A * inv (rounding is
- * monotonic) < qmax + 1/2 for every A (benchmarks/quant_identity.cu), and
- * rint maps (qmax, qmax + 1/2) to qmax as the clamp would. */
+/* One value's integer code (int8, int4; its low 8 or 4 bits) by its
+ * definition: rint of the scaled value clamped to +-qmax, with the clamp
+ * left out because it never changes the code: |v| <= A gives |v * inv| <=
+ * A * inv (rounding is monotonic) < qmax + 1/2 for every A
+ * (benchmarks/quant_identity.cu), and rint maps (qmax, qmax + 1/2) to qmax
+ * as the clamp would. The kernels compute the same codes by tpc_quant_int
+ * below; quant_identity checks the two agree on every input. */
 TPC_DEVICE uint32_t tpc_quant_code(float v, float inv) {
   return (uint32_t)(int32_t)rintf(tpc_quant_scaled(v, inv));
 }
 
-/* An integer code's value (int8: its low 8 bits, int4: its low 4). */
+/* An integer code's value by its definition (int8: its low 8 bits, int4:
+ * its low 4); the kernels decode by tpc_quant_int_value. */
 TPC_DEVICE float tpc_quant_value(uint32_t code, int mode) {
   if (mode == TPC_QUANT_INT8) return (float)(int32_t)(int8_t)(uint8_t)code;
   return (float)((int32_t)(code << 28) >> 28);
 }
 
+/* The integer codes without a float-to-int conversion (a quarter-rate
+ * instruction): for |y| < 2^22, y + 1.5 * 2^23 rounded once to nearest even
+ * is 1.5 * 2^23 + rint(y) (the sum's ulp is 1 and 1.5 * 2^23 is even, so a
+ * tie goes to the even integer as rint's does), whose bits end in rint(y)
+ * in two's complement; a bias b added to the constant gives rint(y) + b.
+ * The codes' |y| < qmax + 1/2 is far inside. Decoding runs it backwards: a
+ * biased code u (0 <= u < 2^8) as the low bits of 2^23's bits is the float
+ * 2^23 + u, and subtracting 2^23 + bias is exact. */
+#define TPC_QUANT_ROUNDER 12582912.0f /* 1.5 * 2^23 */
+#define TPC_QUANT_TWO23 0x4b000000u   /* the bits of 2^23 */
+
+/* y + 1.5 * 2^23 + bias, as bits (y the product of tpc_quant_scale's inv:
+ * never NaN where it is read, see tpc_quant_int). */
+TPC_DEVICE uint32_t tpc_quant_rounded(float v, float inv, float bias) {
+  return __float_as_uint(tpc_add_rn(__fmul_rn(v, inv), TPC_QUANT_ROUNDER + bias));
+}
+
+/* Bytes 0 of a, b, c, d as one word's bytes 0-3. */
+TPC_DEVICE uint32_t tpc_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
+}
+
+/* tpc_quant_code's codes of 8 values, packed as tpc_quant_encode lays them.
+ * inv is 0 for a group of scale 0 or NaN, whose codes are 0 (the values
+ * scaled may then be NaN); otherwise every value is finite and |v * inv| <
+ * qmax + 1/2. int4: each value rounded with bias 8 (its byte 8 + code, in
+ * 1..15, so two values pack with one shift-add), the nibbles' bias taken off
+ * by one xor at the end. */
+TPC_DEVICE uint2 tpc_quant_int(const float f[8], float inv, int mode) {
+  uint32_t lo, hi = 0;
+  if (mode == TPC_QUANT_INT4) {
+    uint32_t pair[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      pair[j] = (tpc_quant_rounded(f[2 * j + 1], inv, 8.0f) << 4) + tpc_quant_rounded(f[2 * j], inv, 8.0f);
+    lo = tpc_low_bytes(pair[0], pair[1], pair[2], pair[3]) ^ 0x88888888u;
+  } else {
+    uint32_t m[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m[i] = tpc_quant_rounded(f[i], inv, 0.0f);
+    lo = tpc_low_bytes(m[0], m[1], m[2], m[3]);
+    hi = tpc_low_bytes(m[4], m[5], m[6], m[7]);
+  }
+  return inv == 0.0f ? make_uint2(0u, 0u) : make_uint2(lo, hi);
+}
+
+/* The value of the biased code in byte j of w (j < 4): 2^23 + byte, less
+ * 2^23 + bias (exact). */
+TPC_DEVICE float tpc_quant_biased_value(uint32_t w, uint32_t j, float bias) {
+  return tpc_add_rn(__uint_as_float(__byte_perm(w, TPC_QUANT_TWO23, 0x7440u + j)), -(8388608.0f + bias));
+}
+
+/* tpc_quant_value's values of a payload's 8 codes. Flipping a two's
+ * complement code's top bit adds the bias (8 for int4, 128 for int8) and
+ * leaves it in 0..2^bits - 1. int4: word x's even nibbles (values 0, 2, 4,
+ * 6) and odd ones as bytes. */
+TPC_DEVICE void tpc_quant_int_value(uint2 p, int mode, float f[8]) {
+  if (mode == TPC_QUANT_INT4) {
+    const uint32_t even = (p.x ^ 0x88888888u) & 0x0f0f0f0fu, odd = ((p.x >> 4) ^ 0x08080808u) & 0x0f0f0f0fu;
+#pragma unroll
+    for (uint32_t j = 0; j < 4; ++j) {
+      f[2 * j] = tpc_quant_biased_value(even, j, 8.0f);
+      f[2 * j + 1] = tpc_quant_biased_value(odd, j, 8.0f);
+    }
+    return;
+  }
+  const uint32_t lo = p.x ^ 0x80808080u, hi = p.y ^ 0x80808080u;
+#pragma unroll
+  for (uint32_t j = 0; j < 4; ++j) {
+    f[j] = tpc_quant_biased_value(lo, j, 128.0f);
+    f[4 + j] = tpc_quant_biased_value(hi, j, 128.0f);
+  }
+}
+
 /* The payload of 8 values: byte i the code of value i (int4: nibble i,
  * value 2j in the low half of byte j; the payload's .x only). */
 TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
+  if (mode != TPC_QUANT_FP8) return tpc_quant_int(f, inv, mode);
   uint32_t lo = 0, hi = 0;
-  if (mode == TPC_QUANT_INT4) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) lo |= (tpc_quant_code(f[i], inv) & 15u) << (4 * i);
-  } else if (mode == TPC_QUANT_FP8) {
-#pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-      lo |= tpc_e4m3x2_of(tpc_quant_scaled(f[i], inv), tpc_quant_scaled(f[i + 1], inv)) << (8 * i);
-      hi |= tpc_e4m3x2_of(tpc_quant_scaled(f[4 + i], inv), tpc_quant_scaled(f[5 + i], inv)) << (8 * i);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) lo |= (tpc_quant_code(f[i], inv) & 255u) << (8 * i);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) hi |= (tpc_quant_code(f[4 + i], inv) & 255u) << (8 * i);
+  for (int i = 0; i < 4; i += 2) {
+    lo |= tpc_e4m3x2_of(tpc_quant_scaled(f[i], inv), tpc_quant_scaled(f[i + 1], inv)) << (8 * i);
+    hi |= tpc_e4m3x2_of(tpc_quant_scaled(f[4 + i], inv), tpc_quant_scaled(f[5 + i], inv)) << (8 * i);
   }
   return make_uint2(lo, hi);
 }
@@ -245,11 +349,9 @@ TPC_DEVICE void tpc_quant_decode(uint2 p, float scale, int mode, float f[8]) {
     }
     return;
   }
+  tpc_quant_int_value(p, mode, f);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t code = mode == TPC_QUANT_INT4 ? p.x >> (4 * i) : (i < 4 ? p.x : p.y) >> (8 * (i & 3));
-    f[i] = __fmul_rn(tpc_quant_value(code, mode), scale);
-  }
+  for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], scale);
 }
 
 #endif /* TPCOMM_QUANT_CUH */
