@@ -59,7 +59,7 @@ TPC_DEVICE uint64_t ql_unit(uint64_t step, int k) {
  * the scale written by the group's first lane. */
 template <int mode>
 __global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
-  constexpr uint32_t bytes = mode == TPC_QUANT_INT4 ? 4 : 8;
+  const uint32_t bytes = tpc_quant_unit_bytes(mode);
   QL_FOR_STEPS(w) {
     const uint64_t first = ql_unit(w, 0);
     char *p = payload + first * bytes;
@@ -89,7 +89,7 @@ typedef struct {
 
 template <int mode>
 TPC_DEVICE ql_codes ql_load(const char *payload, const float *scales, uint64_t w) {
-  constexpr uint32_t bytes = mode == TPC_QUANT_INT4 ? 4 : 8;
+  const uint32_t bytes = tpc_quant_unit_bytes(mode);
   const uint64_t first = ql_unit(w, 0);
   const char *p = payload + first * bytes;
   const float *sc = scales + first / TPC_QUANT_LANES;
@@ -105,13 +105,11 @@ TPC_DEVICE ql_codes ql_load(const char *payload, const float *scales, uint64_t w
 
 /* tpc_quant_reduce's on a step: n ranks' codes, a rank's loads all issued
  * before its decodes, summed in rank order (rank 0's values as they are:
- * -0 + x is x). Registers capped for 3 resident blocks an SM (uncapped it
- * takes 2), so more warps keep their steps' loads in flight. */
-#ifndef QL_DEQUANT_BLOCKS
-#define QL_DEQUANT_BLOCKS 3
-#endif
+ * -0 + x is x). Registers capped for 3 resident blocks an SM, so that many
+ * warps keep their steps' loads in flight (each mode's kernel needs 64-72,
+ * under the cap: nothing spills). */
 template <int mode>
-__global__ void __launch_bounds__(QL_THREADS, QL_DEQUANT_BLOCKS)
+__global__ void __launch_bounds__(QL_THREADS, 3)
     ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride, uint64_t scale_stride,
                    int n, uint4 *out) {
   QL_FOR_STEPS(w) {

@@ -16,8 +16,9 @@ memory. ptxas may tag the release's store with a neighbouring instruction's
 line (its address and value keep the release's lines): given SASS, the
 `cuobjdump -sass` of the build the log ran, a write whose program counter
 holds a count release there (MEMBAR.ALL.CTA, then ST.E.STRONG.SM: the
-st.release.cta of tpc_store_release_block) is the release whatever its line. Anything else (the zeroing of the counts included), a log without
-the tool's summary, or a tool error, exits 1 and is printed verbatim.
+st.release.cta of tpc_store_release_block) is the release whatever its
+line. Anything else (the zeroing of the counts included), a log without the
+tool's summary, or a tool error, exits 1 and is printed verbatim.
 """
 import collections
 import os

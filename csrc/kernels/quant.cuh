@@ -177,14 +177,20 @@ typedef struct {
   float scale, inv;
 } tpc_quant_scale;
 
-/* a / d, for a in [TPC_QUANT_TINY, FLT_MAX] and d a mode's qmax, r the
- * nearest float to 1 / d: the quotient's first guess, corrected once by its
- * exact residual (an fma); __fdiv_rn's bits (benchmarks/quant_identity.cu
- * checks every a) without its range check, a branch around a slow path that
- * would split the warp between the group's shuffles. */
-TPC_DEVICE float tpc_quant_div_by(float a, float d, float r) {
+/* a / qmax for a in [TPC_QUANT_TINY, FLT_MAX], as __fdiv_rn: the quotient's
+ * first guess by the nearest float to 1 / qmax, corrected once by its exact
+ * residual (an fma); __fdiv_rn's bits (benchmarks/quant_identity.cu checks
+ * every a) without its range check, a branch around a slow path that would
+ * split the warp between the group's shuffles. HIP: __fdiv_rn. */
+TPC_DEVICE float tpc_quant_div_by(float a, int mode) {
+  const float d = tpc_quant_qmax(mode);
+#ifdef TPC_HIP
+  return __fdiv_rn(a, d);
+#else
+  const float r = mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
   const float q = __fmul_rn(a, r);
   return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
+#endif
 }
 
 /* n / a for a in [TPC_QUANT_TINY, FLT_MAX] and n a qmax, as __fdiv_rn: the
@@ -215,12 +221,7 @@ TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax, int mode) {
     s.scale = 0.0f;
     s.inv = 0.0f;
   } else {
-    const float r = mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
-#ifdef TPC_HIP
-    s.scale = __fdiv_rn(absmax, qmax);
-#else
-    s.scale = tpc_quant_div_by(absmax, qmax, r);
-#endif
+    s.scale = tpc_quant_div_by(absmax, mode);
     s.inv = tpc_quant_div_of(qmax, absmax);
   }
   return s;
