@@ -10,17 +10,17 @@
  *   int clamp    for qmax 127 and 7, every group absmax A in
  *                [TPC_QUANT_TINY, FLT_MAX]: A * (qmax / A) < qmax + 1/2 (each
  *                operation rounded as tpc_quant_scale_of and
- *                tpc_quant_scaled do), so tpc_quant_code needs no clamp;
+ *                tpc_quant_scaled do), so the codes need no clamp;
  *   absmax step  (sm_80+: max.NaN.f32) every pattern of v against every
  *                magnitude or NaN m (m is never negative): the same bits,
  *                or NaN for both;
  *   int codes    tpc_quant_int (rounding by adding 1.5 * 2^23, packing by
- *                byte permutes) against tpc_quant_code's rint packed as
+ *                byte permutes) against qi_code's rint packed as
  *                the payload's layout says, int8 and int4: every scaled
  *                value |y| < qmax + 1/2 in every position, every pattern
  *                with inv 0 (a NaN or zero-scale group), and every
  *                combination of codes in a word (15^8 int4, 255^4 int8);
- *   int values   tpc_quant_int_value against tpc_quant_value for every
+ *   int values   tpc_quant_int_value against qi_value for every
  *                32-bit payload word, int8 and int4;
  *   scales       tpc_quant_scale_of's quotients (sm_90: an fma-corrected
  *                guess, no slow path) against __fdiv_rn for every absmax
@@ -112,12 +112,26 @@ __global__ void qi_decode(unsigned long long *bad) {
     atomicAdd(bad, 1ull);
 }
 
-/* The payload by tpc_quant_code's definition: byte i the code of value i
- * (int4: nibble i of .x). */
+/* One value's integer code by its definition (quant.cuh): rint of the
+ * scaled value, unclamped (int clamp above: it never changes the code);
+ * int8 its low 8 bits, int4 its low 4. */
+static __device__ uint32_t qi_code(float v, float inv) {
+  return (uint32_t)(int32_t)rintf(tpc_quant_scaled(v, inv));
+}
+
+/* An integer code's value by its definition (int8: its low 8 bits as two's
+ * complement, int4: its low 4). */
+static __device__ float qi_value(uint32_t code, int mode) {
+  if (mode == TPC_QUANT_INT8) return (float)(int32_t)(int8_t)(uint8_t)code;
+  return (float)((int32_t)(code << 28) >> 28);
+}
+
+/* The payload by qi_code's definition: byte i the code of value i (int4:
+ * nibble i of .x). */
 static __device__ uint2 qi_int_def(const float f[8], float inv, int mode) {
   uint32_t lo = 0, hi = 0;
   for (int i = 0; i < 8; ++i) {
-    const uint32_t c = tpc_quant_code(f[i], inv);
+    const uint32_t c = qi_code(f[i], inv);
     if (mode == TPC_QUANT_INT4) lo |= (c & 15u) << (4 * i);
     else if (i < 4) lo |= (c & 255u) << (8 * i);
     else hi |= (c & 255u) << (8 * (i - 4));
@@ -176,7 +190,7 @@ __global__ void qi_int_decode(int mode, unsigned long long *bad) {
     tpc_quant_int_value(p, mode, f);
     for (int k = 0; k < 8; ++k) {
       const uint32_t code = mode == TPC_QUANT_INT4 ? p.x >> (4 * k) : (k < 4 ? p.x : p.y) >> (8 * (k & 3));
-      n += tpc_bits_of(f[k]) != tpc_bits_of(tpc_quant_value(code, mode));
+      n += tpc_bits_of(f[k]) != tpc_bits_of(qi_value(code, mode));
     }
   }
   atomicAdd(bad, n);

@@ -61,6 +61,11 @@ TPC_DEVICE float tpc_quant_qmax(int mode) {
   return mode == TPC_QUANT_FP8 ? 448.0f : mode == TPC_QUANT_INT8 ? 127.0f : 7.0f;
 }
 
+/* The float nearest to 1 / tpc_quant_qmax(mode) (constants folded at compile time). */
+TPC_DEVICE float tpc_quant_inv_qmax(int mode) {
+  return mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
+}
+
 /* Payload bytes of one 16-byte unit (8 values). */
 TPC_DEVICE uint32_t tpc_quant_unit_bytes(int mode) { return mode == TPC_QUANT_INT4 ? 4u : 8u; }
 
@@ -187,7 +192,7 @@ TPC_DEVICE float tpc_quant_div_by(float a, int mode) {
 #ifdef TPC_HIP
   return __fdiv_rn(a, d);
 #else
-  const float r = mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
+  const float r = tpc_quant_inv_qmax(mode);
   const float q = __fmul_rn(a, r);
   return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
 #endif
@@ -233,24 +238,6 @@ TPC_DEVICE float tpc_quant_scaled(float v, float inv) {
   return y != y ? 0.0f : y;
 }
 
-/* One value's integer code (int8, int4; its low 8 or 4 bits) by its
- * definition: rint of the scaled value clamped to +-qmax, with the clamp
- * left out because it never changes the code: |v| <= A gives |v * inv| <=
- * A * inv (rounding is monotonic) < qmax + 1/2 for every A
- * (benchmarks/quant_identity.cu), and rint maps (qmax, qmax + 1/2) to qmax
- * as the clamp would. The kernels compute the same codes by tpc_quant_int
- * below; quant_identity checks the two agree on every input. */
-TPC_DEVICE uint32_t tpc_quant_code(float v, float inv) {
-  return (uint32_t)(int32_t)rintf(tpc_quant_scaled(v, inv));
-}
-
-/* An integer code's value by its definition (int8: its low 8 bits, int4:
- * its low 4); the kernels decode by tpc_quant_int_value. */
-TPC_DEVICE float tpc_quant_value(uint32_t code, int mode) {
-  if (mode == TPC_QUANT_INT8) return (float)(int32_t)(int8_t)(uint8_t)code;
-  return (float)((int32_t)(code << 28) >> 28);
-}
-
 /* The integer codes without a float-to-int conversion (a quarter-rate
  * instruction): for |y| < 2^22, y + 1.5 * 2^23 rounded once to nearest even
  * is 1.5 * 2^23 + rint(y) (the sum's ulp is 1 and 1.5 * 2^23 is even, so a
@@ -273,12 +260,16 @@ TPC_DEVICE uint32_t tpc_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d
   return __byte_perm(__byte_perm(a, b, 0x0040u), __byte_perm(c, d, 0x0040u), 0x5410u);
 }
 
-/* tpc_quant_code's codes of 8 values, packed as tpc_quant_encode lays them.
- * inv is 0 for a group of scale 0 or NaN, whose codes are 0 (the values
- * scaled may then be NaN); otherwise every value is finite and |v * inv| <
- * qmax + 1/2. int4: each value rounded with bias 8 (its byte 8 + code, in
- * 1..15, so two values pack with one shift-add), the nibbles' bias taken off
- * by one xor at the end. */
+/* The integer codes of 8 values (int8, int4), packed as tpc_quant_encode
+ * lays them: rint of each scaled value clamped to +-qmax, with the clamp
+ * left out because it never changes the code: |v| <= A gives |v * inv| <=
+ * A * inv (rounding is monotonic) < qmax + 1/2 for every A, and rounding
+ * maps (qmax, qmax + 1/2) to qmax as the clamp would. inv is 0 for a group
+ * of scale 0 or NaN, whose codes are 0 (the values scaled may then be NaN).
+ * benchmarks/quant_identity.cu checks the bound and these codes against
+ * that definition on every input. int4: each value rounded with bias 8 (its
+ * byte 8 + code, in 1..15, so two values pack with one shift-add), the
+ * nibbles' bias taken off by one xor at the end. */
 TPC_DEVICE uint2 tpc_quant_int(const float f[8], float inv, int mode) {
   uint32_t lo, hi = 0;
   if (mode == TPC_QUANT_INT4) {
@@ -303,7 +294,8 @@ TPC_DEVICE float tpc_quant_biased_value(uint32_t w, uint32_t j, float bias) {
   return tpc_add_rn(__uint_as_float(__byte_perm(w, TPC_QUANT_TWO23, 0x7440u + j)), -(8388608.0f + bias));
 }
 
-/* tpc_quant_value's values of a payload's 8 codes. Flipping a two's
+/* The values of a payload's 8 integer codes (int8: byte i the two's
+ * complement code of value i; int4: nibble i of .x). Flipping a two's
  * complement code's top bit adds the bias (8 for int4, 128 for int8) and
  * leaves it in 0..2^bits - 1. int4: word x's even nibbles (values 0, 2, 4,
  * 6) and odd ones as bytes. */
