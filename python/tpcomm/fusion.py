@@ -19,8 +19,10 @@ tpcomm.compile_pass first puts on tpcomm)
 becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual, weight,
 eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
 residual of one shape and dtype, weight of that dtype and of the last
-dimension's length, an explicit weight and eps, and the all-reduce used only
-by the add (its result is not kept). Other users of z take the fused op's z.
+dimension's length, an explicit weight and eps, and every value the
+rewrite removes (the all-reduce's result, what lies between it and the
+add, the norm's inner nodes and casts) used only inside the pattern: the
+fused op has no output for it. Other users of z take the fused op's z.
 What does not match is left as it is (other spellings of a norm included:
 write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
 The fused op computes in fp32 from the sum to the norm and rounds once, where
@@ -295,8 +297,20 @@ def _match(ar, order):
         erased + chain
 
 
+def _self_contained(ar, replaced, erased):
+    """Whether the nodes the rewrite removes are used only inside the
+    pattern: each one erased (ar, the nodes between it and its consumer, a
+    norm's inner nodes and casts) has users only among the removed nodes; a
+    node replaced hands its users the fused op's output instead. A value
+    that a node outside the pattern reads has no output of the fused op to
+    come from, so such a pattern is left as it is."""
+    removed = set(erased) | set(replaced) | {ar}
+    return all(user in removed for node in removed - set(replaced) for user in node.users)
+
+
 def _erase(graph, nodes):
-    """Erases `nodes`, each once nothing uses it."""
+    """Erases `nodes`, each once nothing uses it (_self_contained made sure
+    that all of them go)."""
     left = list(dict.fromkeys(nodes))
     while left:
         free = [n for n in left if not n.users]
@@ -317,8 +331,8 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             continue
         order = {node: i for i, node in enumerate(graph.nodes)}
         found = _match(ar, order)
-        if found is None:
-            continue
+        if found is None or not _self_contained(ar, found[4], found[5]):
+            continue  # matched in full before anything changes: never a half-rewritten graph
         pattern, (y, residual, weight, next_weight, eps, next_eps, offset), group, anchor, replaced, erased = found
         chain = [n for n in erased if n in _through_identities(ar)[1]]
         y = _reapplied(graph, y, chain)
