@@ -6,7 +6,8 @@ else; bad arguments raise before anything collective; which route each
 pattern takes (the fused kernel family where ADD_NORM's would) and what the
 fused route hands the kernel; and the compile pass's matchers on small
 graphs (the sandwich norm with its next norm, a dropout and a reshape
-between the all-reduce and the add)."""
+between the all-reduce and the add, a view after the all-reduce of a
+non-contiguous tensor)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,6 +201,18 @@ class _DropoutReshape(torch.nn.Module):
         return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
 
 
+class _TransposedInput(torch.nn.Module):
+    """The all-reduce of a non-contiguous tensor (a transpose), viewed to the residual's shape after it."""
+
+    def __init__(self, group, w):
+        super().__init__()
+        self.group, self.w = group, torch.nn.Parameter(w)
+
+    def forward(self, y, residual):
+        h = residual + torch.ops.tpcomm.custom_all_reduce(y.transpose(0, 1), self.group).view(residual.shape)
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
+
+
 def _body_compiled(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     g = torch.Generator().manual_seed(3)
@@ -208,6 +221,8 @@ def _body_compiled(rank, world_size):
     y = (torch.randint(-64, 65, (2, 3, 64), generator=torch.Generator().manual_seed(rank)) / 8)
     for model, args, key in ((_Sandwich(comm.group_name, w1, w2), (y, residual), "all_reduce_rms_norm_add_rms_norm"),
                              (_DropoutReshape(comm.group_name, w1).eval(), (y.view(6, 64), residual),
+                              "all_reduce_add_rms_norm"),
+                             (_TransposedInput(comm.group_name, w1), (y, residual.view(6, 64)),
                               "all_reduce_add_rms_norm")):
         torch._dynamo.reset()
         backend = tpcomm.compile_backend("aot_eager")

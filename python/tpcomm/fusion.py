@@ -183,11 +183,14 @@ def _through_identities(ar):
 
 def _reapplied(graph, y, chain):
     """y with chain's layout changes applied (dropout skipped), inserted
-    before the chain's first node: the fused op's input of the consumer's shape."""
+    before the chain's first node: the fused op's input of the consumer's
+    shape. Always a reshape: the chain viewed the all-reduce's contiguous
+    result, but y, the model's tensor, may be of any layout (a reshape keeps
+    the elements in the same order, copying where a view cannot)."""
     for node in chain:
         if node.op == "call_method" and node.target in ("view", "reshape"):
             with graph.inserting_before(chain[0]):
-                y = graph.call_method(node.target, (y,) + tuple(node.args[1:]))
+                y = graph.call_method("reshape", (y,) + tuple(node.args[1:]))
             if "example_value" in node.meta:
                 y.meta["example_value"] = node.meta["example_value"]
     return y
