@@ -19,12 +19,13 @@ tpcomm.compile_pass first puts on tpcomm)
 becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual, weight,
 eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
 residual of one shape and dtype, weight of that dtype and of the last
-dimension's length, an explicit weight and eps, and every value the
-rewrite removes (the all-reduce's result, what lies between it and the
-add, the norm's inner nodes and casts) used only inside the pattern: the
-fused op has no output for it. Other users of z take the fused op's z.
-What does not match is left as it is (other spellings of a norm included:
-write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+dimension's length, an explicit weight, eps a number or none (torch's
+default then, _default_eps), and every value the rewrite removes (the
+all-reduce's result, what lies between it and the add, the norm's inner
+nodes and casts) used only inside the pattern: the fused op has no output
+for it. Other users of z take the fused op's z. What does not match is
+left as it is (other spellings of a norm included: write them with
+F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
 The fused op computes in fp32 from the sum to the norm and rounds once, where
 the unfused model rounds z first (and the Llama-style norm rounds again
 before the weight): the normed values can differ from the model's in the
@@ -56,9 +57,11 @@ def _example(node):
 
 
 def _norm_args(norm):
-    """(input, normalized_shape, weight, eps) of an rms_norm call, or None."""
+    """(input, normalized_shape, weight, eps) of an rms_norm call (eps None
+    where the call gives none), or None."""
     names = ("input", "normalized_shape", "weight", "eps")
-    values = dict(zip(names, norm.args))
+    values = {"eps": None}
+    values.update(zip(names, norm.args))
     values.update({k: v for k, v in norm.kwargs.items() if k in names})
     if set(values) != set(names):
         return None
@@ -77,9 +80,16 @@ def _eps(value):
     return None
 
 
-def _functional_norm(z, hidden):
-    """z's F.rms_norm(z, (hidden,), weight, eps) user: (weight, eps, the
-    node to replace, the nodes to erase), or None."""
+def _default_eps(dtype):
+    """The eps torch's rms_norm takes when given none (torch.nn.RMSNorm's
+    default): the machine epsilon of the type it computes in, fp32 for
+    fp16 / bf16 / fp32 inputs and fp64 for fp64."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
+def _functional_norm(z, dtype, hidden):
+    """z's F.rms_norm(z, (hidden,), weight, eps) user, z of `dtype`: (weight,
+    eps, the node to replace, the nodes to erase), or None."""
     for norm in z.users:
         if norm.op != "call_function" or norm.target not in _RMS_NORM:
             continue
@@ -87,6 +97,8 @@ def _functional_norm(z, hidden):
         if args is None:
             continue
         source, shape, weight, eps = args
+        if eps is None:
+            eps = _default_eps(dtype)
         if source is z and isinstance(weight, torch.fx.Node) and _eps(eps) is not None and tuple(shape) == (hidden,):
             return weight, eps, norm, [norm]
     return None
@@ -221,7 +233,7 @@ def _gemma_norm(z):
 
 def _any_norm(z, dtype, hidden):
     """(weight, eps, weight_offset, node replaced, nodes erased) of an RMSNorm of z, or None."""
-    found = _functional_norm(z, hidden) or _written_norm(z, dtype)
+    found = _functional_norm(z, dtype, hidden) or _written_norm(z, dtype)
     if found is not None:
         return found[0], found[1], 0.0, found[2], found[3]
     found = _gemma_norm(z)
