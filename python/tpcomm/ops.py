@@ -37,6 +37,7 @@ _LIBRARY = torch.library.Library("tpcomm", "FRAGMENT")  # kept alive: it holds t
 # The internal namespace (the C++ binding defines its ops taking a communicator id): the private op
 # the compile pass puts in graphs lives there, so torch.ops.tpcomm holds only the public family.
 _INTERNAL = torch.library.Library("_tpcomm", "FRAGMENT")
+NAMESPACES = (_LIBRARY.ns, _INTERNAL.ns)  # every op tpcomm registers lives in one of these
 
 
 def _op(schema, fake, library=_LIBRARY):
