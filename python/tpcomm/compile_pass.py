@@ -48,7 +48,7 @@ import operator
 
 import torch
 
-from . import _registry, fusion, ops  # ops registers torch.ops.tpcomm.*
+from . import _cache_key, _registry, fusion, ops  # ops registers torch.ops.tpcomm.*
 from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
@@ -261,7 +261,7 @@ class compile_backend:
 
     def __call__(self, gm, example_inputs):
         apply(gm.graph, self.counts, self.fuse)
-        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + world_tag(gm.graph)):
+        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + cache_tag(gm.graph)):
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -297,6 +297,13 @@ class compile_backend:
             return make_boxed_func(gm.forward)
 
         return aot_autograd(fw_compiler=forward)
+
+
+def cache_tag(graph: torch.fx.Graph) -> str:
+    """What compile_backend adds to torch.compile's cache key while it
+    compiles graph: ";tpcomm@<tpcomm._cache_key.fingerprint()>" (tpcomm's
+    version, the pass's sources, the ops' schemas), then world_tag(graph)."""
+    return f";tpcomm@{_cache_key.fingerprint()}" + world_tag(graph)
 
 
 def _communicator_of(node):
