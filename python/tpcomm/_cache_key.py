@@ -13,16 +13,13 @@ import functools
 import hashlib
 import os
 
-import torch
-
-from . import _version
-from .ops import NAMESPACES
+from . import _version, ops
 
 # The modules whose code shapes a compiled graph: the pass and its fusion,
-# the patterns' numbering, the inductor pass, the ops' definitions and fake
-# shapes, and this key itself.
+# the patterns' numbering, the inductor pass, the ops' definitions, fake
+# shapes and autograd, and this key itself.
 GRAPH_SOURCES = ("compile_pass.py", "fusion.py", "norm_patterns.py", "inductor_pass.py", "ops.py", "_fake.py",
-                 "_shapes.py", "_cache_key.py")
+                 "_shapes.py", "_autograd.py", "_cache_key.py")
 
 
 @functools.cache
@@ -38,12 +35,7 @@ def _sources_digest():
 
 def op_schemas():
     """The schema of every op registered in tpcomm's namespaces now, sorted."""
-    schemas = []
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.split("::", 1)[0] in NAMESPACES:
-            name, _, overload = qualified.partition(".")
-            schemas.append(str(torch._C._get_schema(name, overload)))
-    return sorted(schemas)
+    return sorted(str(op._schema) for op in ops.registered())
 
 
 def fingerprint():

@@ -29,7 +29,7 @@ Python layers (autograd, aliasing checks) add host time to every eager call
 """
 import torch
 
-from . import norm_patterns
+from . import _autograd, norm_patterns
 from ._registry import communicator_for
 from ._shapes import checked_dim
 
@@ -42,8 +42,9 @@ NAMESPACES = (_LIBRARY.ns, _INTERNAL.ns)  # every op tpcomm registers lives in o
 
 def _op(schema, fake, library=_LIBRARY):
     """Defines <namespace>::<schema> with the decorated function as its kernel on
-    every device (CompositeExplicitAutograd: no autograd, as for the other
-    collectives) and `fake` as its shape function for torch.compile."""
+    every device (CompositeExplicitAutograd) and `fake` as its shape function
+    for torch.compile; the end of this module gives it its Autograd kernel,
+    which refuses a backward (tpcomm._autograd)."""
     name = schema.split("(", 1)[0]
 
     def define(impl):
@@ -116,3 +117,18 @@ def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_off
     code calls the public all_reduce_add_rms_norm."""
     return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
                              next_eps, weight_offset)
+
+
+def registered():
+    """Every op registered now in NAMESPACES, as OpOverloads (the C++
+    binding's _tpcomm ops among them once tpcomm.load() has run)."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace in NAMESPACES:
+            name, _, overload = name.partition(".")
+            found.append(getattr(getattr(getattr(torch.ops, namespace), name), overload or "default"))
+    return found
+
+
+_autograd.cover(registered())
