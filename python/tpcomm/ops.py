@@ -25,7 +25,9 @@ its routing picked.
 Registered with torch.library.Library (define, impl, fake), as vLLM's
 direct_register_custom_op does, not with torch.library.custom_op, whose
 Python layers (autograd, aliasing checks) add host time to every eager call
-(benchmarks/host_cost.py measures both).
+(benchmarks/host_cost.py measures both). The ops have no backward: each
+gets tpcomm._autograd's Autograd kernel, one check and a redispatch where
+no gradient is needed, and a backward through one raises.
 """
 import torch
 
