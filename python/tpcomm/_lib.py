@@ -124,10 +124,9 @@ def load():
     except Exception as e:  # noqa: BLE001 - every failure must become a reason on every rank
         _load_error = f"tpcomm extension could not be loaded: {e}"
         raise ImportError(_load_error) from e
-    from . import _autograd, _fake, ops
+    from . import _fake
 
     _fake.register()
-    _autograd.cover(ops.registered())  # the binding's ops: no backward either
     _bind_fastpath(lib)
     _lib = lib
     return lib

@@ -26,8 +26,11 @@ Registered with torch.library.Library (define, impl, fake), as vLLM's
 direct_register_custom_op does, not with torch.library.custom_op, whose
 Python layers (autograd, aliasing checks) add host time to every eager call
 (benchmarks/host_cost.py measures both). The ops have no backward: each
-gets tpcomm._autograd's Autograd kernel, one check and a redispatch where
-no gradient is needed, and a backward through one raises.
+gets tpcomm._autograd's Autograd kernel, which runs the op's function
+itself where no gradient is needed (on plain CPU/CUDA tensors; it
+redispatches for fake tensors and the like), and a backward through one
+raises. The internal ops have none: torch's C++ fallback passes them
+through.
 """
 import torch
 
@@ -44,15 +47,16 @@ NAMESPACES = (_LIBRARY.ns, _INTERNAL.ns)  # every op tpcomm registers lives in o
 
 def _op(schema, fake, library=_LIBRARY):
     """Defines <namespace>::<schema> with the decorated function as its kernel on
-    every device (CompositeExplicitAutograd) and `fake` as its shape function
-    for torch.compile; the end of this module gives it its Autograd kernel,
-    which refuses a backward (tpcomm._autograd)."""
+    every device (CompositeExplicitAutograd), `fake` as its shape function
+    for torch.compile and an Autograd kernel that refuses a backward and
+    calls the function itself where it can (tpcomm._autograd)."""
     name = schema.split("(", 1)[0]
 
     def define(impl):
         library.define(schema)
         library.impl(name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{library.ns}::{name}", fake, lib=library)
+        _autograd.cover(getattr(getattr(torch.ops, library.ns), name).default, impl)
         return impl
 
     return define
@@ -123,7 +127,8 @@ def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_off
 
 def registered():
     """Every op registered now in NAMESPACES, as OpOverloads (the C++
-    binding's _tpcomm ops among them once tpcomm.load() has run)."""
+    binding's _tpcomm ops among them once tpcomm.load() has run): the
+    schemas in torch.compile's cache key (tpcomm._cache_key)."""
     found = []
     for qualified in torch._C._dispatch_get_all_op_names():
         namespace, _, name = qualified.partition("::")
@@ -132,5 +137,3 @@ def registered():
             found.append(getattr(getattr(getattr(torch.ops, namespace), name), overload or "default"))
     return found
 
-
-_autograd.cover(registered())
