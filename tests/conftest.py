@@ -35,10 +35,16 @@ if source_tree.testing_installed():
 elif PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
-# Inductor's cache outlives a checkout: a graph compiled against another
-# build's op schema is replayed as is (a stale call fails with "expected at
-# most 5 argument(s)"). Each pytest session compiles into a cache of its own,
-# which every spawned rank inherits through the environment.
+# Inductor's cache outlives a checkout, and checkouts on one machine share
+# its default directory. tpcomm's fingerprint (version, pass sources, op
+# schemas: tpcomm._cache_key) is in a graph's key only under compile_backend
+# and TpcommPass; the tests that compile tpcomm's ops with plain inductor
+# (test_compile_cpu, test_add_rms_norm_cpu) are keyed by their code alone,
+# which reads the same under a checkout whose op schemas differ, so a graph
+# another checkout compiled would be replayed (a stale call fails with
+# "expected at most 5 argument(s)"). Each pytest session compiles into a cache
+# of its own, which every spawned rank inherits through the environment.
+# (test_compile_cache_cpu gives each of its ranks a directory of its own.)
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _inductor_cache = tempfile.mkdtemp(prefix="tpcomm-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import tpcomm
+from tpcomm import _cache_key
 from tpcomm.norm_patterns import STATS_KEY
 from bitexact import exact_values, expected_sum
 from multiproc import run_ranks
@@ -78,7 +79,7 @@ def _body_rewrites(rank, world_size):
         assert torch.equal(a, b), f"output {i}"
     assert counts == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2, **dict.fromkeys(STATS_KEY.values(), 0)}
     # the group's size is in the key of torch's compile caches while the graph compiles, and only then
-    assert tags[-1] == f";tpcomm:{comm.group_name}=2", tags
+    assert tags[-1] == f";tpcomm@{_cache_key.fingerprint()};tpcomm:{comm.group_name}=2", tags
     assert torch.compiler.config.cache_key_tag == ""
     targets = _targets(gm)
     assert not [t for t in targets if t.startswith("_c10d_functional::")], targets

@@ -6,7 +6,8 @@ else; bad arguments raise before anything collective; which route each
 pattern takes (the fused kernel family where ADD_NORM's would) and what the
 fused route hands the kernel; and the compile pass's matchers on small
 graphs (the sandwich norm with its next norm, a dropout and a reshape
-between the all-reduce and the add)."""
+between the all-reduce and the add, a view after the all-reduce of a
+non-contiguous tensor, torch.nn.RMSNorm with its default eps)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,6 +201,18 @@ class _DropoutReshape(torch.nn.Module):
         return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
 
 
+class _TransposedInput(torch.nn.Module):
+    """The all-reduce of a non-contiguous tensor (a transpose), viewed to the residual's shape after it."""
+
+    def __init__(self, group, w):
+        super().__init__()
+        self.group, self.w = group, torch.nn.Parameter(w)
+
+    def forward(self, y, residual):
+        h = residual + torch.ops.tpcomm.custom_all_reduce(y.transpose(0, 1), self.group).view(residual.shape)
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), self.w, 1e-6), h
+
+
 def _body_compiled(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     g = torch.Generator().manual_seed(3)
@@ -208,6 +221,8 @@ def _body_compiled(rank, world_size):
     y = (torch.randint(-64, 65, (2, 3, 64), generator=torch.Generator().manual_seed(rank)) / 8)
     for model, args, key in ((_Sandwich(comm.group_name, w1, w2), (y, residual), "all_reduce_rms_norm_add_rms_norm"),
                              (_DropoutReshape(comm.group_name, w1).eval(), (y.view(6, 64), residual),
+                              "all_reduce_add_rms_norm"),
+                             (_TransposedInput(comm.group_name, w1), (y, residual.view(6, 64)),
                               "all_reduce_add_rms_norm")):
         torch._dynamo.reset()
         backend = tpcomm.compile_backend("aot_eager")
@@ -222,6 +237,53 @@ def _body_compiled(rank, world_size):
 
 def test_compiled_patterns_on_two_ranks():
     run_ranks(2, _body_compiled)
+
+
+class _TorchRMSNorm(torch.nn.Module):
+    """The residual add, then torch.nn.RMSNorm with its default eps (None)."""
+
+    def __init__(self, group, w):
+        super().__init__()
+        self.group, self.norm = group, torch.nn.RMSNorm(w.shape[0], dtype=w.dtype)
+        with torch.no_grad():
+            self.norm.weight.copy_(w)
+
+    def forward(self, y, residual):
+        h = residual + torch.ops.tpcomm.custom_all_reduce(y, self.group)
+        return self.norm(h), h
+
+
+def _body_default_eps(rank, world_size):
+    """torch.nn.RMSNorm() fuses with the eps torch takes for it: fp32's
+    machine epsilon for fp32 and bf16 inputs alike (the type torch computes
+    in). The values are small enough (mean(z^2) about 4 eps) that another eps
+    (bf16's, or none) gives other results."""
+    comm = tpcomm.Communicator(device="cpu")
+    for dtype, tolerance in ((torch.float32, 2e-6), (torch.bfloat16, 2 ** -7)):
+        g = torch.Generator().manual_seed(5)
+        residual = (torch.randint(-8, 9, (4, 64), generator=g) * 2 ** -14).to(dtype)  # z exact in bf16 too
+        weight = (torch.rand(64, generator=g) + 0.5).to(dtype)
+        y = (torch.randint(-8, 9, (4, 64), generator=torch.Generator().manual_seed(rank)) * 2 ** -14).to(dtype)
+        model, graphs = _TorchRMSNorm(comm.group_name, weight), []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(model, backend=tpcomm.compile_backend(keep), fullgraph=True)(y, residual)
+            eager = model(y, residual)
+        fused = [n for n in graphs[0].graph.nodes if n.target is torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default]
+        assert len(fused) == 1, graphs[0].graph
+        assert fused[0].args[3] == torch.finfo(torch.float32).eps, (dtype, fused[0].args)
+        assert torch.equal(got[1], eager[1]), dtype
+        torch.testing.assert_close(got[0], eager[0], rtol=tolerance, atol=0, msg=str(dtype))
+    comm.close()
+
+
+def test_torch_rms_norm_without_eps_fuses_with_torchs_eps():
+    run_ranks(2, _body_default_eps)
 
 
 def test_fusion_does_not_import_the_compile_pass():

@@ -51,9 +51,14 @@ def communicator_for(group_name):
     return comm
 
 
+def find_id(comm_id):
+    """The open Communicator with that id (what the internal ops take), or None."""
+    return _by_id.get(comm_id)
+
+
 def by_id(comm_id):
     """The open Communicator with that id; ValueError when none is open."""
-    comm = _by_id.get(comm_id)
+    comm = find_id(comm_id)
     if comm is None:
         raise ValueError(f"tpcomm: comm_id {comm_id} is not an open communicator")
     return comm

@@ -48,7 +48,7 @@ import operator
 
 import torch
 
-from . import _registry, fusion, ops  # noqa: F401 - ops registers torch.ops.tpcomm.*
+from . import _cache_key, _registry, fusion, ops  # ops registers torch.ops.tpcomm.*
 from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
@@ -261,7 +261,7 @@ class compile_backend:
 
     def __call__(self, gm, example_inputs):
         apply(gm.graph, self.counts, self.fuse)
-        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + world_tag(gm.graph)):
+        with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + cache_tag(gm.graph)):
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -299,17 +299,41 @@ class compile_backend:
         return aot_autograd(fw_compiler=forward)
 
 
+def cache_tag(graph: torch.fx.Graph) -> str:
+    """What compile_backend adds to torch.compile's cache key while it
+    compiles graph: ";tpcomm@<tpcomm._cache_key.fingerprint()>" (tpcomm's
+    version, the pass's sources, the ops' schemas), then world_tag(graph)."""
+    return f";tpcomm@{_cache_key.fingerprint()}" + world_tag(graph)
+
+
+def _communicator_of(node):
+    """The open Communicator a call of a tpcomm op (of any of
+    ops.NAMESPACES; an overload or the packet Dynamo records) names, by its
+    group_name or comm_id argument, or None."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverloadPacket) and "default" in target.overloads():
+        target = target.default
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ops.NAMESPACES:
+        return None
+    for i, argument in enumerate(target._schema.arguments):
+        if argument.name in ("group_name", "comm_id"):
+            value = node.kwargs.get(argument.name, node.args[i] if i < len(node.args) else None)
+            if argument.name == "group_name":
+                return _registry.find(value) if isinstance(value, str) else None
+            return _registry.find_id(value) if isinstance(value, int) else None
+    return None
+
+
 def world_tag(graph: torch.fx.Graph) -> str:
     """";tpcomm:<group>=<world size>" for each group the graph's tpcomm ops
-    name, sorted. torch.compile's on-disk caches key a graph by its code and
-    its inputs' shapes, where a group name says nothing of the group's size:
-    without the tag, a graph compiled at one world size whose inputs do not
-    depend on it would be served at another (docs/design.md, Limits)."""
+    name (by group name or communicator id), sorted. torch.compile's on-disk
+    caches key a graph by its code and its inputs' shapes, where a group name
+    says nothing of the group's size: without the tag, a graph compiled at
+    one world size whose inputs do not depend on it would be served at
+    another (docs/design.md, Limits)."""
     sizes = {}
     for node in graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "tpcomm":
-            name = node.kwargs.get("group_name", node.args[-1] if node.args else None)
-            comm = _registry.find(name) if isinstance(name, str) else None
-            if comm is not None:
-                sizes[name] = comm.world_size
+        comm = _communicator_of(node)
+        if comm is not None:
+            sizes[comm.group_name] = comm.world_size
     return "".join(f";tpcomm:{name}={size}" for name, size in sorted(sizes.items()))

@@ -19,10 +19,13 @@ tpcomm.compile_pass first puts on tpcomm)
 becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual, weight,
 eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
 residual of one shape and dtype, weight of that dtype and of the last
-dimension's length, an explicit weight and eps, and the all-reduce used only
-by the add (its result is not kept). Other users of z take the fused op's z.
-What does not match is left as it is (other spellings of a norm included:
-write them with F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+dimension's length, an explicit weight, eps a number or none (torch's
+default then, _default_eps), and every value the rewrite removes (the
+all-reduce's result, what lies between it and the add, the norm's inner
+nodes and casts) used only inside the pattern: the fused op has no output
+for it. Other users of z take the fused op's z. What does not match is
+left as it is (other spellings of a norm included: write them with
+F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
 The fused op computes in fp32 from the sum to the norm and rounds once, where
 the unfused model rounds z first (and the Llama-style norm rounds again
 before the weight): the normed values can differ from the model's in the
@@ -54,9 +57,11 @@ def _example(node):
 
 
 def _norm_args(norm):
-    """(input, normalized_shape, weight, eps) of an rms_norm call, or None."""
+    """(input, normalized_shape, weight, eps) of an rms_norm call (eps None
+    where the call gives none), or None."""
     names = ("input", "normalized_shape", "weight", "eps")
-    values = dict(zip(names, norm.args))
+    values = {"eps": None}
+    values.update(zip(names, norm.args))
     values.update({k: v for k, v in norm.kwargs.items() if k in names})
     if set(values) != set(names):
         return None
@@ -75,9 +80,16 @@ def _eps(value):
     return None
 
 
-def _functional_norm(z, hidden):
-    """z's F.rms_norm(z, (hidden,), weight, eps) user: (weight, eps, the
-    node to replace, the nodes to erase), or None."""
+def _default_eps(dtype):
+    """The eps torch's rms_norm takes when given none (torch.nn.RMSNorm's
+    default): the machine epsilon of the type it computes in, fp32 for
+    fp16 / bf16 / fp32 inputs and fp64 for fp64."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
+def _functional_norm(z, dtype, hidden):
+    """z's F.rms_norm(z, (hidden,), weight, eps) user, z of `dtype`: (weight,
+    eps, the node to replace, the nodes to erase), or None."""
     for norm in z.users:
         if norm.op != "call_function" or norm.target not in _RMS_NORM:
             continue
@@ -85,6 +97,8 @@ def _functional_norm(z, hidden):
         if args is None:
             continue
         source, shape, weight, eps = args
+        if eps is None:
+            eps = _default_eps(dtype)
         if source is z and isinstance(weight, torch.fx.Node) and _eps(eps) is not None and tuple(shape) == (hidden,):
             return weight, eps, norm, [norm]
     return None
@@ -181,11 +195,14 @@ def _through_identities(ar):
 
 def _reapplied(graph, y, chain):
     """y with chain's layout changes applied (dropout skipped), inserted
-    before the chain's first node: the fused op's input of the consumer's shape."""
+    before the chain's first node: the fused op's input of the consumer's
+    shape. Always a reshape: the chain viewed the all-reduce's contiguous
+    result, but y, the model's tensor, may be of any layout (a reshape keeps
+    the elements in the same order, copying where a view cannot)."""
     for node in chain:
         if node.op == "call_method" and node.target in ("view", "reshape"):
             with graph.inserting_before(chain[0]):
-                y = graph.call_method(node.target, (y,) + tuple(node.args[1:]))
+                y = graph.call_method("reshape", (y,) + tuple(node.args[1:]))
             if "example_value" in node.meta:
                 y.meta["example_value"] = node.meta["example_value"]
     return y
@@ -216,7 +233,7 @@ def _gemma_norm(z):
 
 def _any_norm(z, dtype, hidden):
     """(weight, eps, weight_offset, node replaced, nodes erased) of an RMSNorm of z, or None."""
-    found = _functional_norm(z, hidden) or _written_norm(z, dtype)
+    found = _functional_norm(z, dtype, hidden) or _written_norm(z, dtype)
     if found is not None:
         return found[0], found[1], 0.0, found[2], found[3]
     found = _gemma_norm(z)
@@ -295,8 +312,20 @@ def _match(ar, order):
         erased + chain
 
 
+def _self_contained(ar, replaced, erased):
+    """Whether the nodes the rewrite removes are used only inside the
+    pattern: each one erased (ar, the nodes between it and its consumer, a
+    norm's inner nodes and casts) has users only among the removed nodes; a
+    node replaced hands its users the fused op's output instead. A value
+    that a node outside the pattern reads has no output of the fused op to
+    come from, so such a pattern is left as it is."""
+    removed = set(erased) | set(replaced) | {ar}
+    return all(user in removed for node in removed - set(replaced) for user in node.users)
+
+
 def _erase(graph, nodes):
-    """Erases `nodes`, each once nothing uses it."""
+    """Erases `nodes`, each once nothing uses it (_self_contained made sure
+    that all of them go)."""
     left = list(dict.fromkeys(nodes))
     while left:
         free = [n for n in left if not n.users]
@@ -317,8 +346,8 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             continue
         order = {node: i for i, node in enumerate(graph.nodes)}
         found = _match(ar, order)
-        if found is None:
-            continue
+        if found is None or not _self_contained(ar, found[4], found[5]):
+            continue  # matched in full before anything changes: never a half-rewritten graph
         pattern, (y, residual, weight, next_weight, eps, next_eps, offset), group, anchor, replaced, erased = found
         chain = [n for n in erased if n in _through_identities(ar)[1]]
         y = _reapplied(graph, y, chain)

@@ -10,12 +10,11 @@ norm: tpcomm.compile_backend runs it there). A separate module from
 compile_pass because importing inductor takes seconds, which `import tpcomm`
 does not pay."""
 import hashlib
-import inspect
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _registry, compile_pass, fusion
+from . import _cache_key, _registry, compile_pass
 
 
 class TpcommPass(CustomGraphPass):
@@ -36,11 +35,10 @@ class TpcommPass(CustomGraphPass):
             self.then(graph)
 
     def uuid(self):
-        """What inductor's cache keys on: the pass's code, the groups it
-        may put on tpcomm (those with an open Communicator now) and `then`."""
-        digest = hashlib.sha256()
-        for module in (compile_pass, fusion):
-            digest.update(inspect.getsource(module).encode())
+        """What inductor's cache keys on: tpcomm's fingerprint (its version,
+        the pass's sources, the ops' schemas: tpcomm._cache_key), the groups
+        it may put on tpcomm (those with an open Communicator now) and `then`."""
+        digest = hashlib.sha256(_cache_key.fingerprint().encode())
         digest.update(repr(sorted((name, _registry.find(name).world_size) for name in _registry.names()
                                   if _registry.find(name) is not None)).encode())
         return digest.hexdigest(), self.then.uuid() if self.then is not None else None

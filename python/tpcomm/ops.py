@@ -25,11 +25,16 @@ its routing picked.
 Registered with torch.library.Library (define, impl, fake), as vLLM's
 direct_register_custom_op does, not with torch.library.custom_op, whose
 Python layers (autograd, aliasing checks) add host time to every eager call
-(benchmarks/host_cost.py measures both).
+(benchmarks/host_cost.py measures both). The ops have no backward: each
+gets tpcomm._autograd's Autograd kernel, which runs the op's function
+itself where no gradient is needed (on plain CPU/CUDA tensors; it
+redispatches for fake tensors and the like), and a backward through one
+raises. The internal ops have none: torch's C++ fallback passes them
+through.
 """
 import torch
 
-from . import norm_patterns
+from . import _autograd, norm_patterns
 from ._registry import communicator_for
 from ._shapes import checked_dim
 
@@ -37,18 +42,21 @@ _LIBRARY = torch.library.Library("tpcomm", "FRAGMENT")  # kept alive: it holds t
 # The internal namespace (the C++ binding defines its ops taking a communicator id): the private op
 # the compile pass puts in graphs lives there, so torch.ops.tpcomm holds only the public family.
 _INTERNAL = torch.library.Library("_tpcomm", "FRAGMENT")
+NAMESPACES = (_LIBRARY.ns, _INTERNAL.ns)  # every op tpcomm registers lives in one of these
 
 
 def _op(schema, fake, library=_LIBRARY):
     """Defines <namespace>::<schema> with the decorated function as its kernel on
-    every device (CompositeExplicitAutograd: no autograd, as for the other
-    collectives) and `fake` as its shape function for torch.compile."""
+    every device (CompositeExplicitAutograd), `fake` as its shape function
+    for torch.compile and an Autograd kernel that refuses a backward and
+    calls the function itself where it can (tpcomm._autograd)."""
     name = schema.split("(", 1)[0]
 
     def define(impl):
         library.define(schema)
         library.impl(name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{library.ns}::{name}", fake, lib=library)
+        _autograd.cover(getattr(getattr(torch.ops, library.ns), name).default, impl)
         return impl
 
     return define
@@ -115,3 +123,17 @@ def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_off
     code calls the public all_reduce_add_rms_norm."""
     return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
                              next_eps, weight_offset)
+
+
+def registered():
+    """Every op registered now in NAMESPACES, as OpOverloads (the C++
+    binding's _tpcomm ops among them once tpcomm.load() has run): the
+    schemas in torch.compile's cache key (tpcomm._cache_key)."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace in NAMESPACES:
+            name, _, overload = name.partition(".")
+            found.append(getattr(getattr(getattr(torch.ops, namespace), name), overload or "default"))
+    return found
+
