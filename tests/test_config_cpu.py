@@ -56,6 +56,40 @@ def test_bad_arguments_are_refused():
             Config().replace(**changes)
 
 
+@pytest.mark.parametrize("fields, needle", [
+    ({"quantize": "int3"}, r"quantize='int3' must be None or one of \('fp8', 'int8', 'int4'\)"),
+    ({"quantize": "INT8"}, "quantize='INT8'"),
+    ({"disable": "0"}, "disable='0' must be True or False"),
+    ({"aiter": 1}, "aiter=1 must be True or False"),
+    ({"fused_kernel": None}, "fused_kernel=None must be True or False"),
+    ({"forbid": "bulk"}, "forbid='bulk' must be a tuple of kernel names"),
+    ({"forbid": ("nccl",)}, "forbid 'nccl'"),
+    ({"force": {"all_reduce": "nccl"}}, "must be a tuple of \\(op, backend\\) pairs"),
+    ({"force": ("all_reduce", "nccl")}, "must be a tuple of \\(op, backend\\) pairs"),
+    ({"force": (("all_reduce", "fast"),)}, "force all_reduce=fast"),
+    ({"table": 3}, "table=3 must be a path or None"),
+    ({"timeout_s": True}, "timeout_s=True"),
+    ({"timeout_s": float("nan")}, "timeout_s=nan"),
+    ({"timeout_s": float("inf")}, "timeout_s=inf"),
+    ({"timeout_s": 2e10}, r"timeout_s=20000000000.0 must be positive and at most 1.84e\+10"),
+    ({"max_bytes": 1000}, "max_bytes=1000 must be a positive multiple of 16"),
+])
+def test_every_field_is_checked_when_the_config_is_made(fields, needle):
+    """A bad Config raises where it is made, naming the field, not later
+    when a Communicator reads it."""
+    with pytest.raises(ValueError, match=needle):
+        Config(**fields)
+
+
+def test_good_configs_are_made():
+    import pathlib
+
+    c = Config(force=(("all_reduce", "nccl"),), forbid=("bulk", "line"), table=pathlib.Path("t.json"),
+               timeout_s=1e9, quantize="int8", disable=True, aiter=False, fused_kernel=False)
+    assert (c.force, c.forbid, c.quantize, c.disable) == ((("all_reduce", "nccl"),), ("bulk", "line"), "int8", True)
+    assert c.replace(timeout_s=3).timeout_s == 3
+
+
 def test_caps_within_the_c_cores_limits():
     """The largest caps the kernels take (csrc/tpcomm.h, through the
     generated constants) are accepted; one step past them is refused here,

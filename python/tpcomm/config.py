@@ -23,7 +23,8 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
                                               exact: docs/design.md bounds the error)
 
 Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
-end with the same configuration: the ranks compare it at init.
+end with the same configuration: the ranks compare it at init. A Config is
+checked when it is made, from arguments or variables alike.
 """
 import dataclasses
 import os
@@ -33,6 +34,7 @@ from . import routing
 
 KiB = 1024
 MiB = 1024 * KiB
+_TIMEOUT_MAX_S = (2**64 - 1) / 1e9  # the C core holds the timeout in nanoseconds, in 64 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Config:
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
     fused_kernel: bool = True  # the fusion patterns on the fused kernel family where it takes the call
     quantize: str = None       # None, "fp8", "int8" or "int4": the quantized all_reduce (opt-in)
+
+    def __post_init__(self):
+        self.checked()
 
     @classmethod
     def from_env(cls):
@@ -83,14 +88,16 @@ class Config:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
 
     def checked(self):
+        _check_kinds(self)
         for name, limit in (("max_bytes", C.TPC_MAX_BYTES_LIMIT), ("packet_max_bytes", C.TPC_PACKET_MAX_BYTES_LIMIT)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
                 raise ValueError(f"tpcomm: {name}={value!r} must be a positive multiple of 16")
             if value > limit:  # the C core's cap (csrc/tpcomm.h says why)
                 raise ValueError(f"tpcomm: {name}={value} is over the largest the kernels take, {limit}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout <= _TIMEOUT_MAX_S):
+            raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive and at most {_TIMEOUT_MAX_S:.3g}")
         for op, backend in self.force:
             if op not in routing.OPS or backend not in routing.BACKENDS:
                 raise ValueError(f"tpcomm: force {op}={backend}: ops are {routing.OPS}, backends {routing.BACKENDS}")
@@ -108,6 +115,23 @@ class Config:
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
                 "fused_kernel": str(self.fused_kernel), "quantize": str(self.quantize)}
+
+
+def _check_kinds(config):
+    """ValueError naming a field of the wrong kind: one the range checks
+    would take silently (a str as a flag, a str as forbid) or fail on
+    obscurely."""
+    for name in ("disable", "aiter", "fused_kernel"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"tpcomm: {name}={getattr(config, name)!r} must be True or False")
+    if config.table is not None and not isinstance(config.table, (str, os.PathLike)):
+        raise ValueError(f"tpcomm: table={config.table!r} must be a path or None")
+    if not (isinstance(config.force, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in config.force)):
+        raise ValueError(f"tpcomm: force={config.force!r} must be a tuple of (op, backend) pairs, "
+                         "e.g. (('all_reduce', 'nccl'),)")
+    if not (isinstance(config.forbid, tuple) and all(isinstance(b, str) for b in config.forbid)):
+        raise ValueError(f"tpcomm: forbid={config.forbid!r} must be a tuple of kernel names, e.g. ('bulk',)")
 
 
 def _parse_force(text, name):
