@@ -56,6 +56,12 @@ def test_doctor_names_a_bad_variable_and_exits_1():
     assert "1 problem(s)" in out.stdout or "problem(s)" in out.stdout
 
 
+def test_doctor_marks_a_variable_tpcomm_does_not_read():
+    out = run_doctor("--no-self-test", TPCOMM_QUANTIZ="int8", TPCOMM_TEST_WORLD="2")
+    assert "TPCOMM_QUANTIZ: 'int8' (not a tpcomm variable: did you mean TPCOMM_QUANTIZE?)" in out.stdout, out.stdout
+    assert "TPCOMM_TEST_WORLD: '2'\n" in out.stdout, out.stdout  # the tests' own: no mark
+
+
 def test_doctor_reports_a_table_that_cannot_be_read(tmp_path):
     out = run_doctor(TPCOMM_TABLE=str(tmp_path / "missing.json"))
     assert out.returncode == 1, out.stdout + out.stderr

@@ -24,16 +24,31 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
 
 Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
 end with the same configuration: the ranks compare it at init. A Config is
-checked when it is made, from arguments or variables alike.
+checked when it is made, from arguments or variables alike. Any other
+TPCOMM_* variable that is set is warned of once (logger "tpcomm"), naming the
+closest known one: a misspelt variable would otherwise change nothing
+silently.
 """
 import dataclasses
+import difflib
+import logging
 import os
 
 from . import _constants as C
 from . import routing
+from ._log import log_once
 
 KiB = 1024
 MiB = 1024 * KiB
+# The variables of the table above: what from_env reads.
+VARIABLES = ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_PACKET_MAX_BYTES", "TPCOMM_TABLE",
+             "TPCOMM_FORCE", "TPCOMM_FORBID", "TPCOMM_AITER", "TPCOMM_FUSED_KERNEL", "TPCOMM_QUANTIZE")
+# Read outside the package, never warned of: by the build (setup.py), CI
+# (.ci/) and the test harness (docs/testing.md), whose own variables are all
+# TPCOMM_TEST_* besides TPCOMM_SHARE_GPU.
+OTHER_VARIABLES = ("TPCOMM_CUDA_CLANG", "TPCOMM_VERSION_LABEL", "TPCOMM_CI_WHEELS", "TPCOMM_CI_KEEP_VENVS",
+                   "TPCOMM_SHARE_GPU")
+TEST_PREFIX = "TPCOMM_TEST_"
 _TIMEOUT_MAX_S = (2**64 - 1) / 1e9  # the C core holds the timeout in nanoseconds, in 64 bits
 
 
@@ -55,8 +70,12 @@ class Config:
 
     @classmethod
     def from_env(cls):
-        """The defaults, overridden by whichever TPCOMM_* variables are set."""
+        """The defaults, overridden by whichever TPCOMM_* variables are set;
+        warns once of each set TPCOMM_* variable tpcomm does not know."""
         env = os.environ
+        for name, closest in unknown_variables(env):
+            hint = f"did you mean {closest}?" if closest else f"tpcomm reads {', '.join(VARIABLES)}"
+            log_once(logging.WARNING, f"tpcomm: {name} is not a tpcomm variable and is ignored ({hint})")
         fields = {"disable": env_flag("TPCOMM_DISABLE"),
                   "timeout_s": env_positive_float("TPCOMM_TIMEOUT_S", cls.timeout_s)}
         for name, field in (("TPCOMM_MAX_BYTES", "max_bytes"), ("TPCOMM_PACKET_MAX_BYTES", "packet_max_bytes")):
@@ -132,6 +151,16 @@ def _check_kinds(config):
                          "e.g. (('all_reduce', 'nccl'),)")
     if not (isinstance(config.forbid, tuple) and all(isinstance(b, str) for b in config.forbid)):
         raise ValueError(f"tpcomm: forbid={config.forbid!r} must be a tuple of kernel names, e.g. ('bulk',)")
+
+
+def unknown_variables(environ=os.environ):
+    """[(name, closest known name or None)] of the TPCOMM_* variables set in
+    `environ` that tpcomm does not read (VARIABLES, OTHER_VARIABLES, and
+    the tests' TPCOMM_TEST_*), sorted."""
+    known = VARIABLES + OTHER_VARIABLES
+    return [(name, next(iter(difflib.get_close_matches(name, known, n=1)), None))
+            for name in sorted(environ) if name.startswith("TPCOMM_") and name not in known
+            and not name.startswith(TEST_PREFIX)]
 
 
 def _parse_force(text, name):
