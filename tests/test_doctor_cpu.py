@@ -197,7 +197,7 @@ def test_self_test_runs_every_collective_over_spawned_ranks(capsys):
     text = capsys.readouterr().out
     assert "== self-test (2 ranks on cpu, tpcomm against torch.distributed/gloo)" in text
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        assert f"\n{op} 8 KiB/rank: via nccl (custom path off), bit-exact, tpcomm " in text, op
+        assert f"\n{op} 8 KiB/rank: via gloo (custom path off), bit-exact, tpcomm " in text, op  # what ran
     assert "all_reduce_add_rms_norm 128 KiB/rank: via unfused (custom path off), residual_out 0 ulp, normed 0 ulp" in text
     assert len(report.problems) == 1 and report.problems[0].startswith("communicator: custom path off"), \
         report.problems

@@ -12,6 +12,7 @@ import tpcomm
 from tpcomm import Config, _constants as C, routing_table, routing
 from tpcomm.routing import ALGO_CODES as ALGOS
 from multiproc import run_ranks
+from routing_only import FALLBACK
 
 KiB, MiB = 1024, 1024 * 1024
 TABLE = {"routes": {op: {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
@@ -23,6 +24,7 @@ def _comm(quantize=None, world_size=4, table=TABLE, force=None, line_kernels=Tru
     comm.config, comm.world_size = Config(quantize=quantize), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table), world_size, force, (), quantize)
     comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, line_kernels)
+    comm._nccl = FALLBACK
     return comm
 
 

@@ -217,7 +217,7 @@ class Communicator:
         """Would custom_all_reduce(x) run tpcomm's kernel (the quantized one
         too, where Config.quantize sends x there)? False when closed,
         off (disabled_reason), or when the dtype, size or layout is not one a
-        kernel takes (route_all_reduce(x) says "nccl")."""
+        kernel takes (route_all_reduce(x) names the fallback)."""
         return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
 
     def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
@@ -227,7 +227,7 @@ class Communicator:
 
     def custom_all_gather(self, x: torch.Tensor, dim: int = 0) -> "torch.Tensor | None":
         """all_gather(x, dim) on tpcomm's kernel, or None when the kernels
-        decline it (closed, off, or route_all_gather(x, dim) says "nccl").
+        decline it (closed, off, or route_all_gather(x, dim) names the fallback).
         A bad dim raises as all_gather does."""
         if not self._takes(x, "input"):
             return None
@@ -243,18 +243,20 @@ class Communicator:
         return x.is_contiguous()
 
     # -------------------------------------------------------------- routing
+    # The fallback is named as stats() counts it: by the group's backend
+    # ("nccl" on GPUs, "gloo" on CPU), tpcomm.routing's "nccl" translated in _route.
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", "nccl", or
-        "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
+        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", the fallback
+        ("nccl", "gloo"), or "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
         return self._route(routing.route, "all_reduce", x.dtype, x.numel() * x.element_size())
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
-        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
+        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or the fallback."""
         return self._route(routing.route, "all_gather", x.dtype, x.numel() * x.element_size(),
                            routing.row_bytes(x.shape, dim, x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
-        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
+        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or the fallback."""
         return self._route(routing.route, "reduce_scatter", x.dtype, x.numel() * x.element_size())
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -268,7 +270,10 @@ class Communicator:
         """routing's answer `how(routes, caps, *args)`; a group of one has one
         route for every call (add_rms_norm.run takes it the unfused way, whose
         all_reduce is a copy)."""
-        return SINGLE_RANK if self.world_size == 1 else how(self._routes, self._caps, *args)
+        if self.world_size == 1:
+            return SINGLE_RANK
+        got = how(self._routes, self._caps, *args)
+        return self._nccl.backend if got == "nccl" else got
 
     def _remember(self, op, key, x, nbytes, backend, dim=0):
         """Memoises the route of a call like x (a few thousand shapes at most:
@@ -290,7 +295,7 @@ class Communicator:
     def _runner(self, op, dtype, backend):
         """The callable that runs `op` on `backend`, with the op's arguments:
         all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
-        if backend == "nccl":
+        if backend == self._nccl.backend:
             return getattr(self._nccl, op)
         if backend == SINGLE_RANK:
             return getattr(_one_rank, op)
@@ -299,8 +304,6 @@ class Communicator:
         return functools.partial(getattr(self._kernels, op), algo=backend)
 
     def _cell(self, op, backend):
-        if backend == "nccl":  # counted under what really ran the fallback: the group's backend (gloo on CPU)
-            backend = self._nccl.backend
         return self._stat_cells.setdefault((op, backend), [0, 0])
 
     def stats(self) -> dict:

@@ -472,7 +472,7 @@ def _run_theirs(op, x, world):
 
 
 def _run_pair(comm, op, x, world, on_ref):
-    route = getattr(comm, f"route_{op}")(x) if comm.enabled else "nccl (custom path off)"
+    route = getattr(comm, f"route_{op}")(x) + ("" if comm.enabled else " (custom path off)")  # the fallback: nccl, gloo
     return _run_ours(comm, op, x), _run_theirs(op, on_ref(x), world), route
 
 

@@ -36,6 +36,9 @@ import importlib
 import logging
 
 from .._log import log_once
+from ..routing import KERNELS, QUANTIZED
+
+_KERNELS = KERNELS + QUANTIZED
 
 PLUGIN_NAME = "tpcomm"
 PLATFORM_QUALNAME = __name__ + ".TpcommCudaPlatform"
@@ -143,7 +146,7 @@ def communicator_class(base, open_tpcomm=_open_tpcomm):
             if takes is None:
                 if len(self._takes) >= _ROUTE_MEMO_MAX:
                     self._takes.clear()
-                takes = self._takes[key] = route() != "nccl"
+                takes = self._takes[key] = route() in _KERNELS  # not the fallback, whatever its group's backend
             return takes
 
         def all_reduce(self, input_):
