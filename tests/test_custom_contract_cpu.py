@@ -131,7 +131,22 @@ def _check_single(comm):
     assert torch.equal(torch.ops.tpcomm.custom_all_reduce(x, comm.group_name), x)
     assert torch.ops.tpcomm.custom_all_gather(x, 1, comm.group_name).shape == x.shape
     assert not comm.should_custom_ar(x) and comm.custom_all_reduce(x) is None
+    _check_bad_arguments_raise(comm, x)  # though every answer here is a copy or None
     assert {b for _, b in comm.stats()} == {"single rank"}, comm.stats()
+
+
+def _check_bad_arguments_raise(comm, x):
+    """The Communicator's methods raise for a dim that is not an int (and a
+    non-tensor input) on every path: declined, closed or a group of one."""
+    for bad in (1.5, "0", None, True):
+        for call in (comm.all_gather, comm.reduce_scatter, comm.custom_all_gather, comm.route_all_gather):
+            with pytest.raises(TypeError, match=r"dim must be an int"):
+                call(x, bad)
+    for call in (comm.custom_all_reduce, comm.should_custom_ar, comm.custom_all_gather):
+        with pytest.raises(TypeError, match="must be a torch.Tensor"):
+            call([1.0])
+    with pytest.raises(IndexError, match="out of range"):
+        comm.custom_all_gather(x, 2)
 
 
 def _body_world_of_one(rank, world_size, caplog_path):
@@ -176,14 +191,13 @@ def _body_group_name_errors(rank, world_size):
         torch.ops.tpcomm.custom_all_reduce(x, "nobody")
     assert isinstance(info.value, tpcomm.TpcommError)
     for bad in (1.5, "0", None):
-        # the op's schema (SymInt dim) is checked by torch first: its error names dim
-        with pytest.raises(RuntimeError, match="argument 'dim'"):
-            torch.ops.tpcomm.custom_all_gather(x, bad, comm.group_name)
-        with pytest.raises(TypeError, match="dim"):
-            comm.all_gather(x, bad)
-        with pytest.raises(TypeError, match="dim"):
-            comm.reduce_scatter(x, bad)
+        # the op's schema (SymInt dim) is checked by torch first: its error names dim (README's Errors)
+        for op in (torch.ops.tpcomm.custom_all_gather, torch.ops.tpcomm.custom_reduce_scatter):
+            with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument 'dim'"):
+                op(x, bad, comm.group_name)
+    _check_bad_arguments_raise(comm, x)  # the kernels decline every call here
     comm.close()
+    _check_bad_arguments_raise(comm, x)
     for op in (lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.group_name),
                lambda: torch.ops.tpcomm.custom_all_gather(x, 0, comm.group_name),
                lambda: torch.ops.tpcomm.custom_reduce_scatter(x, 0, comm.group_name),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._log import log_once
-from ._shapes import checked_dim
+from ._shapes import check_int_dim, check_tensor, checked_dim
 from . import _one_rank
 from .backends import aiter
 from .backends.kernels import Kernels
@@ -160,6 +160,7 @@ class Communicator:
         """Concatenation of every rank's x along `dim` (negative dims count
         from the end), contiguous: what NCCL's all_gather_into_tensor along
         dim 0 followed by a move to `dim` gives. Any dtype; bit-exact."""
+        check_int_dim(dim, "all_gather")
         self._check_input(x, "input")
         dim = checked_dim(x, dim, "all_gather")
         nbytes = x.numel() * x.element_size()
@@ -176,6 +177,7 @@ class Communicator:
         part r (for dim 0, NCCL's reduce_scatter_tensor layout), contiguous.
         fp32/fp16/bf16 whose part is a multiple of 16 bytes run on tpcomm's
         kernels (sums in fp32, in rank order); anything else on NCCL."""
+        check_int_dim(dim, "reduce_scatter")
         self._check_input(x, "input")
         dim = checked_dim(x, dim, "reduce_scatter")
         if x.shape[dim] % self.world_size:
@@ -218,7 +220,7 @@ class Communicator:
         too, where Config.quantize sends x there)? False when closed,
         off (disabled_reason), or when the dtype, size or layout is not one a
         kernel takes (route_all_reduce(x) names the fallback)."""
-        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
+        return self._takes(x, "all_reduce") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
 
     def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
         """Sum of x over the group on tpcomm's kernel (a new tensor), or None
@@ -229,18 +231,23 @@ class Communicator:
         """all_gather(x, dim) on tpcomm's kernel, or None when the kernels
         decline it (closed, off, or route_all_gather(x, dim) names the fallback).
         A bad dim raises as all_gather does."""
-        if not self._takes(x, "input"):
+        if not self._takes(x, "custom_all_gather", dim):
             return None
-        checked_dim(x, dim, "custom_all_gather")
         return self.all_gather(x, dim) if self.route_all_gather(x, dim) in routing.KERNELS else None
 
-    def _takes(self, x, what):
-        """False when closed or on a group of one (nothing for a kernel to
-        do); raises for what all_reduce would raise for."""
-        if self._closed or self.world_size == 1:
-            return False
-        self._check_input(x, what)
-        return x.is_contiguous()
+    def _takes(self, x, op, *dim):
+        """Raises for what `op` (given its dim, where it takes one) raises
+        for, closed or not; then whether a kernel may take x: False when
+        closed, on a group of one, or for a non-contiguous x."""
+        if dim:
+            check_int_dim(dim[0], op)
+        if self._closed:
+            check_tensor(x, "input")
+        else:
+            self._check_input(x, "input")
+        if dim:
+            checked_dim(x, dim[0], op)
+        return not self._closed and self.world_size > 1 and x.is_contiguous()
 
     # -------------------------------------------------------------- routing
     # The fallback is named as stats() counts it: by the group's backend
@@ -252,8 +259,9 @@ class Communicator:
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
         """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or the fallback."""
+        check_tensor(x, "input")
         return self._route(routing.route, "all_gather", x.dtype, x.numel() * x.element_size(),
-                           routing.row_bytes(x.shape, dim, x.element_size()))
+                           routing.row_bytes(x.shape, checked_dim(x, dim, "route_all_gather"), x.element_size()))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
         """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or the fallback."""
@@ -405,8 +413,7 @@ class Communicator:
         # The common case in cheap tests, without making a torch.device.
         if not self._closed and type(x) is torch.Tensor and x.is_cuda and x.get_device() == self._cuda_index:
             return
+        check_tensor(x, what)
         self._check_open()
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")
