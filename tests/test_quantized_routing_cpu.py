@@ -4,6 +4,7 @@ route_all_reduce's "quantized_<mode>" (float16/bfloat16 from the minimum
 size on, nothing when quantize is off), the fused norm's routes untouched,
 and ranks that disagree on the mode raising at init (2-process gloo runs)."""
 import json
+import types
 
 import pytest
 import torch
@@ -156,6 +157,9 @@ def test_the_decline_contract_takes_the_quantized_route():
         comm = _comm(mode)
         comm._closed = False
         comm._check_input = lambda x, what: None  # a tensor on the communicator's device
+        # the dispatcher's memo, which should_custom_ar reads, with kernels that are never run here
+        comm._memo, comm._stat_cells, comm._aiter = {op: {} for op in routing.OPS}, {}, None
+        comm._kernels = types.SimpleNamespace(all_reduce_runner=lambda dtype, algo: None)
         x = _t(4 * MiB)
         assert comm.route_all_reduce(x) == (f"quantized_{mode}" if mode else "bulk")
         assert comm.should_custom_ar(x) is want
