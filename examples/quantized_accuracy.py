@@ -19,7 +19,7 @@ measures on the held-out text:
     python examples/quantized_accuracy.py --out quantized_accuracy.json
     python examples/quantized_accuracy.py --tiny --cpu --out /tmp/q.json   # the CPU smoke test
 
-The smoke test (--tiny) is sized to run in about 15 s on 2 busy CPU cores
+The smoke test (--tiny) is sized to run in 15-20 s on 2 busy CPU cores
 (TINY_RUN: 100 training steps, 15 s at most, TP2 only; --tp 2,4 adds the
 4-rank run, 25-40 s more there); the real run's sizes are RUN. Options
 override them one by one.
