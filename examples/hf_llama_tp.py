@@ -1,7 +1,8 @@
 """Hugging Face transformers' Llama with its own tensor-parallel plan
 (tp_plan="auto"), one forward of a decode-shaped batch (batch x 1 token),
 timed with torch.distributed's collectives and with tpcomm's, eager and
-compiled:
+compiled (the torch.distributed modes are named by the run's backend: nccl
+on GPUs, gloo with --cpu):
 
   nccl           the model as transformers runs it (dist.all_reduce on NCCL)
   tpcomm         the same inside tpcomm.install(group)
@@ -16,7 +17,8 @@ compiled:
 The weights are random (nothing is downloaded): rank 0 saves a LlamaConfig
 model to --model-dir (made once, reused; by default a temporary directory
 removed at the end), every rank loads it with the TP
-plan. Every mode's next tokens are compared with nccl's; the time is the
+plan. Every mode's next tokens are compared with the first mode's (by
+default the torch.distributed one's); the time is the
 median over --reps forwards (eager: launch overhead included, as a serving
 engine without CUDA graphs pays it), slowest rank. Writes
 results/hf_llama_tp_<gpu>x<n>.json under the working directory (or --out).
@@ -33,7 +35,11 @@ import time
 import torch
 import torch.distributed as dist
 
-MODES = ("nccl", "tpcomm", "nccl_compiled", "tpcomm_compiled")
+def modes_of(backend):
+    """Every mode of a run whose torch.distributed backend is `backend`."""
+    return (backend, "tpcomm", f"{backend}_compiled", "tpcomm_compiled")
+
+
 LLAMA_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       vocab_size=32000)
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -44,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--reps", type=int, default=30, help="timed forwards per mode and batch (default 30)")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None, help="comma-separated, of " + ", ".join(modes_of("nccl")) +
+                   " (gloo for nccl with --cpu; default: all four)")
     p.add_argument("--tiny", action="store_true", help="a model of hidden size 32 (tests)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, float32 (tests)")
     p.add_argument("--model-dir", default=None, help="where the random model is saved and kept (default: a temporary directory, removed)")
@@ -117,9 +124,14 @@ def main(argv=None):
     comm = tpcomm.Communicator(group, device=device)
     if cuda and not comm.enabled:
         raise RuntimeError(f"tpcomm's custom path is off: {comm.disabled_reason}")
-    compiled = {"nccl_compiled": lambda: torch.compile(model),
+    backend = str(dist.get_backend(group))
+    compiled = {f"{backend}_compiled": lambda: torch.compile(model),
                 "tpcomm_compiled": lambda: torch.compile(model, backend=tpcomm.compile_backend())}
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(modes_of(backend))
+    unknown = [m for m in modes if m not in modes_of(backend)]
+    if unknown:
+        raise SystemExit(f"hf_llama_tp: modes {unknown} unknown on {backend}: "
+                         f"choose from {', '.join(modes_of(backend))}")
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         ids = torch.randint(0, shape["vocab_size"], (batch, 1), generator=torch.Generator().manual_seed(batch))

@@ -19,6 +19,11 @@ measures on the held-out text:
     python examples/quantized_accuracy.py --out quantized_accuracy.json
     python examples/quantized_accuracy.py --tiny --cpu --out /tmp/q.json   # the CPU smoke test
 
+The smoke test (--tiny) is sized to run in 15-20 s on 2 busy CPU cores
+(TINY_RUN: 100 training steps, 15 s at most, TP2 only; --tp 2,4 adds the
+4-rank run, 25-40 s more there); the real run's sizes are RUN. Options
+override them one by one.
+
 --checkpoint PATH keeps the trained weights there (and reuses them when the
 file exists; they are not committed). On --cpu the ranks run gloo on the CPU
 and every all-reduce is its reference (tpcomm.reference's rank-order sum,
@@ -45,24 +50,36 @@ TINY = dict(layers=2, hidden=64, heads=4, head_dim=16, mlp=128, vocab=256, conte
 MODES = ("fp8", "int8", "int4")
 BACKENDS = ("exact",) + MODES
 EPS = 1e-5
-PROMPTS, PROMPT_BYTES, NEW_TOKENS = 64, 64, 32
+PROMPT_BYTES, NEW_TOKENS = 64, 32
+# The sizes of a run (options left out): the real one, and --tiny's smoke test.
+RUN = dict(train_minutes=9.0, train_steps=12000, batch=64, eval_tokens=65536, prompts=64, tp="2,4")
+TINY_RUN = dict(train_minutes=0.25, train_steps=100, batch=8, eval_tokens=1024, prompts=8, tp="2")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train-minutes", type=float, default=9.0, help="training time limit (default 9)")
-    p.add_argument("--train-steps", type=int, default=12000, help="steps the schedule plans for (default 12000)")
-    p.add_argument("--batch", type=int, default=64, help="sequences per training step (default 64)")
+
+    def sized(flag, kind, what):
+        name = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=None, help=f"{what} (default {RUN[name]}; --tiny: {TINY_RUN[name]})")
+
+    sized("--train-minutes", float, "training time limit")
+    sized("--train-steps", int, "steps the schedule plans for")
+    sized("--batch", int, "sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens scored (default 65536)")
-    p.add_argument("--tp", default="2,4", help="tensor-parallel sizes (default 2,4)")
-    p.add_argument("--prompts", type=int, default=PROMPTS, help=f"greedy prompts (default {PROMPTS})")
+    sized("--eval-tokens", int, "held-out tokens scored")
+    sized("--tp", str, "tensor-parallel sizes")
+    sized("--prompts", int, "greedy prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="where the trained weights are kept (reused if present)")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden 64 (tests)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden 64, sized by TINY_RUN (tests)")
     p.add_argument("--cpu", action="store_true", help="everything on the CPU, references for the all-reduces")
     p.add_argument("--out", default="quantized_accuracy.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, value in (TINY_RUN if args.tiny else RUN).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 # ----------------------------------------------------------------- the text
@@ -238,6 +255,14 @@ def agreement(a, b):
 
 
 # --------------------------------------------------------------- TP ranks
+def cpu_threads(args, processes):
+    """Intra-op threads of one of `processes` processes sharing the CPU: one
+    for the tiny model, whose ops are too small to split (extra threads only
+    spin against each other and any other load: minutes instead of seconds
+    on 2 busy cores), else this process's share of the cores."""
+    return 1 if args.tiny else max(1, (os.cpu_count() or 1) // processes)
+
+
 def reference_collectives(mode):
     """(all_reduce, all_gather_last_dim) on the CPU: every rank's input
     gathered (as bytes: gloo's gather is a copy), then the exact
@@ -269,7 +294,9 @@ def rank_main(rank, world, init_method, args, weights_path, result_path):
     force_multicast_off()
     cpu = args.cpu
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
-    if not cpu:
+    if cpu:
+        torch.set_num_threads(cpu_threads(args, world))
+    else:
         torch.cuda.set_device(device)
         tpcomm._testing.allow_shared_gpu(True)  # the ranks share GPU 0
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
@@ -332,6 +359,8 @@ def main(argv=None):
         return 1
     cfg = TINY if args.tiny else MODEL
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    if args.cpu:
+        torch.set_num_threads(cpu_threads(args, 1))
     t0 = time.monotonic()
 
     def say(what):

@@ -15,11 +15,12 @@ cache of --context positions (random, fixed shape, so the step can be
 captured); rotary embeddings are left out, since they add no communication.
 
 Backends: "none" skips every collective (its tokens are wrong; it is the
-floor), "nccl" is torch.distributed, "tpcomm" is tpcomm.Communicator, and
-"tpcomm_fused" (asked for with --backends) runs the residual add and the
-RMSNorm that follow each row-parallel matmul inside the all-reduce
-(Communicator.all_reduce_add_rms_norm on the fused kernel; its sums stay in
-fp32 up to the norm, so its logits are close to NCCL's, not equal).
+floor), "nccl" is torch.distributed (gloo with --cpu), "tpcomm" is
+tpcomm.Communicator, and "tpcomm_fused" (asked for with --backends) runs the
+residual add and the RMSNorm that follow each row-parallel matmul inside the
+all-reduce (Communicator.all_reduce_add_rms_norm on the fused kernel; its
+sums stay in fp32 up to the norm, so its logits are close to NCCL's, not
+equal).
 "none_fused" is the floor of the fused step: no collective, and the add and
 the norm in one kernel (torch.compile fuses them; on --cpu they run
 unfused), so the fused step's communication is measured against a step
@@ -242,7 +243,7 @@ def rank_main(rank, world, init_method, args, backends, result_path):
                 torch.cuda.synchronize()
                 outs[backend] = [t.clone() for t in captured]
                 graphs[backend] = graph
-        say(f"batch {batch}: every backend run and captured")
+        say(f"batch {batch}: every backend run" + ("" if cpu else " and captured"))  # no graphs on the CPU
         entry = {"tokens": outs[backends[-1]][1].tolist()}
         if "nccl" in outs or "nccl_nomix" in outs:
             ref = outs.get("nccl") or outs.get("nccl_nomix")

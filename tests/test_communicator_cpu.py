@@ -54,9 +54,11 @@ def _check_all_reduce(comm, rank, world_size):
     y = comm.all_reduce(base[:, ::2])
     assert_bits_equal(y, expected_sum(world_size, (8, 6), torch.float32, seed=13)[:, ::2], "strided all_reduce")
 
-    # routing: everything goes to torch.distributed on CPU, whatever the size
+    # routing: everything goes to torch.distributed on CPU, whatever the size,
+    # named as stats() counts it: by the group's backend
     for n in (4, 64, 256 * KiB // 4, MiB // 4):
-        assert comm.route_all_reduce(torch.empty(n)) == "nccl"
+        assert comm.route_all_reduce(torch.empty(n)) == "gloo"
+    assert ("all_reduce", comm.route_all_reduce(x)) in comm.stats(), comm.stats()
 
 
 def _check_all_gather(comm, rank, world_size):
@@ -70,7 +72,7 @@ def _check_all_gather(comm, rank, world_size):
                 y = comm.all_gather(x, dim=dim)
                 assert_bits_equal(y, torch.cat(parts, dim), f"all_gather {dtype} {shape} dim={dim}")
                 assert y.is_contiguous()
-                assert comm.route_all_gather(x, dim) == "nccl"
+                assert comm.route_all_gather(x, dim) == "gloo"
             assert_bits_equal(x, x_before, "all_gather changed its input")
     # default dim is 0
     x = exact_values(rank, (2, 3), torch.float32, seed=20)
@@ -96,7 +98,7 @@ def _check_reduce_scatter(comm, rank, world_size):
                 y = comm.reduce_scatter(x, dim=dim)
                 assert_bits_equal(y, total.chunk(n, dim)[rank].contiguous(), f"reduce_scatter {dtype} {shape} dim={dim}")
                 assert y.is_contiguous()
-                assert comm.route_reduce_scatter(x) == "nccl"
+                assert comm.route_reduce_scatter(x) == "gloo"
             assert_bits_equal(x, x_before, "reduce_scatter changed its input")
     base = exact_values(rank, (4 * n, 3), torch.float32, seed=9)
     y = comm.reduce_scatter(base.t(), dim=1)  # a non-contiguous input

@@ -1,14 +1,20 @@
 """Config (caps, timeout, table, forced and forbidden backends) read once at
 init from arguments and TPCOMM_* variables, and the ranks' agreement on the
 effective routing: 2- and 3-process gloo runs, no GPU."""
+import inspect
 import json
+import logging
+import os
+import re
+import subprocess
 
 import pytest
 import torch
 
 import tpcomm
-from tpcomm import Config
+from tpcomm import Config, config as config_module
 from multiproc import run_ranks
+import source_tree
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -54,6 +60,90 @@ def test_bad_arguments_are_refused():
                     {"timeout_s": -1.0}, {"max_bytes": True}):
         with pytest.raises(ValueError):
             Config().replace(**changes)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"quantize": "int3"}, r"quantize='int3' must be None or one of \('fp8', 'int8', 'int4'\)"),
+    ({"quantize": "INT8"}, "quantize='INT8'"),
+    ({"disable": "0"}, "disable='0' must be True or False"),
+    ({"aiter": 1}, "aiter=1 must be True or False"),
+    ({"fused_kernel": None}, "fused_kernel=None must be True or False"),
+    ({"forbid": "bulk"}, "forbid='bulk' must be a tuple of kernel names"),
+    ({"forbid": ("nccl",)}, "forbid 'nccl'"),
+    ({"force": {"all_reduce": "nccl"}}, "must be a tuple of \\(op, backend\\) pairs"),
+    ({"force": ("all_reduce", "nccl")}, "must be a tuple of \\(op, backend\\) pairs"),
+    ({"force": (("all_reduce", "fast"),)}, "force all_reduce=fast"),
+    ({"table": 3}, "table=3 must be a path or None"),
+    ({"timeout_s": True}, "timeout_s=True"),
+    ({"timeout_s": float("nan")}, "timeout_s=nan"),
+    ({"timeout_s": float("inf")}, "timeout_s=inf"),
+    ({"timeout_s": 2e10}, r"timeout_s=20000000000.0 must be positive and at most 1.84e\+10"),
+    ({"max_bytes": 1000}, "max_bytes=1000 must be a positive multiple of 16"),
+])
+def test_every_field_is_checked_when_the_config_is_made(fields, needle):
+    """A bad Config raises where it is made, naming the field, not later
+    when a Communicator reads it."""
+    with pytest.raises(ValueError, match=needle):
+        Config(**fields)
+
+
+def test_good_configs_are_made():
+    import pathlib
+
+    c = Config(force=(("all_reduce", "nccl"),), forbid=("bulk", "line"), table=pathlib.Path("t.json"),
+               timeout_s=1e9, quantize="int8", disable=True, aiter=False, fused_kernel=False)
+    assert (c.force, c.forbid, c.quantize, c.disable) == ((("all_reduce", "nccl"),), ("bulk", "line"), "int8", True)
+    assert c.replace(timeout_s=3).timeout_s == 3
+
+
+def _tpcomm_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "tpcomm" and r.levelno == logging.WARNING]
+
+
+def test_unknown_variables_are_warned_of_once_with_the_closest_name(monkeypatch, caplog):
+    for name in [n for n in os.environ if n.startswith("TPCOMM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TPCOMM_QUANTIZ", "int8")     # a misspelt TPCOMM_QUANTIZE
+    monkeypatch.setenv("TPCOMM_ZZ_NOTHING_LIKE", "1")
+    for name in ("TPCOMM_SHARE_GPU", "TPCOMM_TEST_WORLD", "TPCOMM_TEST_ANYTHING", "TPCOMM_CUDA_CLANG"):
+        monkeypatch.setenv(name, "1")  # the build's and the tests' own: never warned of
+    with caplog.at_level(logging.WARNING, logger="tpcomm"):
+        assert Config.from_env() == Config()  # ignored: quantize stays off
+        Config.from_env()
+    said = _tpcomm_warnings(caplog)
+    assert [m for m in said if "TPCOMM_QUANTIZ " in m] == [
+        "tpcomm: TPCOMM_QUANTIZ is not a tpcomm variable and is ignored (did you mean TPCOMM_QUANTIZE?)"], said
+    nothing_like = [m for m in said if "TPCOMM_ZZ_NOTHING_LIKE" in m]
+    assert len(nothing_like) == 1 and "tpcomm reads TPCOMM_DISABLE, " in nothing_like[0], said
+    assert len(said) == 2, said
+
+
+def test_known_variables_are_the_ones_read():
+    """VARIABLES is what from_env reads and the module's table lists; every
+    TPCOMM_* name the package, the build, scripts, CI, docs and the test
+    harness use is one tpcomm knows (VARIABLES, OTHER_VARIABLES) or a
+    test's (TPCOMM_TEST_*)."""
+    read = set(re.findall(r"TPCOMM_[A-Z0-9_]+", inspect.getsource(Config.from_env)))
+    assert read == set(config_module.VARIABLES)
+    table = set(re.findall(r"^    (TPCOMM_[A-Z0-9_]+) ", config_module.__doc__, re.MULTILINE))
+    assert table == set(config_module.VARIABLES)
+    files = subprocess.run(["git", "ls-files"], cwd=source_tree.ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    used, constants = {}, set()
+    for path in files:
+        if re.match(r"tests/(gpu/)?test_\w+\.py$", path):  # test modules set unknown names on purpose
+            continue
+        if path.endswith((".py", ".sh", ".md", ".toml", ".yml", ".yaml", ".cfg")) or path.startswith(".ci/"):
+            with open(os.path.join(source_tree.ROOT, path), errors="replace") as f:
+                text = f.read()
+            constants.update(re.findall(r"^(TPCOMM_\w+) = ", text, re.MULTILINE))  # Python names, not variables
+            for name in re.findall(r"TPCOMM_[A-Z0-9_]+", text):
+                used.setdefault(name, path)
+    known = set(config_module.VARIABLES + config_module.OTHER_VARIABLES)
+    unknown = {n: p for n, p in used.items()
+               if n not in known | constants and not n.startswith(config_module.TEST_PREFIX)}
+    assert unknown == {}, unknown
+    assert known <= set(used), known - set(used)
 
 
 def test_caps_within_the_c_cores_limits():

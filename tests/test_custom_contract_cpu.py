@@ -1,8 +1,10 @@
 """vLLM's CustomAllreduce contract on the Communicator (should_custom_ar,
-custom_all_reduce, custom_all_gather: tpcomm's kernel or None, never NCCL),
-the seed routing built on it, a group of one rank, and the errors of the
-group-name ops. CPU ranks over gloo (tests/multiproc.py): on CPU the kernels
-always decline, so these tests prove the declines and the caller's fallback;
+custom_all_reduce, custom_all_gather, custom_reduce_scatter: tpcomm's kernel
+or None, never NCCL), the seed routing built on it, its host cost (one memo
+lookup a call), a group of one rank, and the errors of the group-name ops.
+CPU ranks over gloo (tests/multiproc.py): on CPU the kernels always decline,
+so these tests prove the declines and the caller's fallback, and, with the
+custom path faked open (kernels_open), the routing of what is taken;
 tests/gpu/test_all_gather_gpu.py proves the kernel side."""
 import logging
 import struct
@@ -18,6 +20,37 @@ from tpcomm import routing
 
 KiB = 1024
 SEED_CAP = 64 * KiB  # vLLM's CudaCommunicator sends gathers up to this to custom_all_gather
+
+
+class FakeKernels:
+    """Kernels (tpcomm.backends.kernels' interface) whose every call returns
+    a copy of its input, recording (op, kernel): what the taken calls run
+    on CPU ranks."""
+
+    def __init__(self):
+        self.ran = []
+
+    def all_reduce_runner(self, dtype, algo):
+        return lambda x, out=None: self._ran("all_reduce", algo, x)
+
+    def all_gather(self, x, dim, algo):
+        return self._ran("all_gather", algo, x)
+
+    def reduce_scatter(self, parts, algo):
+        return self._ran("reduce_scatter", algo, parts)
+
+    def _ran(self, op, algo, x):
+        self.ran.append((op, algo))
+        return x.clone()
+
+
+def kernels_open(comm, world_size):
+    """comm as if its custom path were open: the kernels' caps, FakeKernels,
+    and its route memo emptied (what it holds was routed with the path off)."""
+    comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    comm._kernels = FakeKernels()
+    for memo in comm._memo.values():
+        memo.clear()
 
 
 def seed_all_gather(comm, x, dim, cap=SEED_CAP):
@@ -79,13 +112,19 @@ def _body_contract(rank, world_size):
 
     # With the kernels' caps in place (as on GPUs), the declines are the
     # dispatcher's routing: dtype, size, alignment, layout.
-    comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    kernels_open(comm, world_size)
     assert comm.should_custom_ar(torch.ones(8, 16))
     assert comm.route_all_reduce(torch.ones(8, 16)) in routing.KERNELS
     assert not comm.should_custom_ar(torch.ones(8, 16, dtype=torch.int64)), "dtype"
     assert not comm.should_custom_ar(torch.ones(3)), "12 bytes: not a multiple of 16"
     assert not comm.should_custom_ar(torch.ones(comm.max_bytes // 4 + 4)), "over max_bytes"
     assert not comm.should_custom_ar(torch.ones(16, 8).t()), "not contiguous"
+    assert comm.custom_all_reduce(torch.ones(3)) is None
+    assert comm.custom_reduce_scatter(torch.ones(4, 2, dtype=torch.int64), 1) is None, "dtype"
+    assert comm.stats() == {} and comm._kernels.ran == []
+    assert comm.custom_reduce_scatter(torch.ones(8, 16), 1) is not None
+    assert comm.custom_all_gather(torch.ones(8, 16), -1) is not None
+    assert comm._kernels.ran == [("reduce_scatter", "packet"), ("all_gather", "packet")], comm._kernels.ran
     comm._caps = None
     comm.close()
     assert not comm.should_custom_ar(x) and comm.custom_all_reduce(x) is None and comm.custom_all_gather(x) is None
@@ -97,6 +136,75 @@ def _body_contract(rank, world_size):
 
 def test_contract_declines_and_the_seed_routing_falls_back():
     run_ranks(2, _body_contract)
+
+
+class CountingMemo(dict):
+    """A route memo that counts its lookups in `lookups` (a shared list)."""
+
+    def __init__(self, lookups):
+        super().__init__()
+        self.lookups = lookups
+
+    def get(self, key, default=None):
+        self.lookups.append(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.lookups.append(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.lookups.append(key)
+        return super().__contains__(key)
+
+
+def _body_one_lookup_a_call(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    walks, lookups = [], []
+    real_route = routing.route
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(routing, "route", lambda *args: walks.append(args[2]) or real_route(*args))  # args[2]: the op
+        memos = {op: CountingMemo(lookups) for op in routing.OPS}
+        mp.setattr(comm, "_memo", memos)
+        mp.setattr(comm, "_all_reduce_memo", memos["all_reduce"])
+        x = torch.ones(8, 16)
+        calls = {"all_reduce": lambda: comm.custom_all_reduce(x), "should_custom_ar": lambda: comm.should_custom_ar(x),
+                 "all_gather": lambda: comm.custom_all_gather(x, 1),
+                 "reduce_scatter": lambda: comm.custom_reduce_scatter(x, 0)}
+
+        def cost(call):
+            """(routing walks, memo lookups) of call(), and whether it was declined (None or False)."""
+            del walks[:], lookups[:]
+            got = call()
+            return (len(walks), len(lookups)), got is None or got is False
+
+        for path in ("declined", "taken"):  # CPU: every call declined; then the custom path faked open
+            if path == "taken":
+                kernels_open(comm, world_size)
+            for name, call in calls.items():
+                first, declined = cost(call)
+                assert first[0] <= 1 and first[1] == 1, (path, name, first)  # the first call of a shape routes
+                assert declined == (path == "declined"), (path, name)
+                for _ in range(3):
+                    again, declined = cost(call)
+                    assert again == (0, 1), f"{path} {name}: {again[0]} routing walks, {again[1]} memo lookups"
+                    assert declined == (path == "declined"), (path, name)
+            # the dispatcher's all_reduce reads the same memo: no walk of its own
+            assert cost(lambda: comm.all_reduce(x))[0] == (0, 1), path
+            assert len(memos["all_reduce"]) == 1 and len(memos["all_gather"]) == 1, memos
+    taken = [op for op, _ in comm._kernels.ran]
+    assert taken.count("all_reduce") == 5 and taken.count("all_gather") == 4 and taken.count("reduce_scatter") == 4
+    assert comm.stats()[("all_reduce", "gloo")]["calls"] == 1, comm.stats()  # the declined round's all_reduce
+    comm._caps = None
+    comm.close()
+
+
+def test_the_contract_reads_the_route_memo_once_a_call():
+    """Host cost of the kernel-or-None methods: after a shape's first call,
+    a declined call and a taken one each do no routing walk and one lookup
+    of the Communicator's route memo (the dispatcher's, so all_reduce shares
+    it), and a decline is remembered like a route."""
+    run_ranks(2, _body_one_lookup_a_call)
 
 
 def test_special_values_hold_what_they_say():
@@ -131,7 +239,23 @@ def _check_single(comm):
     assert torch.equal(torch.ops.tpcomm.custom_all_reduce(x, comm.group_name), x)
     assert torch.ops.tpcomm.custom_all_gather(x, 1, comm.group_name).shape == x.shape
     assert not comm.should_custom_ar(x) and comm.custom_all_reduce(x) is None
+    _check_bad_arguments_raise(comm, x)  # though every answer here is a copy or None
     assert {b for _, b in comm.stats()} == {"single rank"}, comm.stats()
+
+
+def _check_bad_arguments_raise(comm, x):
+    """The Communicator's methods raise for a dim that is not an int (and a
+    non-tensor input) on every path: declined, closed or a group of one."""
+    for bad in (1.5, "0", None, True):
+        for call in (comm.all_gather, comm.reduce_scatter, comm.custom_all_gather, comm.custom_reduce_scatter,
+                     comm.route_all_gather):
+            with pytest.raises(TypeError, match=r"dim must be an int"):
+                call(x, bad)
+    for call in (comm.custom_all_reduce, comm.should_custom_ar, comm.custom_all_gather):
+        with pytest.raises(TypeError, match="must be a torch.Tensor"):
+            call([1.0])
+    with pytest.raises(IndexError, match="out of range"):
+        comm.custom_all_gather(x, 2)
 
 
 def _body_world_of_one(rank, world_size, caplog_path):
@@ -176,14 +300,13 @@ def _body_group_name_errors(rank, world_size):
         torch.ops.tpcomm.custom_all_reduce(x, "nobody")
     assert isinstance(info.value, tpcomm.TpcommError)
     for bad in (1.5, "0", None):
-        # the op's schema (SymInt dim) is checked by torch first: its error names dim
-        with pytest.raises(RuntimeError, match="argument 'dim'"):
-            torch.ops.tpcomm.custom_all_gather(x, bad, comm.group_name)
-        with pytest.raises(TypeError, match="dim"):
-            comm.all_gather(x, bad)
-        with pytest.raises(TypeError, match="dim"):
-            comm.reduce_scatter(x, bad)
+        # the op's schema (SymInt dim) is checked by torch first: its error names dim (README's Errors)
+        for op in (torch.ops.tpcomm.custom_all_gather, torch.ops.tpcomm.custom_reduce_scatter):
+            with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument 'dim'"):
+                op(x, bad, comm.group_name)
+    _check_bad_arguments_raise(comm, x)  # the kernels decline every call here
     comm.close()
+    _check_bad_arguments_raise(comm, x)
     for op in (lambda: torch.ops.tpcomm.custom_all_reduce(x, comm.group_name),
                lambda: torch.ops.tpcomm.custom_all_gather(x, 0, comm.group_name),
                lambda: torch.ops.tpcomm.custom_reduce_scatter(x, 0, comm.group_name),

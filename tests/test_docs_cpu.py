@@ -207,6 +207,17 @@ def test_readme_python_module_exists(module):
     assert found, f"README.md runs python -m {module}, which is not importable"
 
 
+def test_every_alternative_names_another_command():
+    """`A` (or `B`): B is another way to run A, never A again, and a
+    `python -m` alternative imports."""
+    for path in MARKDOWN:
+        for first, other in re.findall(r"`([^`\n]+)` \(or `([^`\n]+)`\)", _read(path)):
+            assert first != other, f"{os.path.relpath(path, ROOT)}: `{first}` (or `{other}`)"
+            module = re.match(r"python -m ([\w.]+)", other)
+            if module:
+                assert importlib.util.find_spec(module.group(1)) is not None, (path, other)
+
+
 def _tpcomm_names():
     names = set(re.findall(r"(?<![\w.])(tpcomm(?:\.[A-Za-z_]\w*)+)", _readme_code()))
     return sorted(n for n in names if not n.endswith((".py", ".json")))

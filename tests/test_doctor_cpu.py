@@ -56,6 +56,12 @@ def test_doctor_names_a_bad_variable_and_exits_1():
     assert "1 problem(s)" in out.stdout or "problem(s)" in out.stdout
 
 
+def test_doctor_marks_a_variable_tpcomm_does_not_read():
+    out = run_doctor("--no-self-test", TPCOMM_QUANTIZ="int8", TPCOMM_TEST_WORLD="2")
+    assert "TPCOMM_QUANTIZ: 'int8' (not a tpcomm variable: did you mean TPCOMM_QUANTIZE?)" in out.stdout, out.stdout
+    assert "TPCOMM_TEST_WORLD: '2'\n" in out.stdout, out.stdout  # the tests' own: no mark
+
+
 def test_doctor_reports_a_table_that_cannot_be_read(tmp_path):
     out = run_doctor(TPCOMM_TABLE=str(tmp_path / "missing.json"))
     assert out.returncode == 1, out.stdout + out.stderr
@@ -191,7 +197,7 @@ def test_self_test_runs_every_collective_over_spawned_ranks(capsys):
     text = capsys.readouterr().out
     assert "== self-test (2 ranks on cpu, tpcomm against torch.distributed/gloo)" in text
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        assert f"\n{op} 8 KiB/rank: via nccl (custom path off), bit-exact, tpcomm " in text, op
+        assert f"\n{op} 8 KiB/rank: via gloo (custom path off), bit-exact, tpcomm " in text, op  # what ran
     assert "all_reduce_add_rms_norm 128 KiB/rank: via unfused (custom path off), residual_out 0 ulp, normed 0 ulp" in text
     assert len(report.problems) == 1 and report.problems[0].startswith("communicator: custom path off"), \
         report.problems

@@ -48,7 +48,7 @@ def _body_sees_its_environment(rank, world_size, expected_world):
     assert world_size == expected_world == dist.get_world_size() and rank == dist.get_rank()
     for name, value in multiproc.MULTICAST_OFF.items():
         assert os.environ[name] == value, (name, os.environ[name])
-    assert os.environ["TPCOMM_HARNESS_PROBE"] == "set by the caller"
+    assert os.environ["TPCOMM_TEST_HARNESS_PROBE"] == "set by the caller"
 
 
 def _body_rank_1_killed(rank, world_size, die):
@@ -99,7 +99,7 @@ def test_a_crashed_rank_is_named_with_its_signal_and_stack():
 def test_every_rank_gets_its_env_and_multicast_off(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the caller's environment cannot turn multicast on
     run_ranks(3, _body_sees_its_environment, 3,
-              env={"TPCOMM_HARNESS_PROBE": "set by the caller", "NVSHMEM_DISABLE_NVLS": "0"})
+              env={"TPCOMM_TEST_HARNESS_PROBE": "set by the caller", "NVSHMEM_DISABLE_NVLS": "0"})
 
 
 def test_ranks_meant_to_be_killed():

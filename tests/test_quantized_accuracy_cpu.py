@@ -7,6 +7,7 @@ H200, tpcomm's kernels) is scripts/device_run.sh accuracy."""
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -42,6 +43,21 @@ def test_tiny_run_on_the_cpu(tmp_path):
                           env=env)
     assert proc.returncode == 0 and "weights from" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert json.loads((tmp_path / "again.json").read_text())["results"] == data["results"]
+
+
+def test_the_smoke_test_is_sized_to_finish_within_a_minute():
+    """The docstring's CPU smoke test takes --tiny's sizes: at most 15 s of
+    training (not the real run's minutes), TP2, a few prompts; options
+    still override them; a run without --tiny keeps the real sizes."""
+    line = next(l for l in quantized_accuracy.__doc__.splitlines() if l.strip().endswith("# the CPU smoke test"))
+    words = shlex.split(line.split("#")[0])
+    assert words[:2] == ["python", "examples/quantized_accuracy.py"] and "--tiny" in words and "--cpu" in words
+    smoke = quantized_accuracy.parse_args(words[2:])
+    assert smoke.train_minutes * 60 <= 15 and smoke.tp == "2", smoke
+    assert smoke.eval_tokens <= 1024 and smoke.prompts <= 8 and smoke.batch <= 8 and smoke.train_steps <= 100, smoke
+    assert quantized_accuracy.parse_args(["--tiny", "--train-minutes", "2"]).train_minutes == 2
+    real = quantized_accuracy.parse_args([])
+    assert (real.train_minutes, real.tp, real.prompts) == (9.0, "2,4", 64)
 
 
 def test_shards_split_the_model():

@@ -4,6 +4,7 @@ route_all_reduce's "quantized_<mode>" (float16/bfloat16 from the minimum
 size on, nothing when quantize is off), the fused norm's routes untouched,
 and ranks that disagree on the mode raising at init (2-process gloo runs)."""
 import json
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import tpcomm
 from tpcomm import Config, _constants as C, routing_table, routing
 from tpcomm.routing import ALGO_CODES as ALGOS
 from multiproc import run_ranks
+from routing_only import FALLBACK
 
 KiB, MiB = 1024, 1024 * 1024
 TABLE = {"routes": {op: {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
@@ -23,6 +25,7 @@ def _comm(quantize=None, world_size=4, table=TABLE, force=None, line_kernels=Tru
     comm.config, comm.world_size = Config(quantize=quantize), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table), world_size, force, (), quantize)
     comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, line_kernels)
+    comm._nccl = FALLBACK
     return comm
 
 
@@ -154,6 +157,9 @@ def test_the_decline_contract_takes_the_quantized_route():
         comm = _comm(mode)
         comm._closed = False
         comm._check_input = lambda x, what: None  # a tensor on the communicator's device
+        # the dispatcher's memo, which should_custom_ar reads, with kernels that are never run here
+        comm._memo, comm._stat_cells, comm._aiter = {op: {} for op in routing.OPS}, {}, None
+        comm._kernels = types.SimpleNamespace(all_reduce_runner=lambda dtype, algo: None)
         x = _t(4 * MiB)
         assert comm.route_all_reduce(x) == (f"quantized_{mode}" if mode else "bulk")
         assert comm.should_custom_ar(x) is want

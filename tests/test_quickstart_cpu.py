@@ -38,3 +38,6 @@ def test_quickstart_on_two_gloo_ranks(tmp_path):
     assert "custom path: off (" in proc.stdout  # no GPUs: the fallback ran, and said why
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_add_rms_norm"):
         assert re.search(rf"^{op} ", proc.stdout, re.MULTILINE), f"{op} line missing:\n{proc.stdout}"
+    # the route printed is what ran, as stats() names it: gloo's fallback, not NCCL
+    assert re.search(r"^all_reduce .* -> gloo$", proc.stdout, re.MULTILINE), proc.stdout
+    assert "nccl" not in proc.stdout.lower(), proc.stdout

@@ -30,6 +30,7 @@ def test_tiny_model_over_two_gloo_ranks(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env=source_tree.subprocess_env(TMPDIR=str(tmp)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "batch 3: every backend run\n" in proc.stdout and "captured" not in proc.stdout  # no graphs on the CPU
     out = tmp_path / "results" / "tp_decode_cpux2.json"
     assert source_tree.git_status() == before and source_tree.tpcomm_leftovers(tmp) == []
     data = json.loads(out.read_text())

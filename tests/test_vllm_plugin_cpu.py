@@ -6,9 +6,10 @@ the platform names tpcomm's communicator, calls tpcomm takes go to it (its
 stats) and the rest reach vLLM's CudaCommunicator, and destroy closes it.
 
 On CPU tpcomm's own Communicator turns its custom path off, so the routing
-tests give the plugin FakeTpcomm, an object with the Communicator's interface
-whose "kernels" take fp32 and bf16 calls of at most FAKE_KERNEL_MAX_BYTES;
-the real Communicator is used end to end in test_real_tpcomm_through_vllm_group.
+tests give the plugin FakeTpcomm, an object with the Communicator's
+kernel-or-None interface whose "kernels" take contiguous fp32 and bf16 calls
+of at most FAKE_KERNEL_MAX_BYTES; the real Communicator is used end to end in
+test_real_tpcomm_through_vllm_group.
 """
 import functools
 import importlib
@@ -75,9 +76,9 @@ def _entry_point_dir(where):
 
 class FakeTpcomm:
     """tpcomm.Communicator's interface as the plugin uses it. Its "kernels"
-    (every route but "nccl") take fp32/bf16 inputs of 1..FAKE_KERNEL_MAX_BYTES
-    and compute with gloo on the group; a call its routes decline is an
-    error (the plugin must not send it). `opened` counts constructions."""
+    take contiguous fp32/bf16 inputs of 1..FAKE_KERNEL_MAX_BYTES and compute
+    with gloo on the group; the custom_* methods return None for the rest,
+    as the Communicator's do. `opened` counts constructions."""
 
     opened = 0
     enabled = True
@@ -91,38 +92,30 @@ class FakeTpcomm:
         self.calls = Counter()
         self.closed = False
 
-    def _route(self, x):
-        return "packet" if x.dtype in (torch.float32, torch.bfloat16) and 0 < x.nbytes <= FAKE_KERNEL_MAX_BYTES \
-            else "nccl"
-
-    def route_all_reduce(self, x):
-        return self._route(x)
-
-    def route_all_gather(self, x, dim=0):
-        return self._route(x)
-
-    def route_reduce_scatter(self, x):
-        return self._route(x)
-
-    def _take(self, op, x):
+    def _takes(self, op, x):
         assert not self.closed, f"{op} after close"
-        assert self._route(x) != "nccl", f"the plugin sent tpcomm a call it declines: {op} {x.dtype} {x.shape}"
-        self.calls[op] += 1
+        takes = (x.dtype in (torch.float32, torch.bfloat16) and 0 < x.nbytes <= FAKE_KERNEL_MAX_BYTES
+                 and x.is_contiguous())
+        self.calls[op] += takes
+        return takes
 
-    def all_reduce(self, x):
-        self._take("all_reduce", x)
+    def custom_all_reduce(self, x):
+        if not self._takes("all_reduce", x):
+            return None
         y = x.clone()
         dist.all_reduce(y, group=self.group)
         return y
 
-    def all_gather(self, x, dim=0):
-        self._take("all_gather", x)
+    def custom_all_gather(self, x, dim=0):
+        if not self._takes("all_gather", x):
+            return None
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim)
 
-    def reduce_scatter(self, x, dim=0):
-        self._take("reduce_scatter", x)
+    def custom_reduce_scatter(self, x, dim=0):
+        if not self._takes("reduce_scatter", x):
+            return None
         y = x.clone()
         dist.all_reduce(y, group=self.group)
         return y.chunk(self.world_size, dim)[self.rank].contiguous()
@@ -227,8 +220,7 @@ def test_communicator_takes_what_vllm_passes(stand_in):
 
 
 def test_fake_tpcomm_has_the_real_communicators_interface():
-    for name in ("route_all_reduce", "route_all_gather", "route_reduce_scatter", "all_reduce", "all_gather",
-                 "reduce_scatter", "stats", "close"):
+    for name in ("custom_all_reduce", "custom_all_gather", "custom_reduce_scatter", "stats", "close"):
         real = list(inspect.signature(getattr(tpcomm.Communicator, name)).parameters)
         fake = list(inspect.signature(getattr(FakeTpcomm, name)).parameters)
         assert real[:len(fake)] == fake, (name, real, fake)
@@ -263,6 +255,9 @@ def _routing_body(rank, world_size):
     for seed, (shape, dtype, counts) in enumerate(cases):
         check("all_reduce", counts, c.all_reduce(exact_values(rank, shape, dtype, seed)),
               expected_sum(world_size, shape, dtype, seed))
+    # not contiguous: declined (as vLLM's own custom all-reduce declines it), vLLM's path runs
+    check("all_reduce", (3, 3), c.all_reduce(exact_values(rank, (8, 4), torch.float32, 5).t()),
+          expected_sum(world_size, (8, 4), torch.float32, 5).t())
 
     # all_gather along any dim (negative ones too) where tpcomm takes the size.
     def gathered(shape, dtype, dim):

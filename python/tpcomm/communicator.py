@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
+from ._kernel_only import KernelOnly
 from ._log import log_once
-from ._shapes import checked_dim
+from ._shapes import check_int_dim, check_tensor, checked_dim
 from . import _one_rank
 from .backends import aiter
 from .backends.kernels import Kernels
@@ -21,9 +22,10 @@ from .errors import CollectiveTimeout, CommunicatorClosed
 
 _ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
 SINGLE_RANK = "single rank"  # disabled_reason, and the backend (route, stats) of a group of one
+_KERNEL_ROUTES = frozenset(routing.KERNELS + routing.QUANTIZED)  # what the kernel-or-None methods run
 
 
-class Communicator:
+class Communicator(KernelOnly):
     """tpcomm collectives for the ranks of `group` (default: the world group).
 
     Every rank of the group constructs it, in the same order relative to other
@@ -84,8 +86,9 @@ class Communicator:
         self._closed = False
         self._nccl = Nccl(self.group)  # the fallback
         self._stat_cells = {}  # (op, backend) -> [calls, input bytes per rank]
-        # Per op, (dtype or shape, size) -> (stats cell, run): the route of each
-        # call seen, as the callable that runs it (routing is not walked again).
+        # Per op, (dtype, size) or (shape, dim, element size) -> (stats cell,
+        # run, whether run is tpcomm's kernel): the route of each call seen, as
+        # the callable that runs it (routing is not walked again).
         self._memo = {op: {} for op in routing.OPS}
         self._all_reduce_memo = self._memo["all_reduce"]  # read on every all_reduce
         self._group_key = _group_setup.group_key(self.group)
@@ -148,10 +151,10 @@ class Communicator:
         if not x.is_contiguous():
             x = x.contiguous()
         nbytes = x.nbytes
-        hit = self._all_reduce_memo.get((x.dtype, nbytes))
+        hit = self._all_reduce_memo.get((x.dtype, nbytes))  # _entry's lookup, inline
         if hit is None:
-            hit = self._remember("all_reduce", (x.dtype, nbytes), x, nbytes, self.route_all_reduce(x))
-        cell, run = hit
+            hit = self._remember("all_reduce", (x.dtype, nbytes), x, nbytes)
+        cell, run, _ = hit
         cell[0] += 1
         cell[1] += nbytes
         return run(x, out)
@@ -160,15 +163,10 @@ class Communicator:
         """Concatenation of every rank's x along `dim` (negative dims count
         from the end), contiguous: what NCCL's all_gather_into_tensor along
         dim 0 followed by a move to `dim` gives. Any dtype; bit-exact."""
+        check_int_dim(dim, "all_gather")
         self._check_input(x, "input")
         dim = checked_dim(x, dim, "all_gather")
-        nbytes = x.numel() * x.element_size()
-        key = (x.shape, dim, x.element_size())
-        cell, run = (self._memo["all_gather"].get(key)
-                     or self._remember("all_gather", key, x, nbytes, self.route_all_gather(x, dim), dim))
-        cell[0] += 1
-        cell[1] += nbytes
-        return run(x, dim)
+        return self._run("all_gather", x, dim, False, dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's share of the sum over the group: x is split along `dim`
@@ -176,19 +174,17 @@ class Communicator:
         part r (for dim 0, NCCL's reduce_scatter_tensor layout), contiguous.
         fp32/fp16/bf16 whose part is a multiple of 16 bytes run on tpcomm's
         kernels (sums in fp32, in rank order); anything else on NCCL."""
+        check_int_dim(dim, "reduce_scatter")
         self._check_input(x, "input")
-        dim = checked_dim(x, dim, "reduce_scatter")
+        return self._scatter(x, checked_dim(x, dim, "reduce_scatter"), False)
+
+    def _scatter(self, x, dim, kernel_only):
+        """reduce_scatter of x along a checked dim (see _run for kernel_only)."""
         if x.shape[dim] % self.world_size:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
-        nbytes = x.numel() * x.element_size()
-        key = (x.dtype, nbytes)
-        cell, run = (self._memo["reduce_scatter"].get(key)
-                     or self._remember("reduce_scatter", key, x, nbytes, self.route_reduce_scatter(x)))
-        cell[0] += 1
-        cell[1] += nbytes
-        y = run(x.movedim(dim, 0) if dim else x)
-        return y.movedim(0, dim).contiguous() if dim else y
+        y = self._run("reduce_scatter", x.movedim(dim, 0) if dim else x, 0, kernel_only)
+        return y.movedim(0, dim).contiguous() if dim and y is not None else y
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float = 1e-6, *, in_place: bool = False) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -209,53 +205,27 @@ class Communicator:
         cell[1] += x.numel() * x.element_size()
         return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
 
-    # ------------------------------------ vLLM's CustomAllreduce contract
-    # Serving code that routes itself (vLLM's CudaCommunicator) asks tpcomm's
-    # kernels first and takes None as "use NCCL": these run a kernel or
-    # decline, never NCCL. The decision is the dispatcher's routing.
-    def should_custom_ar(self, x: torch.Tensor) -> bool:
-        """Would custom_all_reduce(x) run tpcomm's kernel (the quantized one
-        too, where Config.quantize sends x there)? False when closed,
-        off (disabled_reason), or when the dtype, size or layout is not one a
-        kernel takes (route_all_reduce(x) says "nccl")."""
-        return self._takes(x, "input") and self.route_all_reduce(x) in routing.KERNELS + routing.QUANTIZED
-
-    def custom_all_reduce(self, x: torch.Tensor) -> "torch.Tensor | None":
-        """Sum of x over the group on tpcomm's kernel (a new tensor), or None
-        when the kernels decline it (see should_custom_ar)."""
-        return self.all_reduce(x) if self.should_custom_ar(x) else None
-
-    def custom_all_gather(self, x: torch.Tensor, dim: int = 0) -> "torch.Tensor | None":
-        """all_gather(x, dim) on tpcomm's kernel, or None when the kernels
-        decline it (closed, off, or route_all_gather(x, dim) says "nccl").
-        A bad dim raises as all_gather does."""
-        if not self._takes(x, "input"):
-            return None
-        checked_dim(x, dim, "custom_all_gather")
-        return self.all_gather(x, dim) if self.route_all_gather(x, dim) in routing.KERNELS else None
-
-    def _takes(self, x, what):
-        """False when closed or on a group of one (nothing for a kernel to
-        do); raises for what all_reduce would raise for."""
-        if self._closed or self.world_size == 1:
-            return False
-        self._check_input(x, what)
-        return x.is_contiguous()
-
     # -------------------------------------------------------------- routing
+    # The fallback is named as stats() counts it: by the group's backend
+    # ("nccl" on GPUs, "gloo" on CPU), tpcomm.routing's "nccl" translated in _route.
     def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", "nccl", or
-        "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
-        return self._route(routing.route, "all_reduce", x.dtype, x.numel() * x.element_size())
+        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", the fallback
+        ("nccl", "gloo"), or "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
+        return self._route_of("all_reduce", x)
 
     def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
-        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        return self._route(routing.route, "all_gather", x.dtype, x.numel() * x.element_size(),
-                           routing.row_bytes(x.shape, dim, x.element_size()))
+        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or the fallback."""
+        check_tensor(x, "input")
+        return self._route_of("all_gather", x, checked_dim(x, dim, "route_all_gather"))
 
     def route_reduce_scatter(self, x: torch.Tensor) -> str:
-        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or "nccl"."""
-        return self._route(routing.route, "reduce_scatter", x.dtype, x.numel() * x.element_size())
+        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or the fallback."""
+        return self._route_of("reduce_scatter", x)
+
+    def _route_of(self, op, x, dim=0):
+        """The route of `op` of x along a checked dim (the route_* methods' answer)."""
+        row = routing.row_bytes(x.shape, dim, x.element_size()) if op == "all_gather" else 0
+        return self._route(routing.route, op, x.dtype, x.numel() * x.element_size(), row)
 
     def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
@@ -268,29 +238,52 @@ class Communicator:
         """routing's answer `how(routes, caps, *args)`; a group of one has one
         route for every call (add_rms_norm.run takes it the unfused way, whose
         all_reduce is a copy)."""
-        return SINGLE_RANK if self.world_size == 1 else how(self._routes, self._caps, *args)
+        if self.world_size == 1:
+            return SINGLE_RANK
+        got = how(self._routes, self._caps, *args)
+        return self._nccl.backend if got == "nccl" else got
 
-    def _remember(self, op, key, x, nbytes, backend, dim=0):
-        """Memoises the route of a call like x (a few thousand shapes at most:
-        a serving engine sees a handful per batch size) as (stats cell, run).
-        AITER, where it is open, routing offers it the call and it takes it,
-        is tried first; what it declines runs on `backend` and is counted there."""
+    def _run(self, op, x, dim, kernel_only, *args):
+        """op on the memoised route of a call like x, counted in stats(), with
+        run's arguments `args`; None instead where kernel_only and the route is
+        not one of tpcomm's kernels."""
+        cell, run, kernel = self._entry(op, x, dim)
+        if kernel_only and not kernel:
+            return None
+        cell[0] += 1
+        cell[1] += x.numel() * x.element_size()
+        return run(x, *args)
+
+    def _entry(self, op, x, dim=0):
+        """The memo's (stats cell, run, kernel) for a call of op like x: one
+        lookup; routing is walked (_remember) only on a miss."""
+        nbytes = x.numel() * x.element_size()
+        key = (x.shape, dim, x.element_size()) if op == "all_gather" else (x.dtype, nbytes)
+        return self._memo[op].get(key) or self._remember(op, key, x, nbytes, dim)
+
+    def _remember(self, op, key, x, nbytes, dim=0):
+        """Routes a call like x and memoises it (a few thousand shapes at
+        most: a serving engine sees a handful per batch size) as (stats cell,
+        run, whether the route is tpcomm's kernel). AITER, where it is open,
+        routing offers it the call and it takes it, is tried first; what it
+        declines runs on the route and is counted there."""
         memo = self._memo[op]
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
+        backend = self._route_of(op, x, dim)
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
         if (self._aiter is not None
                 and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
                 and self._aiter.takes(op, x)):
             aiter_cell = self._cell(op, "aiter")
             cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
-        memo[key] = (cell, run)
-        return memo[key]
+        entry = memo[key] = (cell, run, backend in _KERNEL_ROUTES)
+        return entry
 
     def _runner(self, op, dtype, backend):
         """The callable that runs `op` on `backend`, with the op's arguments:
         all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
-        if backend == "nccl":
+        if backend == self._nccl.backend:
             return getattr(self._nccl, op)
         if backend == SINGLE_RANK:
             return getattr(_one_rank, op)
@@ -299,8 +292,6 @@ class Communicator:
         return functools.partial(getattr(self._kernels, op), algo=backend)
 
     def _cell(self, op, backend):
-        if backend == "nccl":  # counted under what really ran the fallback: the group's backend (gloo on CPU)
-            backend = self._nccl.backend
         return self._stat_cells.setdefault((op, backend), [0, 0])
 
     def stats(self) -> dict:
@@ -402,8 +393,7 @@ class Communicator:
         # The common case in cheap tests, without making a torch.device.
         if not self._closed and type(x) is torch.Tensor and x.is_cuda and x.get_device() == self._cuda_index:
             return
+        check_tensor(x, what)
         self._check_open()
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"tpcomm: {what} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tpcomm: {what} is on {x.device} but the communicator is on {self.device}")

@@ -23,16 +23,33 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
                                               exact: docs/design.md bounds the error)
 
 Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
-end with the same configuration: the ranks compare it at init.
+end with the same configuration: the ranks compare it at init. A Config is
+checked when it is made, from arguments or variables alike. Any other
+TPCOMM_* variable that is set is warned of once (logger "tpcomm"), naming the
+closest known one: a misspelt variable would otherwise change nothing
+silently.
 """
 import dataclasses
+import difflib
+import logging
 import os
 
 from . import _constants as C
 from . import routing
+from ._log import log_once
 
 KiB = 1024
 MiB = 1024 * KiB
+# The variables of the table above: what from_env reads.
+VARIABLES = ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_PACKET_MAX_BYTES", "TPCOMM_TABLE",
+             "TPCOMM_FORCE", "TPCOMM_FORBID", "TPCOMM_AITER", "TPCOMM_FUSED_KERNEL", "TPCOMM_QUANTIZE")
+# Read outside the package, never warned of: by the build (setup.py), CI
+# (.ci/) and the test harness (docs/testing.md), whose own variables are all
+# TPCOMM_TEST_* besides TPCOMM_SHARE_GPU.
+OTHER_VARIABLES = ("TPCOMM_CUDA_CLANG", "TPCOMM_VERSION_LABEL", "TPCOMM_CI_WHEELS", "TPCOMM_CI_KEEP_VENVS",
+                   "TPCOMM_SHARE_GPU")
+TEST_PREFIX = "TPCOMM_TEST_"
+_TIMEOUT_MAX_S = (2**64 - 1) / 1e9  # the C core holds the timeout in nanoseconds, in 64 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +65,17 @@ class Config:
     fused_kernel: bool = True  # the fusion patterns on the fused kernel family where it takes the call
     quantize: str = None       # None, "fp8", "int8" or "int4": the quantized all_reduce (opt-in)
 
+    def __post_init__(self):
+        self.checked()
+
     @classmethod
     def from_env(cls):
-        """The defaults, overridden by whichever TPCOMM_* variables are set."""
+        """The defaults, overridden by whichever TPCOMM_* variables are set;
+        warns once of each set TPCOMM_* variable tpcomm does not know."""
         env = os.environ
+        for name, closest in unknown_variables(env):
+            hint = f"did you mean {closest}?" if closest else f"tpcomm reads {', '.join(VARIABLES)}"
+            log_once(logging.WARNING, f"tpcomm: {name} is not a tpcomm variable and is ignored ({hint})")
         fields = {"disable": env_flag("TPCOMM_DISABLE"),
                   "timeout_s": env_positive_float("TPCOMM_TIMEOUT_S", cls.timeout_s)}
         for name, field in (("TPCOMM_MAX_BYTES", "max_bytes"), ("TPCOMM_PACKET_MAX_BYTES", "packet_max_bytes")):
@@ -83,14 +107,16 @@ class Config:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
 
     def checked(self):
+        _check_kinds(self)
         for name, limit in (("max_bytes", C.TPC_MAX_BYTES_LIMIT), ("packet_max_bytes", C.TPC_PACKET_MAX_BYTES_LIMIT)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
                 raise ValueError(f"tpcomm: {name}={value!r} must be a positive multiple of 16")
             if value > limit:  # the C core's cap (csrc/tpcomm.h says why)
                 raise ValueError(f"tpcomm: {name}={value} is over the largest the kernels take, {limit}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout <= _TIMEOUT_MAX_S):
+            raise ValueError(f"tpcomm: timeout_s={self.timeout_s!r} must be positive and at most {_TIMEOUT_MAX_S:.3g}")
         for op, backend in self.force:
             if op not in routing.OPS or backend not in routing.BACKENDS:
                 raise ValueError(f"tpcomm: force {op}={backend}: ops are {routing.OPS}, backends {routing.BACKENDS}")
@@ -108,6 +134,33 @@ class Config:
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
                 "fused_kernel": str(self.fused_kernel), "quantize": str(self.quantize)}
+
+
+def _check_kinds(config):
+    """ValueError naming a field of the wrong kind: one the range checks
+    would take silently (a str as a flag, a str as forbid) or fail on
+    obscurely."""
+    for name in ("disable", "aiter", "fused_kernel"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"tpcomm: {name}={getattr(config, name)!r} must be True or False")
+    if config.table is not None and not isinstance(config.table, (str, os.PathLike)):
+        raise ValueError(f"tpcomm: table={config.table!r} must be a path or None")
+    if not (isinstance(config.force, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in config.force)):
+        raise ValueError(f"tpcomm: force={config.force!r} must be a tuple of (op, backend) pairs, "
+                         "e.g. (('all_reduce', 'nccl'),)")
+    if not (isinstance(config.forbid, tuple) and all(isinstance(b, str) for b in config.forbid)):
+        raise ValueError(f"tpcomm: forbid={config.forbid!r} must be a tuple of kernel names, e.g. ('bulk',)")
+
+
+def unknown_variables(environ=os.environ):
+    """[(name, closest known name or None)] of the TPCOMM_* variables set in
+    `environ` that tpcomm does not read (VARIABLES, OTHER_VARIABLES, and
+    the tests' TPCOMM_TEST_*), sorted."""
+    known = VARIABLES + OTHER_VARIABLES
+    return [(name, next(iter(difflib.get_close_matches(name, known, n=1)), None))
+            for name in sorted(environ) if name.startswith("TPCOMM_") and name not in known
+            and not name.startswith(TEST_PREFIX)]
 
 
 def _parse_force(text, name):

@@ -331,12 +331,14 @@ def _size(nbytes):
 
 def _env_facts(report):
     """Reports the variables in force; returns the checked Config, or None when one is bad."""
-    from .config import Config
+    from .config import Config, unknown_variables
 
     report.section("environment")
     names = sorted(n for n in os.environ if n.startswith("TPCOMM_")) + [n for n in OTHER_ENV if n in os.environ]
+    unknown = {name: f" (not a tpcomm variable: did you mean {closest}?)" if closest else " (not a tpcomm variable)"
+               for name, closest in unknown_variables()}
     for name in names:
-        report.line(name, repr(os.environ[name]))
+        report.line(name, repr(os.environ[name]) + unknown.get(name, ""))
     if not names:
         report.line("(no TPCOMM_* variables set)")
     try:
@@ -470,7 +472,7 @@ def _run_theirs(op, x, world):
 
 
 def _run_pair(comm, op, x, world, on_ref):
-    route = getattr(comm, f"route_{op}")(x) if comm.enabled else "nccl (custom path off)"
+    route = getattr(comm, f"route_{op}")(x) + ("" if comm.enabled else " (custom path off)")  # the fallback: nccl, gloo
     return _run_ours(comm, op, x), _run_theirs(op, on_ref(x), world), route
 
 

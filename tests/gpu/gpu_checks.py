@@ -22,7 +22,7 @@ CYCLES_PER_US = 1980  # torch.cuda._sleep counts SM cycles; an H200 runs at abou
 ALGO = {"packet": _constants.TPC_ALGO_PACKET, "bulk": _constants.TPC_ALGO_BULK, "line": _constants.TPC_ALGO_LINE,
         "two_shot": _constants.TPC_ALGO_TWO_SHOT}
 PACKET, BULK, LINE, TWO_SHOT = ALGO["packet"], ALGO["bulk"], ALGO["line"], ALGO["two_shot"]
-KERNELS = tuple(ALGO)  # tpcomm's own kernels: the backends stats() names besides "nccl" (and "aiter")
+KERNELS = tuple(ALGO)  # tpcomm's own kernels: the backends routes and stats() name besides the fallback and "aiter"
 
 
 def rounds(full, world):
@@ -143,9 +143,9 @@ def shared_rng(seed):
 
 # -------------------------------------------------- the custom path ran
 def stats_label(comm, backend):
-    """The backend as stats() names it: a route of "nccl" (the fallback) is
-    counted under the group's torch.distributed backend, gloo where ranks
-    share a GPU (tests/multiproc.py)."""
+    """The backend as stats() and the route_* methods name it: "nccl", a
+    test's name for the fallback, is the group's torch.distributed backend,
+    gloo where ranks share a GPU (tests/multiproc.py)."""
     return comm._nccl.backend if backend == "nccl" else backend
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import multiproc
 import tpcomm
-from gpu_checks import (LINE, PACKET, KiB, MiB, all_reduce_algo, assert_bits_equal, assert_custom_only,
+from gpu_checks import (KERNELS, LINE, PACKET, KiB, MiB, all_reduce_algo, assert_bits_equal, assert_custom_only,
                         delay_random_rank, int_valued, nccl_all_gather, nccl_all_reduce, overwrite, rounds, sleep_us)
 
 pytestmark = pytest.mark.gpu
@@ -368,7 +368,7 @@ def body_timeout_queue_and_late_peer(rank, world):
     comm = tpcomm.Communicator(timeout_s=timeout)
     assert comm.enabled, comm.disabled_reason
     xs = [torch.ones(n, dtype=torch.bfloat16, device="cuda") for n in (256, 4 * KiB, 400 * KiB, 2 * MiB)]
-    assert all(comm.route_all_reduce(x) != "nccl" for x in xs) and comm.route_all_gather(xs[1]) != "nccl"
+    assert all(comm.route_all_reduce(x) in KERNELS for x in xs) and comm.route_all_gather(xs[1]) in KERNELS
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 0:
@@ -411,7 +411,7 @@ def body_sigkill(rank, world):
     assert comm.enabled, comm.disabled_reason
     x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     big = torch.ones(1 * MiB, dtype=torch.bfloat16, device="cuda")
-    assert comm.route_all_reduce(x) != "nccl" and comm.route_all_reduce(big) != "nccl"
+    assert comm.route_all_reduce(x) in KERNELS and comm.route_all_reduce(big) in KERNELS
     for i in range(200):
         if rank == 1 and i == 100:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -464,7 +464,7 @@ def body_misaligned_one_rank(rank, world):
             route = comm.route_all_reduce(x)
             routes = [None] * world
             dist.all_gather_object(routes, route)
-            assert len(set(routes)) == 1 and route != "nccl", routes
+            assert len(set(routes)) == 1 and route in KERNELS, routes
             delay_random_rank(rank, world, rng)
             y = comm.all_reduce(x)
             overwrite(x)  # right after the op, on the stream
@@ -483,7 +483,7 @@ def body_misaligned_one_rank(rank, world):
             m = min(n, comm.max_bytes // (world * data.element_size()) // 64 * 64)
             for dim in (0, 1):
                 g = view(rank == 0)[:m].view(-1, 64)
-                assert comm.route_all_gather(g, dim) != "nccl", (dtype, m, dim)
+                assert comm.route_all_gather(g, dim) in KERNELS, (dtype, m, dim)
                 delay_random_rank(rank, world, rng)
                 y = comm.all_gather(g, dim=dim)
                 overwrite(g)

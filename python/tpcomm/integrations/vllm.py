@@ -11,12 +11,14 @@ only when `VLLM_PLUGINS` names `tpcomm` and vLLM finds a CUDA GPU:
 The platform is vLLM's CUDA platform with one change: its device
 communicator is TpcommCudaCommunicator, a subclass of vLLM's
 CudaCommunicator. On tensor-parallel groups ("tp:N") it opens a
-tpcomm.Communicator and sends all_reduce, all_gather and reduce_scatter to it
-whenever tpcomm's own kernels take the call (Communicator.route_*);
-everything else stays with vLLM's CudaCommunicator, whose backends are all
-still built: calls tpcomm declines (dtypes, sizes, layouts), the other ops,
-every other group, and CUDA graph capture (tpcomm's kernels need no
-registration around a capture, vLLM's own backends keep theirs).
+tpcomm.Communicator and offers it every all_reduce, all_gather and
+reduce_scatter through its kernel-or-None methods (Communicator.custom_*:
+one lookup of the Communicator's route memo a call); everything else stays
+with vLLM's CudaCommunicator, whose backends are all still built: calls
+tpcomm declines (dtypes, sizes, layouts, non-contiguous inputs, as vLLM's
+own custom all-reduce declines them), the other ops, every other group, and
+CUDA graph capture (tpcomm's kernels need no registration around a capture,
+vLLM's own backends keep theirs).
 
 tpcomm is not used at all on a group where vLLM would not run its own custom
 all-reduce (non-TP groups, --disable-custom-all-reduce), under
@@ -40,7 +42,6 @@ from .._log import log_once
 PLUGIN_NAME = "tpcomm"
 PLATFORM_QUALNAME = __name__ + ".TpcommCudaPlatform"
 COMMUNICATOR_QUALNAME = __name__ + ".TpcommCudaCommunicator"
-_ROUTE_MEMO_MAX = 4096  # decisions remembered per communicator before the memo starts over
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,6 @@ def communicator_class(base, open_tpcomm=_open_tpcomm):
                              global_world_size=global_world_size, tcp_store_group=tcp_store_group,
                              use_all2all=use_all2all)
             self.tpcomm = None
-            self._takes = {}
             self.tpcomm_reason = self._why_not_tpcomm(unique_name, tcp_store_group)
             if self.tpcomm_reason is None:
                 # Built on the gloo cpu_group: its set-up exchanges Python
@@ -135,44 +135,30 @@ def communicator_class(base, open_tpcomm=_open_tpcomm):
                 return f"world size {self.world_size}"
             return None
 
-        def _tpcomm_takes(self, key, route):
-            """Whether tpcomm's kernels take the call `key`, memoised: `key`
-            holds every fact Communicator.route_* reads (dtype, size, or shape
-            and dim), so the answer is the same on every rank."""
-            takes = self._takes.get(key)
-            if takes is None:
-                if len(self._takes) >= _ROUTE_MEMO_MAX:
-                    self._takes.clear()
-                takes = self._takes[key] = route() != "nccl"
-            return takes
-
         def all_reduce(self, input_):
             comm = self.tpcomm
-            if comm is not None and self._tpcomm_takes(("all_reduce", input_.dtype, input_.numel()),
-                                                       lambda: comm.route_all_reduce(input_)):
-                return comm.all_reduce(input_)
-            return super().all_reduce(input_)
+            out = comm.custom_all_reduce(input_) if comm is not None else None
+            return out if out is not None else super().all_reduce(input_)
 
         def all_gather(self, input_, dim=-1):
             comm = self.tpcomm
-            if comm is not None and -input_.dim() <= dim < input_.dim():
-                dim %= input_.dim()
-                if self._tpcomm_takes(("all_gather", input_.dtype, input_.shape, dim),
-                                      lambda: comm.route_all_gather(input_, dim)):
-                    return comm.all_gather(input_, dim)
+            if comm is not None and -input_.dim() <= dim < input_.dim():  # vLLM's own check raises for the rest
+                out = comm.custom_all_gather(input_, dim)
+                if out is not None:
+                    return out
             return super().all_gather(input_, dim)
 
         def reduce_scatter(self, input_, dim=-1):
             # vLLM splits input_.movedim(0, dim) along its first dim: the
             # parts along `dim` (tpcomm's layout) only for dims 0 and 1, where
-            # that move is a swap.
+            # that move is a swap. Parts that do not divide are vLLM's to refuse.
             comm = self.tpcomm
             if comm is not None and -input_.dim() <= dim < input_.dim():
                 dim %= input_.dim()
-                if (dim < 2 and input_.shape[dim] % self.world_size == 0
-                        and self._tpcomm_takes(("reduce_scatter", input_.dtype, input_.numel()),
-                                               lambda: comm.route_reduce_scatter(input_))):
-                    return comm.reduce_scatter(input_, dim)
+                if dim < 2 and input_.shape[dim] % self.world_size == 0:
+                    out = comm.custom_reduce_scatter(input_, dim)
+                    if out is not None:
+                        return out
             return super().reduce_scatter(input_, dim)
 
         def destroy(self):
