@@ -1,6 +1,7 @@
-"""Writes the benchmark tables of README.md and docs/benchmarks.md from the
-committed results in benchmarks/results/*.json, so the documents cannot
-drift from the measurements.
+"""Writes the benchmark tables of README.md and docs/benchmarks.md, and
+docs/testing.md's table of transformers versions, from the committed
+results in benchmarks/results/*.json, so the documents cannot drift from
+the measurements.
 
     python scripts/benchmark_tables.py           # rewrite the generated blocks
     python scripts/benchmark_tables.py --check   # exit 1, naming the stale blocks, if any differs
@@ -24,7 +25,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-DOCUMENTS = ("README.md", os.path.join("docs", "benchmarks.md"))
+DOCUMENTS = ("README.md", os.path.join("docs", "benchmarks.md"), os.path.join("docs", "testing.md"))
 CONFIG = os.path.join(ROOT, "python", "tpcomm", "config.py")  # Config's defaults
 
 
@@ -278,8 +279,45 @@ def scaling_model():
     return "\n".join(lines)
 
 
+TRANSFORMERS_RUNS = "transformers_versions_cpu.json"  # .ci/transformers_versions.sh with TPCOMM_VERSIONS_JSON
+
+
+def transformers_versions():
+    """docs/testing.md: each transformers version x family of the CPU runs,
+    its row-parallel all-reduces a forward and how many ran fused, compiled."""
+    data = _read(TRANSFORMERS_RUNS)
+    torch_versions = sorted({run["torch"] for run in data["runs"].values()})
+    lines = [f"CPU, 2 gloo ranks, torch {', '.join(torch_versions)}, {data['date']} "
+             f"(`benchmarks/results/{TRANSFORMERS_RUNS}`):", "",
+             "| transformers | family | row-parallel all-reduces | fused, float32 | fused, bf16 | pattern "
+             "| without the hooks helper | graph breaks |", "|---|---|---:|---:|---:|---|---:|---:|"]
+
+    def fused(mode, key=None):
+        """mode's fused calls: under `key`, or under any pattern's key (all_reduce_<pattern>)."""
+        if not mode:
+            return None
+        ops = [k.split("/")[0] for k in mode["calls"]]
+        return sum(n for op, n in zip(ops, mode["calls"].values())
+                   if op == key or (key is None and op.startswith("all_reduce_")))
+
+    for version in sorted(data["runs"], key=lambda v: tuple(int(p) for p in v.split("."))):
+        for family, by_dtype in data["runs"][version]["families"].items():
+            first = next(iter(by_dtype.values()))
+            key = first["fused_key"]
+            cells = [fused(by_dtype[d]["modes"]["compiled"], key) if d in by_dtype else None
+                     for d in ("float32", "bfloat16")]
+            unprepared = [fused(r["modes"].get("compiled_unprepared")) for r in by_dtype.values()]
+            breaks = sorted({r["modes"]["compiled"]["graph_breaks"] for r in by_dtype.values()})
+            lines.append(f"| {version} | {family} | {first['row_parallel_per_forward']} | "
+                         + " | ".join("–" if c is None else str(c) for c in cells)
+                         + f" | `{key}` | {'–' if unprepared[0] is None else ', '.join(map(str, unprepared))} "
+                         f"| {', '.join(map(str, breaks))} |")
+    return "\n".join(lines)
+
+
 BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline,
-          "tp-decode": tp_decode, "add-rms-norm-routes": add_rms_norm_routes}
+          "tp-decode": tp_decode, "add-rms-norm-routes": add_rms_norm_routes,
+          "transformers-versions": transformers_versions}
 for _w in WORLDS:
     BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
     BLOCKS[f"backends-h200x{_w}"] = lambda w=_w: backends(w)

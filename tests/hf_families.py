@@ -1,32 +1,46 @@
 """Tiny random models of transformers families loaded with their own TP plan
 (tp_plan="auto"), and what a forward of one issues, derived from the model's
-modules and its TP plan: what tests/test_hf_families_cpu.py (gloo, float32)
-and tests/gpu/test_hf_families_gpu.py (bf16, the fused kernel) share.
+modules and its TP plan: what tests/test_hf_families_cpu.py (gloo, float32),
+.ci/test_transformers_versions.py (the same under other transformers
+versions, float32 and bf16) and tests/gpu/test_hf_families_gpu.py (bf16, the
+fused kernel) share. Works with transformers 4.57 and 5.x (their TP plans
+name the styles differently: ROW_PARALLEL, GATHERED).
 
-As a script it is one rank of tests/test_hf_families_cpu.py (run under
-torchrun): one forward of a prompt in four modes: plain torch, inside
-tpcomm.install, compiled with tpcomm.compile_backend, and compiled inside
-tpcomm.install. Writes, from rank 0, a JSON of whether each mode's greedy
-tokens (the argmax at every position) are plain torch's, the counts
-tpcomm's stats() and the compile pass report, and the counts expected().
+As a script it is one rank of those CPU tests (run under torchrun): for
+each family and dtype, one forward of a prompt in plain torch and then in
+each mode asked for: inside tpcomm.install ("install"), compiled with
+tpcomm.compile_backend("aot_eager") ("compiled"), compiled inside
+tpcomm.install ("compiled_install"), and "compiled_unprepared", the
+compiled mode before tpcomm.skip_backward_hooks_without_grad(model) (which
+every other mode runs after, as a user would), run only where the model
+holds backward hooks. Writes, from rank 0, a JSON
+of the versions and, by family and dtype, whether each mode's greedy tokens
+(the argmax at every position) are plain torch's, the counts tpcomm's
+stats() and the compile pass report, the warnings tpcomm logged, and the
+counts expected(); check() judges one family's result.
 
-    torchrun --nproc-per-node=2 tests/hf_families.py FAMILY[,FAMILY...] DIR OUT.json
+    torchrun --nproc-per-node=2 tests/hf_families.py FAMILY[,FAMILY...] DIR OUT.json \
+        [--dtypes float32,bfloat16] [--modes install,compiled,compiled_install]
 """
+import argparse
 import fnmatch
 import json
+import logging
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
+import logit_accuracy
+
 SHAPE = dict(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=8,
              vocab_size=96, max_position_embeddings=64)
 LAYERS = 2
-# The TP styles whose module ends in an all-reduce of its partial sums
-ROW_PARALLEL = ("rowwise", "rowwise_split_input", "moe_tp_experts")
-# The TP styles whose module's output DTensor all-gathers (Shard -> Replicate)
-GATHERED = ("colwise_gather_output",)
+# The TP styles whose module ends in an all-reduce of its partial sums (4.x: rowwise_rep)
+ROW_PARALLEL = ("rowwise", "rowwise_rep", "rowwise_split_input", "moe_tp_experts")
+# The TP styles whose module's output DTensor all-gathers (Shard -> Replicate; 4.x: colwise_rep)
+GATHERED = ("colwise_gather_output", "colwise_rep")
+MODES = ("install", "compiled", "compiled_install")
 
 
 def model_class(family):
@@ -40,14 +54,27 @@ def model_class(family):
             }[family]
 
 
+def _parallelized(module):
+    """Whether transformers applied a TP style to module: hooks on it (the
+    style's input and output transforms) or DTensor parameters. (4.57 leaves
+    the modules of a plan entry it does not apply as they are: Mixtral's
+    experts.)"""
+    from torch.distributed.tensor import DTensor
+
+    return bool(module._forward_hooks or module._forward_pre_hooks) or any(
+        isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
 def planned_modules(model, styles):
-    """The modules the model's TP plan gives one of `styles`, by name."""
+    """The modules the model's TP plan gives one of `styles` (and that
+    transformers parallelized), by name."""
     plan = dict(getattr(model, "tp_plan", None) or model.config.base_model_tp_plan)
     names = []
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
         for pattern, style in plan.items():
             if style in styles and (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, "model." + pattern)):
-                names.append(name)
+                if _parallelized(module):
+                    names.append(name)
                 break
     return names
 
@@ -74,12 +101,15 @@ def save_model(family, model_dir, shape=SHAPE, norm_spread=0.0):
 def load_tp(family, model_dir, dtype):
     """The saved model with its own TP plan over the world group's ranks
     (transformers places it on the accelerator LOCAL_RANK names, else the CPU)."""
-    from transformers import DistributedConfig
+    import transformers
 
     _, model_cls, _ = model_class(family)
     # the group's size: transformers' default, WORLD_SIZE, is set by torchrun, not by tests/multiproc.py
-    tp = DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())
-    return model_cls.from_pretrained(model_dir, dtype=dtype, distributed_config=tp).eval()
+    if hasattr(transformers, "DistributedConfig"):  # 5.x
+        tp = dict(distributed_config=transformers.DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()))
+    else:  # 4.x
+        tp = dict(tp_plan="auto", tp_size=dist.get_world_size())
+    return model_cls.from_pretrained(model_dir, dtype=dtype, **tp).eval()
 
 
 def tp_group(model):
@@ -123,47 +153,135 @@ def by_op(counted):
     return out
 
 
-def main():
-    families, model_dir, out = sys.argv[1:4]
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("families")
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args(argv)
+    import transformers
+
     dist.init_process_group("gloo")
-    results = {family: run_family(family, os.path.join(model_dir, family)) for family in families.split(",")}
+    families = {family: {dtype: run_family(family, os.path.join(args.model_dir, family), getattr(torch, dtype),
+                                           args.modes.split(","))
+                         for dtype in args.dtypes.split(",")}
+                for family in args.families.split(",")}
     if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+        with open(args.out, "w") as f:
+            json.dump({"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
+                       "families": families}, f, indent=1)
     dist.destroy_process_group()
 
 
-def run_family(family, model_dir):
-    import tpcomm
+class Warnings(logging.Handler):
+    """The warnings logged on tpcomm's logger while attached."""
 
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def run_family(family, model_dir, dtype, modes):
+    import tpcomm
+    from tpcomm import unfused_report
+
+    assert "compiled_unprepared" not in modes[1:], "compiled_unprepared runs first: before the hooks are skipped"
     save_model(family, model_dir)
-    model = load_tp(family, model_dir, torch.float32)
+    model = load_tp(family, model_dir, dtype)
     group = tp_group(model)
     comm = tpcomm.Communicator(group, device=torch.device("cpu"))
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
 
-    def tokens(run):
+    def logits(run):
         with torch.no_grad():
-            return run(ids, use_cache=False).logits.argmax(-1)
+            return run(ids, use_cache=False).logits
 
-    plain = tokens(model)
+    plain = logits(model)
+    # where tpcomm rounds otherwise than the model (bf16), runs are held to an fp32 run's tokens
+    ref32 = logits(load_tp(family, model_dir, torch.float32)) if dtype != torch.float32 else None
     result = dict(expected(model), modes={})
-    for mode in ("install", "compiled", "compiled_install"):
+    hooked = any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
+    for mode in modes:
+        if mode == "compiled_unprepared" and not hooked:
+            continue
+        if mode != "compiled_unprepared":
+            result["hooked_modules"] = tpcomm.skip_backward_hooks_without_grad(model)
         torch._dynamo.reset()
+        unfused_report._said.clear()  # each mode's own warnings and graph breaks
+        torch._dynamo.utils.counters["graph_break"].clear()
+        warnings = Warnings()
+        tpcomm_logger = logging.getLogger("tpcomm")
+        tpcomm_logger.addHandler(warnings)
         before = calls(comm)
         backend = tpcomm.compile_backend("aot_eager") if mode.startswith("compiled") else None
         run = torch.compile(model, backend=backend) if backend else model
-        if mode.endswith("install"):
-            with tpcomm.install(group):
-                got = tokens(run)
-        else:
-            got = tokens(run)
+        try:
+            if mode.endswith("install"):
+                with tpcomm.install(group):
+                    got = logits(run)
+            else:
+                got = logits(run)
+        finally:
+            tpcomm_logger.removeHandler(warnings)
         result["modes"][mode] = {
-            "tokens_agree": bool(torch.equal(got, plain)),
+            "tokens_agree": bool(torch.equal(got.argmax(-1), plain.argmax(-1))),
+            "accuracy_failures": logit_accuracy.failures(mode, got, plain, ref32) if ref32 is not None else [],
             "calls": calls_since(comm, before),
-            "pass": dict(backend.counts) if backend else None}
+            "pass": dict(backend.counts) if backend else None,
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+            "warnings": warnings.messages}
     comm.close()
     return result
+
+
+def check(r, what, exact=True):
+    """The failures of one family's result r (run_family's) as messages:
+    each mode's greedy tokens are plain torch's (exact) or its logits as
+    accurate (not exact: bf16, tests/logit_accuracy.py); eager under install, each
+    row-parallel all-reduce and the embedding's on tpcomm; compiled, each
+    row-parallel all-reduce fused with its norms, counted once under its
+    pattern's key, and nothing reported unfused; compiled_unprepared (a model
+    with backward hooks), a graph break reported naming the hooks; DTensor's
+    all-gathers on tpcomm in every mode."""
+    rows, gathers, embeddings = r["row_parallel_per_forward"], r["gathered_per_forward"], r["embedding_all_reduces"]
+    fused_key, failed = r["fused_key"], []
+    if rows <= 0:
+        failed.append(f"{what}: no row-parallel module in the TP plan {r['plan']}")
+    for mode, m in r["modes"].items():
+        where, calls = f"{what}, {mode}", m["calls"]
+        ops = by_op(calls)
+        if exact and not m["tokens_agree"]:
+            failed.append(f"{where}: greedy tokens differ from plain torch's")
+        failed += [f"{what}, {f}" for f in m["accuracy_failures"]]
+        if ops.get("all_gather", 0) != gathers:
+            failed.append(f"{where}: {gathers} all-gathers expected on tpcomm, got {calls}")
+        if mode == "install":
+            want = {k: v for k, v in {"all_reduce": rows + embeddings, "all_gather": gathers}.items() if v}
+            if ops != want:
+                failed.append(f"{where}: expected {want}, got {calls}")
+        elif mode == "compiled_unprepared":
+            if not any("graph break" in w and "backwards hooks" in w for w in m["warnings"]):
+                failed.append(f"{where}: no warning of the backward hooks' graph breaks: {m['warnings']}")
+        else:
+            if ops.get(fused_key) != rows or ops.get("all_reduce", 0) != embeddings:
+                failed.append(f"{where}: expected all {rows} row-parallel all-reduces fused as {fused_key} and "
+                              f"{embeddings} embedding all-reduces, got {calls}")
+            # the pass counts each graph once: one a layer reuses after a graph break, once, not per layer
+            counted = m["pass"][fused_key], m["pass"]["all_gather"]
+            if m["graph_breaks"]:
+                wrong = not 0 < counted[0] <= rows
+            else:
+                wrong = counted != (rows, gathers)
+            if wrong:
+                failed.append(f"{where}: the pass counted {m['pass']} ({m['graph_breaks']} graph breaks)")
+            if m["warnings"]:
+                failed.append(f"{where}: tpcomm warned {m['warnings']}")
+    return failed
 
 
 if __name__ == "__main__":

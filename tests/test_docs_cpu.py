@@ -56,7 +56,7 @@ def test_generated_blocks_match_the_committed_json():
         names.update(tables.block_names(text))
         assert tables.regenerate(text) == text, f"{rel} is stale: run python scripts/benchmark_tables.py"
     expected = {"headline", "decode-headline", "tables-h200x2", "tables-h200x4", "environment-h200x2",
-                "environment-h200x4", "tp-decode", "add-rms-norm-routes", "scaling-model"}
+                "environment-h200x4", "tp-decode", "add-rms-norm-routes", "scaling-model", "transformers-versions"}
     assert expected <= names, f"generated blocks missing: {sorted(expected - names)}"
 
 
@@ -66,6 +66,7 @@ def test_check_mode_reports_a_stale_block(tmp_path, monkeypatch):
     (tmp_path / "README.md").write_text(stale)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "benchmarks.md").write_text(_read(os.path.join(DOCS, "benchmarks.md")))
+    (tmp_path / "docs" / "testing.md").write_text(_read(os.path.join(DOCS, "testing.md")))
     monkeypatch.setattr(tables, "ROOT", str(tmp_path))
     assert tables.main(["--check"]) == 1
     assert (tmp_path / "README.md").read_text() == stale  # --check changes nothing
@@ -106,6 +107,21 @@ def test_headline_cells_are_the_json_rows():
     assert marked == [n for n in sizes if n > Config().max_bytes] != []
     assert data["env"]["tpcomm_max_bytes"] > Config().max_bytes
     assert "† with `max_bytes` raised to 128 MiB (`TPCOMM_MAX_BYTES`); by default (16 MiB)" in _read(README)
+
+
+def test_readme_names_the_transformers_versions_run():
+    """README's Support row names the transformers versions of the committed
+    CPU runs (docs/testing.md's table), oldest first: those CI installs
+    beside its venv (.ci/transformers_versions.sh) and the venv's, newer."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "transformers_versions_cpu.json")) as f:
+        runs = json.load(f)["runs"]
+    with open(os.path.join(ROOT, ".ci", "transformers_versions.sh")) as f:
+        side = re.search(r'^VERSIONS="([^"]*)"$', f.read(), re.MULTILINE).group(1).split()
+    row = next(line for line in _read(README).splitlines() if line.startswith("| transformers "))
+    key = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731
+    assert re.findall(r"\d+\.\d+\.\d+", row.split("|")[1]) == sorted(runs, key=key), row
+    newest = sorted(runs, key=key)[-1]
+    assert sorted(side, key=key) == sorted(set(runs) - {newest}, key=key) and key(newest) > max(map(key, side))
 
 
 def test_headline_shows_only_the_current_kernels_run():

@@ -29,6 +29,7 @@ from .communicator import Communicator
 from .config import Config
 from .errors import CollectiveMismatch, CollectiveTimeout, CommunicatorClosed, TpcommError, UnknownGroup
 from . import fusion, ops, routing_table
+from .backward_hooks import skip_backward_hooks_without_grad
 from .compile_pass import compile_backend
 from .routing_table import TableError
 from .torch_collectives import install
@@ -44,7 +45,8 @@ except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
-           "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "routing_table"]
+           "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "routing_table",
+           "skip_backward_hooks_without_grad"]
 from ._version import __version__  # noqa: E402 - one source (setup.py reads it too)
 
 

@@ -34,7 +34,10 @@ takes it):
     torch._inductor.config.post_grad_custom_post_pass = tpcomm.inductor_pass.TpcommPass()
 
 After AOT autograd the graph is functional (no copies) and the norm is
-decomposed: there the collectives are rewritten and nothing is fused.
+decomposed into aten ops: there the collectives are rewritten and the
+fusion matches the norm in that form (tpcomm.aten_norms). The last graph
+tpcomm rewrites is checked for all-reduces left unfused next to an add +
+RMSNorm, which are reported once (tpcomm.unfused_report).
 
 The in-place forms (_c10d_functional.all_reduce_ and the like) are left as
 they are: Dynamo and AOT write the functional forms, and inductor makes them
@@ -48,7 +51,7 @@ import operator
 
 import torch
 
-from . import _cache_key, _registry, fusion, ops  # ops registers torch.ops.tpcomm.*
+from . import _cache_key, _registry, fusion, ops, unfused_report  # noqa: F401 - ops registers torch.ops.tpcomm.*
 from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
@@ -230,10 +233,12 @@ def rewrite_collectives(graph: torch.fx.Graph) -> dict:
     return counts
 
 
-def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
+def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True, report: bool = True) -> None:
     """rewrite_collectives, then (with fuse, where the graph's module is a
     GraphModule) the add + RMSNorm fusion; adds what they rewrote into
-    counts (keys COUNTED)."""
+    counts (keys COUNTED). With fuse and report, all-reduces left unfused
+    next to an add + norm are reported (unfused_report): report=False where
+    a later pass sees the graph again."""
     for what, n in rewrite_collectives(graph).items():
         counts[what] += n
     module = graph.owning_module
@@ -241,6 +246,8 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True) -> None:
         for key, n in fusion.fuse(module).items():
             counts[key] += n
         module.recompile()
+        if report:
+            unfused_report.report(graph)
 
 
 class compile_backend:
@@ -260,7 +267,7 @@ class compile_backend:
         self.counts = dict.fromkeys(COUNTED, 0)
 
     def __call__(self, gm, example_inputs):
-        apply(gm.graph, self.counts, self.fuse)
+        apply(gm.graph, self.counts, self.fuse, report=self.inner not in ("inductor", "aot_eager"))
         with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + cache_tag(gm.graph)):
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
@@ -271,9 +278,10 @@ class compile_backend:
             return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
     # DTensor's collectives (redistribute: the LM head's and colwise_gather_output's all-gathers, the
-    # embedding's all-reduce) are not in the graph Dynamo captures: Dynamo keeps DTensor operations whole,
-    # and AOT autograd turns them into functional collectives. So the collectives are rewritten once more
-    # on the graph AOT produces: by inductor's post-grad pass, or aot_eager's forward compiler.
+    # embedding's all-reduce, transformers 4.x's row-parallel all-reduces) are not in the graph Dynamo
+    # captures: Dynamo keeps DTensor operations whole, and AOT autograd turns them into functional
+    # collectives. So apply() runs once more on the graph AOT produces: by inductor's post-grad pass, or
+    # aot_eager's forward compiler.
     def _with_post_grad_pass(self):
         from torch._inductor import config
         from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -283,7 +291,7 @@ class compile_backend:
         patches = dict(self.inductor_options)
         then = patches.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
         if then is None or (isinstance(then, CustomGraphPass) and not isinstance(then, TpcommPass)):
-            patches["post_grad_custom_post_pass"] = TpcommPass(then=then, counts=self.counts)
+            patches["post_grad_custom_post_pass"] = TpcommPass(then=then, counts=self.counts, fuse=self.fuse)
         return patches
 
     def _aot_eager(self):
@@ -291,8 +299,7 @@ class compile_backend:
         from torch._dynamo.backends.common import aot_autograd
 
         def forward(gm, example_inputs):
-            for what, n in rewrite_collectives(gm.graph).items():
-                self.counts[what] += n
+            apply(gm.graph, self.counts, self.fuse)
             gm.recompile()
             return make_boxed_func(gm.forward)
 

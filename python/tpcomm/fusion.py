@@ -8,6 +8,11 @@ all-reduce, so models need no edit to use the fused op:
 tpcomm; this module does not import it: the pass depends on the fusion, not
 the other way round.)
 
+The graph AOT autograd makes (inductor's post-grad pass, aot_eager's forward
+compiler) is matched the same way, its norm in aten ops
+(tpcomm.aten_norms): there the all-reduces appear that Dynamo's graph holds
+as DTensor's redistribute (transformers 4.x's row-parallel layers).
+
 In the graph Dynamo captures, every (torch's own all_reduce included, which
 tpcomm.compile_pass first puts on tpcomm)
 
@@ -43,7 +48,7 @@ import operator
 
 import torch
 
-from . import ops  # noqa: F401 - registers torch.ops.tpcomm.custom_all_reduce and the fused ops
+from . import aten_norms, ops  # noqa: F401 - ops registers torch.ops.tpcomm.custom_all_reduce and the fused ops
 from .norm_patterns import STATS_KEY, Pattern
 
 _ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
@@ -52,7 +57,8 @@ _RMS_NORM = (torch.rms_norm, torch.nn.functional.rms_norm, torch.ops.aten.rms_no
 
 
 def _example(node):
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    """The tensor Dynamo (example_value) or AOT autograd (val) recorded for node, or None."""
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 
@@ -177,7 +183,7 @@ def _identity(node):
         before, after = _example(node.args[0]), _example(node)
         return before is not None and after is not None and before.is_contiguous() and after.is_contiguous() \
             and before.numel() == after.numel()
-    return False
+    return aten_norms.identity(node)
 
 
 def _through_identities(ar):
@@ -239,7 +245,7 @@ def _any_norm(z, dtype, hidden):
     found = _gemma_norm(z)
     if found is not None:
         return found[0], found[1], 1.0, found[2], found[3]
-    return None
+    return aten_norms.find(z, dtype)
 
 
 def _weight_ok(weight, ty, order, before):
@@ -366,8 +372,7 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             with graph.inserting_after(call):
                 outputs[index] = graph.call_function(operator.getitem, (call, index))
         for node, index in replaced.items():
-            if "example_value" in node.meta:
-                outputs[index].meta["example_value"] = node.meta["example_value"]
+            outputs[index].meta.update({k: node.meta[k] for k in ("example_value", "val") if k in node.meta})
             node.replace_all_uses_with(outputs[index])
         _erase(graph, erased + list(replaced) + [ar])
         fused[STATS_KEY[pattern]] += 1

@@ -1,0 +1,169 @@
+"""The RMSNorm as AOT autograd writes it, for tpcomm.fusion: the graph
+inductor's post-grad pass and aot_eager's forward compiler see, where the
+model's norm is decomposed into aten ops. There an all-reduce that Dynamo's
+graph did not show (DTensor's redistribute of a row-parallel layer's Partial
+output, transformers 4.x) meets its add and norm: fusion.fuse matches the
+same patterns on both graphs, through find() and identity() here.
+
+The norm of z (dtype d, fp32 where d is fp32 and no cast appears):
+
+    h = cast(z, fp32)                        # absent when d is fp32
+    r = rsqrt(mean(pow(h, 2), [-1], keepdim=True) + eps)
+    Llama-style:  weight * cast(h * r, d)    # the cast absent when d is fp32
+    Gemma-style:  cast((h * r) * (cast(weight, fp32) + 1.0), d)
+
+casts being aten._to_copy (dtype only, or the input's own layout and
+device: aot_eager) or prims.convert_element_type (inductor), a product in
+either order. Every node of the chain but z must have no user outside it,
+so that the rewrite can remove the chain whole.
+"""
+import torch
+
+_A = torch.ops.aten
+_ADD = (_A.add.Tensor, _A.add.Scalar)
+_MUL = (_A.mul.Tensor,)
+# Value-preserving nodes between an all-reduce and its consumer that keep its shape
+_SAME_SHAPE = (_A.clone.default, _A.alias.default, _A.view.default, _A._unsafe_view.default, _A.reshape.default)
+
+
+def _value(node):
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _call(node, targets):
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _only_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _cast_to(node, source, dtype):
+    """Whether node is `source` cast to dtype (and nothing else)."""
+    if _call(node, (torch.ops.prims.convert_element_type.default,)):
+        return tuple(node.args) == (source, dtype) and not node.kwargs
+    if not _call(node, (_A._to_copy.default,)) or tuple(node.args) != (source,):
+        return False
+    kwargs, before = dict(node.kwargs), _value(source)
+    if kwargs.pop("dtype", None) != dtype or kwargs.pop("layout", torch.strided) != torch.strided:
+        return False
+    device = kwargs.pop("device", None)
+    return not kwargs and (device is None or (before is not None and torch.device(device) == before.device))
+
+
+def _upcast(z, dtype):
+    """(h, its node to erase or None): z itself where dtype is fp32, else z's
+    one cast to fp32 whose only users are the square and the product."""
+    if dtype == torch.float32:
+        yield z, None
+        return
+    for up in z.users:
+        if _cast_to(up, z, torch.float32) and len(up.users) == 2:
+            yield up, up
+
+
+def _product(node, a, b):
+    """Whether node is a * b in either order."""
+    return _call(node, _MUL) and not node.kwargs and len(node.args) == 2 and set(node.args) == {a, b} and a is not b
+
+
+def _last_dim_kept(mean, h):
+    """Whether aten.mean.dim `mean` reduces h's last dimension alone, keeping it."""
+    dims = mean.args[1] if len(mean.args) > 1 else None
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    last = h.dim() - 1 if h is not None else -1
+    return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [last]) and keepdim is True \
+        and set(mean.kwargs) <= {"keepdim"}
+
+
+def _normalised(z, dtype):
+    """Each h * rsqrt(mean(h^2) + eps) of z: (scaled, eps, the chain's nodes to erase)."""
+    for h, up in _upcast(z, dtype):
+        for square in list(h.users):
+            if not (_call(square, (_A.pow.Tensor_Scalar,)) and tuple(square.args) == (h, 2) and len(square.users) == 1):
+                continue
+            mean = _only_user(square)
+            if not (_call(mean, (_A.mean.dim,)) and mean.args[0] is square and len(mean.users) == 1
+                    and _last_dim_kept(mean, _value(h))):
+                continue
+            plus = _only_user(mean)
+            if not (_call(plus, _ADD) and plus.args[0] is mean and isinstance(plus.args[1], float)
+                    and not plus.kwargs and len(plus.users) == 1):
+                continue
+            root = _only_user(plus)
+            if not (_call(root, (_A.rsqrt.default,)) and len(root.users) == 1):
+                continue
+            scaled = _only_user(root)
+            if _product(scaled, h, root) and len(scaled.users) == 1:
+                yield scaled, plus.args[1], [scaled, root, plus, mean, square] + ([up] if up is not None else [])
+
+
+def _to_dtype(node, dtype, output):
+    """node's one user casting it to dtype, or node itself when dtype is fp32;
+    or None. Only an output (the node replaced) may have other users."""
+    if dtype == torch.float32:
+        return node
+    down = _only_user(node)
+    return down if _cast_to(down, node, dtype) and (output or len(down.users) == 1) else None
+
+
+def _llama(scaled, dtype):
+    """weight * cast(scaled, dtype): (weight, the node replaced, nodes erased), or None."""
+    down = _to_dtype(scaled, dtype, output=False)
+    out = down and _only_user(down)
+    if out is None or not _call(out, _MUL) or out.kwargs or len(out.args) != 2 or down not in out.args:
+        return None
+    weight = out.args[1] if out.args[0] is down else out.args[0]
+    if not isinstance(weight, torch.fx.Node) or weight is down:
+        return None
+    return weight, out, [out] + ([down] if down is not scaled else [])
+
+
+def _gemma(scaled, dtype):
+    """cast(scaled * (cast(weight, fp32) + 1.0), dtype): (weight, the node
+    replaced, nodes erased), or None."""
+    times = _only_user(scaled)
+    if times is None or not _call(times, _MUL) or times.kwargs or len(times.args) != 2 or scaled not in times.args:
+        return None
+    offset = times.args[1] if times.args[0] is scaled else times.args[0]
+    if not (_call(offset, _ADD) and len(offset.args) == 2 and offset.args[1] == 1.0 and not offset.kwargs
+            and len(offset.users) == 1 and isinstance(offset.args[0], torch.fx.Node)):
+        return None
+    wf = offset.args[0]
+    if dtype == torch.float32:
+        weight, erased = wf, [times, offset]
+    elif _call(wf, (_A._to_copy.default, torch.ops.prims.convert_element_type.default)) \
+            and _cast_to(wf, wf.args[0], torch.float32) and len(wf.users) == 1:
+        weight, erased = wf.args[0], [times, offset, wf]
+    else:
+        return None
+    out = _to_dtype(times, dtype, output=True)
+    if out is None:
+        return None
+    return weight, out, ([out] if out is not times else []) + erased
+
+
+def find(z, dtype):
+    """(weight, eps, weight_offset, node replaced, nodes erased) of an RMSNorm
+    of z (of dtype, over its last dimension) in AOT's aten form, or None.
+    The weight's dtype and shape are the caller's to check."""
+    for scaled, eps, chain in _normalised(z, dtype):
+        for offset, form in ((1.0, _gemma), (0.0, _llama)):  # Gemma's first: its w + 1 is a weight to _llama
+            found = form(scaled, dtype)
+            if found is not None:
+                weight, out, erased = found
+                return weight, eps, offset, out, erased + chain
+    return None
+
+
+def identity(node):
+    """Whether node gives its first argument's values in its shape (a clone,
+    an alias, a view to the same shape): nothing fusion must reapply."""
+    if not _call(node, _SAME_SHAPE) or not node.args:
+        return False
+    if node.target is _A.clone.default and node.kwargs.get("memory_format", torch.preserve_format) \
+            not in (torch.preserve_format, torch.contiguous_format):
+        return False
+    before, after = _value(node.args[0]), _value(node)
+    return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
