@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
+from . import _agreement, _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._log import log_once
 from ._shapes import checked_dim
 from . import _one_rank
@@ -83,6 +83,7 @@ class Communicator:
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
         self._nccl = Nccl(self.group)  # the fallback
+        self._agreement = _agreement.for_communicator(self)  # None where the ranks' agreement is not checked
         self._stat_cells = {}  # (op, backend) -> [calls, input bytes per rank]
         # Per op, (dtype or shape, size) -> (stats cell, run): the route of each
         # call seen, as the callable that runs it (routing is not walked again).
@@ -182,9 +183,9 @@ class Communicator:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
         nbytes = x.numel() * x.element_size()
-        key = (x.dtype, nbytes)
+        key = (x.dtype, nbytes, dim)
         cell, run = (self._memo["reduce_scatter"].get(key)
-                     or self._remember("reduce_scatter", key, x, nbytes, self.route_reduce_scatter(x)))
+                     or self._remember("reduce_scatter", key, x, nbytes, self.route_reduce_scatter(x), dim))
         cell[0] += 1
         cell[1] += nbytes
         y = run(x.movedim(dim, 0) if dim else x)
@@ -279,6 +280,7 @@ class Communicator:
         if len(memo) >= _ROUTE_MEMO_MAX:
             memo.clear()
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
+        run = _agreement.checked(self._agreement, op, run, dim) if backend == "nccl" else run
         if (self._aiter is not None
                 and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
                 and self._aiter.takes(op, x)):
@@ -374,7 +376,7 @@ class Communicator:
             return None
         self._closed = True
         _registry.unregister(self)
-        group, self.group, self._nccl = self.group, None, None
+        group, self.group, self._nccl, self._agreement = self.group, None, None, None
         for memo in self._memo.values():  # its runs are bound to the fallback, which holds the group
             memo.clear()
         aiter_backend, self._aiter = self._aiter, None
