@@ -23,4 +23,7 @@ def bind_torch_defaults_before_any_group():
     exists (where one does, importing it would pin that group: it is left
     to be imported as it would be without tpcomm)."""
     if dist.is_available() and not dist.is_initialized():
-        import torch.distributed.nn.functional  # noqa: F401 - for its default arguments' binding
+        try:
+            import torch.distributed.nn.functional  # noqa: F401 - for its default arguments' binding
+        except ImportError:  # a torch without it has no defaults to bind
+            pass
