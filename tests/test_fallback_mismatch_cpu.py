@@ -1,8 +1,9 @@
-"""Ranks that disagree on the fallback path: tpcomm's kernels are not
-involved, so tpcomm's own checks (CollectiveMismatch) cannot see it; torch's
-cross-rank check, TORCH_DISTRIBUTED_DEBUG=DETAIL, turns it into an error
-naming the mismatch on every rank (README, Troubleshooting). Two gloo ranks,
-each op, a shape and a dtype mismatch; the group stays usable after."""
+"""Ranks that disagree on the fallback path where tpcomm's agreement check
+is off (TPCOMM_FALLBACK_CHECK=0, as on NCCL by default;
+tests/test_fallback_agreement_cpu.py tests the check): torch's cross-rank
+check, TORCH_DISTRIBUTED_DEBUG=DETAIL, turns it into an error naming the
+mismatch on every rank (docs/design.md, Failure model). Two gloo ranks, each op, a
+shape and a dtype mismatch; the group stays usable after."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,4 +37,4 @@ def _body(rank, world_size, op):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_detail_debug_names_the_mismatch_on_every_rank(op):
-    run_ranks(2, _body, op, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    run_ranks(2, _body, op, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TPCOMM_FALLBACK_CHECK": "0"})

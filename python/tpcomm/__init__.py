@@ -23,6 +23,7 @@ RuntimeErrors; tpcomm.TableError (a ValueError) for a bad routing table.
 """
 import logging as _logging
 
+from ._teardown import bind_torch_defaults_before_any_group as _bind_torch_defaults
 from ._lib import load
 from ._log import log_once as _log_once
 from .communicator import Communicator
@@ -43,6 +44,8 @@ try:
     load()
 except ImportError as _e:
     _log_once(_logging.WARNING, f"tpcomm: {_e}; every Communicator falls back to torch.distributed")
+
+_bind_torch_defaults()  # before the user's init_process_group, where tpcomm is imported first (tpcomm._teardown)
 
 __all__ = ["Communicator", "Config", "TpcommError", "CollectiveTimeout", "CollectiveMismatch", "CommunicatorClosed",
            "UnknownGroup", "TableError", "compile_backend", "fusion", "install", "load", "routing_table",

@@ -52,7 +52,8 @@ def run(comm, how, x, residual, weight, eps, in_place):
     elif how == "split":
         normed, summed = by_rows(comm, x, residual, weight, eps)
     else:
-        normed, summed = from_sums(uncounted(comm, "all_reduce", x.float()), residual, weight, eps, x.dtype)
+        sums = uncounted(comm, "all_reduce", x.float(), call=("all_reduce_add_rms_norm", x))
+        normed, summed = from_sums(sums, residual, weight, eps, x.dtype)
     if not in_place:
         return normed, summed
     if normed is not x:
@@ -77,12 +78,16 @@ def by_rows(comm, x, residual, weight, eps):
     return both[0].view(x.shape), both[1].view(x.shape)
 
 
-def uncounted(comm, op, x, *args):
+def uncounted(comm, op, x, *args, call=None):
     """comm's all_reduce(x) or all_gather(x, dim) on the route the
     Communicator would take, not counted in stats(): a part of a fused call,
-    which counts once, under its own key."""
+    which counts once, under its own key. `call` (the fused op's name, its
+    input): what the ranks agree on first where the route is the fallback
+    (tpcomm._agreement)."""
     x = x.contiguous()
     route = comm.route_all_reduce(x) if op == "all_reduce" else comm.route_all_gather(x, *args)
+    if call is not None and route == "nccl" and comm._agreement is not None:
+        comm._agreement.check(*call)
     return comm._runner(op, x.dtype, route)(x, *args)
 
 

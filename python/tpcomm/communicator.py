@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
+from . import _agreement, _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._kernel_only import KernelOnly
 from ._log import log_once
 from ._shapes import check_int_dim, check_tensor, checked_dim
@@ -84,7 +84,9 @@ class Communicator(KernelOnly):
         self.comm_id = self._last_comm_id = 0
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
-        self._nccl = Nccl(self.group)  # the fallback
+        self._nccl = Nccl(self.group)  # the fallback (None once closed: it holds the group)
+        self._fallback = self._nccl.backend  # its name, as routes and stats() say it: "nccl", "gloo"
+        self._agreement = _agreement.for_communicator(self)  # None where the ranks' agreement is not checked
         self._stat_cells = {}  # (op, backend) -> [calls, input bytes per rank]
         # Per op, (dtype, size) or (shape, dim, element size) -> (stats cell,
         # run, whether run is tpcomm's kernel): the route of each call seen, as
@@ -183,7 +185,8 @@ class Communicator(KernelOnly):
         if x.shape[dim] % self.world_size:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
-        y = self._run("reduce_scatter", x.movedim(dim, 0) if dim else x, 0, kernel_only)
+        # keyed by dim too: the fallback's agreement check compares it
+        y = self._run("reduce_scatter", x.movedim(dim, 0) if dim else x, dim, kernel_only)
         return y.movedim(0, dim).contiguous() if dim and y is not None else y
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -241,7 +244,7 @@ class Communicator(KernelOnly):
         if self.world_size == 1:
             return SINGLE_RANK
         got = how(self._routes, self._caps, *args)
-        return self._nccl.backend if got == "nccl" else got
+        return self._fallback if got == "nccl" else got
 
     def _run(self, op, x, dim, kernel_only, *args):
         """op on the memoised route of a call like x, counted in stats(), with
@@ -258,7 +261,8 @@ class Communicator(KernelOnly):
         """The memo's (stats cell, run, kernel) for a call of op like x: one
         lookup; routing is walked (_remember) only on a miss."""
         nbytes = x.numel() * x.element_size()
-        key = (x.shape, dim, x.element_size()) if op == "all_gather" else (x.dtype, nbytes)
+        key = ((x.shape, dim, x.element_size()) if op == "all_gather" else (x.dtype, nbytes, dim)
+               if op == "reduce_scatter" else (x.dtype, nbytes))
         return self._memo[op].get(key) or self._remember(op, key, x, nbytes, dim)
 
     def _remember(self, op, key, x, nbytes, dim=0):
@@ -272,6 +276,7 @@ class Communicator(KernelOnly):
             memo.clear()
         backend = self._route_of(op, x, dim)
         cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
+        run = _agreement.checked(self._agreement, op, run, dim) if backend == self._fallback else run
         if (self._aiter is not None
                 and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
                 and self._aiter.takes(op, x)):
@@ -283,7 +288,7 @@ class Communicator(KernelOnly):
     def _runner(self, op, dtype, backend):
         """The callable that runs `op` on `backend`, with the op's arguments:
         all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
-        if backend == self._nccl.backend:
+        if backend == self._fallback:
             return getattr(self._nccl, op)
         if backend == SINGLE_RANK:
             return getattr(_one_rank, op)
@@ -303,11 +308,10 @@ class Communicator(KernelOnly):
 
     # ------------------------------------------------------------ life cycle
     def check(self) -> None:
-        """Raises the recorded error if an op failed on the device: a peer
-        that did not arrive within timeout_s (CollectiveTimeout), peers that
-        called different ops (CollectiveMismatch), or, after close(), a CUDA
-        graph captured on this communicator that was replayed
-        (CommunicatorClosed). Reads host-mapped memory: no synchronisation."""
+        """Raises the recorded error if an op failed on the device: a peer that did not arrive within
+        timeout_s (CollectiveTimeout), peers that called different ops (CollectiveMismatch), or, after
+        close(), a CUDA graph captured on this communicator that was replayed (CommunicatorClosed).
+        Reads host-mapped memory: no synchronisation."""
         if self._comm is not None:
             code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(_lib.AsyncError()))
             _lib.check(self._lib, self._comm, code, "device error")
@@ -321,30 +325,28 @@ class Communicator(KernelOnly):
     def capture(self):
         """Context for CUDA graph capture of this communicator's ops.
 
-        The kernels read only their input and buffers registered at init, and
-        take their sequence number from a counter on the device, so captured
-        ops need no registration afterwards and replay correctly in any order
-        and interleaved with eager calls. A graph replayed after close() finds
-        the communicator closed on the device, writes NaN into its outputs and
-        nothing else, and check() reports it. The context only checks, on
-        entry, that the communicator is open and no earlier op failed on the
-        device (an error found inside a capture would abort it)."""
+        The kernels read only their input and buffers registered at init, and take their sequence number
+        from a counter on the device, so captured ops need no registration afterwards and replay
+        correctly in any order and interleaved with eager calls. A graph replayed after close() finds
+        the communicator closed on the device, writes NaN into its outputs and nothing else, and check()
+        reports it. The context only checks, on entry, that the communicator is open and no earlier op
+        failed on the device (an error found inside a capture would abort it)."""
         self._check_open()
         self.check()
         with self._aiter.capture() if self._aiter is not None else contextlib.nullcontext():
             yield self  # AITER registers the graph's buffers when its context exits
 
     def close(self, timeout_s: "float | None" = None) -> None:
-        """Frees the registered buffers. Collective: every rank calls it. Waits
-        at most `timeout_s` (default: this communicator's timeout_s + 5 s) for
-        the peers to arrive; if one does not (it died, or never calls close),
-        the communicator is aborted instead (see abort()) and
-        CollectiveTimeout names the missing ranks."""
-        if not self._mark_closed() or self._comm is None:
+        """Frees the registered buffers and lets go of the group (so that dist.destroy_process_group()
+        ends it). Collective: every rank calls it. Waits at most `timeout_s` (default: this
+        communicator's timeout_s + 5 s) for the peers to arrive; if one does not (it died, or never
+        calls close), the communicator is aborted instead (see abort()) and CollectiveTimeout names the
+        missing ranks."""
+        if (group := self._mark_closed()) is None or self._comm is None:
             return
         timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
         torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
-        missing = _group_setup.meet_peers(self.group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}",
+        missing = _group_setup.meet_peers(group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}",
                                           timeout_s)
         if missing:
             self._release(self._lib.tpc_comm_abort, "abort")
@@ -354,26 +356,27 @@ class Communicator(KernelOnly):
         self._release(self._lib.tpc_comm_destroy, "destroy")
 
     def abort(self) -> None:
-        """Stops this communicator now, on this rank only: never blocks, needs
-        no peer. Ops queued on the GPU and graph replays exit (outputs NaN),
-        peers' waits for this rank end at once with an error, and the id is
-        retired. The registered GPU memory stays allocated until the process
-        exits, since a kernel may still be running on it. Use it when a peer
-        died; close() is the orderly, collective way."""
-        if self._mark_closed() and self._comm is not None:
+        """Stops this communicator now, on this rank only: never blocks, needs no peer. Ops queued on
+        the GPU and graph replays exit (outputs NaN), peers' waits for this rank end at once with an
+        error, and the id is retired. The registered GPU memory stays allocated until the process exits
+        (a kernel may still run on it). Use it when a peer died; close() is the orderly, collective way."""
+        if self._mark_closed() is not None and self._comm is not None:
             self._release(self._lib.tpc_comm_abort, "abort")
 
     def _mark_closed(self):
-        """False when it already was; else closes it to callers, to the
-        group-name ops and to AITER, and returns True."""
+        """None when it already was; else closes it to callers, to the group-name ops and to AITER, and
+        lets go of the process group (docs/design.md, Teardown), which it returns."""
         if self._closed:
-            return False
+            return None
         self._closed = True
         _registry.unregister(self)
+        group, self.group, self._nccl, self._agreement = self.group, None, None, None
+        for memo in self._memo.values():  # its runs are bound to the fallback, which holds the group
+            memo.clear()
         aiter_backend, self._aiter = self._aiter, None
         if aiter_backend is not None:
             aiter_backend.close()
-        return True
+        return group
 
     def _release(self, fn, what):
         comm, self._comm, self.comm_id, self._caps = self._comm, None, 0, None
@@ -381,7 +384,7 @@ class Communicator(KernelOnly):
 
     def __repr__(self):
         state = ("closed" if self._closed else "custom" if self.enabled else SINGLE_RANK if self.world_size == 1
-                 else f"{self._nccl.backend} only ({self.disabled_reason})")
+                 else f"{self._fallback} only ({self.disabled_reason})")
         return (f"tpcomm.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_bytes={self.max_bytes}, packet_max_bytes={self.packet_max_bytes}, {state})")
 

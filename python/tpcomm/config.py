@@ -21,6 +21,8 @@ TPCOMM_* variable tpcomm reads is parsed here, and every one is in this table:
     TPCOMM_QUANTIZE          none             fp8, int8 or int4: float16/bfloat16 all_reduces from the
                                               table's quantized_min_bytes on send quantized values (not
                                               exact: docs/design.md bounds the error)
+    TPCOMM_FALLBACK_CHECK    on for gloo,     1: before a call runs on torch.distributed, the ranks
+                             off for NCCL     compare op, dtype, shape and dim (tpcomm._agreement)
 
 Booleans take 1/true/yes/on and 0/false/no/off. Every rank of a group must
 end with the same configuration: the ranks compare it at init. A Config is
@@ -64,6 +66,7 @@ class Config:
     aiter: bool = True         # AITER's all-reduce tried first on ROCm, where it imports
     fused_kernel: bool = True  # the fusion patterns on the fused kernel family where it takes the call
     quantize: str = None       # None, "fp8", "int8" or "int4": the quantized all_reduce (opt-in)
+    fallback_check: bool = None  # the ranks' agreement before a fallback call; None: on where it is gloo
 
     def __post_init__(self):
         self.checked()
@@ -93,6 +96,8 @@ class Config:
             fields["aiter"] = env_flag("TPCOMM_AITER")
         if env.get("TPCOMM_FUSED_KERNEL", "").strip():
             fields["fused_kernel"] = env_flag("TPCOMM_FUSED_KERNEL")
+        if env.get("TPCOMM_FALLBACK_CHECK", "").strip():
+            fields["fallback_check"] = env_flag("TPCOMM_FALLBACK_CHECK")
         if env.get("TPCOMM_QUANTIZE", "").strip():
             fields["quantize"] = env["TPCOMM_QUANTIZE"].strip().lower()
         if env.get("TPCOMM_FORBID", "").strip():
@@ -124,6 +129,8 @@ class Config:
                 raise ValueError(f"tpcomm: force {op}={backend}: {op} has no {backend} kernel")
         if self.quantize is not None and self.quantize not in routing.QUANTIZE_MODES:
             raise ValueError(f"tpcomm: quantize={self.quantize!r} must be None or one of {routing.QUANTIZE_MODES}")
+        if self.fallback_check is not None and not isinstance(self.fallback_check, bool):
+            raise ValueError(f"tpcomm: fallback_check={self.fallback_check!r} must be None, True or False")
         for backend in self.forbid:
             if backend not in routing.KERNELS:
                 raise ValueError(f"tpcomm: forbid {backend!r}: only tpcomm's kernels {routing.KERNELS} can be forbidden")
@@ -133,7 +140,8 @@ class Config:
         """The fields the ranks must agree on, as flat strings."""
         return {"max_bytes": str(self.max_bytes), "packet_max_bytes": str(self.packet_max_bytes),
                 "timeout_s": repr(float(self.timeout_s)), "disable": str(self.disable), "aiter": str(self.aiter),
-                "fused_kernel": str(self.fused_kernel), "quantize": str(self.quantize)}
+                "fused_kernel": str(self.fused_kernel), "quantize": str(self.quantize),
+                "fallback_check": str(self.fallback_check)}
 
 
 def _check_kinds(config):

@@ -107,5 +107,5 @@ def run(comm, pattern, x, residual, weight, next_weight, eps, next_eps, weight_o
                                      None if next_weight is None else next_weight.contiguous(), eps, next_eps,
                                      weight_offset, normed, stream)
         return normed, stream
-    sums = add_rms_norm.uncounted(comm, "all_reduce", x.float())
+    sums = add_rms_norm.uncounted(comm, "all_reduce", x.float(), call=(STATS_KEY[pattern], x))
     return from_sums(pattern, sums, residual, weight, next_weight, eps, next_eps, weight_offset, x.dtype)
