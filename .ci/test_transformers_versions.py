@@ -1,6 +1,6 @@
 """tests/hf_families.py under other transformers versions than the one the
 suite runs (tests/test_hf_families_cpu.py): each side directory of
-TPCOMM_TRANSFORMERS_DIRS (.ci/transformers_versions.sh installs them), put
+TPCOMM_TEST_TRANSFORMERS_DIRS (.ci/transformers_versions.sh installs them), put
 first on the ranks' PYTHONPATH, and the environment's own transformers (the
 newest). Every family on 2 gloo ranks, compiled with tpcomm.compile_backend
 after tpcomm.skip_backward_hooks_without_grad: every row-parallel all-reduce
@@ -8,7 +8,7 @@ fused with its norms, DTensor's collectives on tpcomm, nothing reported
 unfused, float32 tokens plain torch's and bf16 logits as accurate as plain
 torch's (hf_families.check). Where the model holds backward hooks
 (transformers 5.3 to 5.21), the compile before the helper must warn of the
-graph breaks. Each version runs float32 and bf16. With TPCOMM_VERSIONS_JSON
+graph breaks. Each version runs float32 and bf16. With TPCOMM_TEST_VERSIONS_JSON
 set, every run's results go there (docs/testing.md's table: python
 scripts/benchmark_tables.py reads benchmarks/results/transformers_versions_cpu.json)."""
 import json
@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from hf_families import check  # noqa: E402
 
 FAMILIES = "qwen3,mistral,gemma3,phi3,mixtral"
-SIDE = [d for d in os.environ.get("TPCOMM_TRANSFORMERS_DIRS", "").split(os.pathsep) if d]
+SIDE = [d for d in os.environ.get("TPCOMM_TEST_TRANSFORMERS_DIRS", "").split(os.pathsep) if d]
 DTYPES = "float32,bfloat16"
 RUNS = SIDE + [None]  # the side directories, then the environment's own transformers
-pytestmark = pytest.mark.skipif(not SIDE, reason="no TPCOMM_TRANSFORMERS_DIRS: run .ci/transformers_versions.sh")
+pytestmark = pytest.mark.skipif(not SIDE, reason="no TPCOMM_TEST_TRANSFORMERS_DIRS: run .ci/transformers_versions.sh")
 _results = {}
 
 
@@ -54,7 +54,7 @@ def test_families_under_transformers(tmp_path, side):
 
 
 def _save(run):
-    path = os.environ.get("TPCOMM_VERSIONS_JSON")
+    path = os.environ.get("TPCOMM_TEST_VERSIONS_JSON")
     if path:
         _results[run["transformers"]] = run
         with open(path, "w") as f:

@@ -5,8 +5,8 @@
 # change in the venv: its resolver's report, then those packages alone into the directory); then
 # .ci/test_transformers_versions.py runs the families under each. A directory already holding its
 # version is kept. Prints each step's time. Env: PY (the venv's python; default .venv/bin/python),
-# TPCOMM_VERSIONS_JSON (where the test writes every run's results, for scripts/benchmark_tables.py),
-# TPCOMM_TRANSFORMERS_SIDE (the side directories' parent instead).
+# TPCOMM_TEST_VERSIONS_JSON (where the test writes every run's results, for scripts/benchmark_tables.py),
+# TPCOMM_TEST_TRANSFORMERS_SIDE (the side directories' parent instead).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="$(pwd)"
@@ -14,7 +14,7 @@ ROOT="$(pwd)"
 # 5.x before 5.22 (backward hooks on q_norm / k_norm; the GPU image's version); the venv's is the newest
 VERSIONS="4.57.6 5.17.0"
 PY="${PY:-$ROOT/.venv/bin/python}"
-SIDE="${TPCOMM_TRANSFORMERS_SIDE:-$(dirname "$(dirname "$PY")")/transformers}"
+SIDE="${TPCOMM_TEST_TRANSFORMERS_SIDE:-$(dirname "$(dirname "$PY")")/transformers}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 t0=$(date +%s)
 step() { echo "== transformers versions: $1 ($(( $(date +%s) - t0 )) s so far)"; }
@@ -43,7 +43,7 @@ done
 
 step "tests under ${VERSIONS// /, } and the venv's $("$PY" -c 'import transformers; print(transformers.__version__)')"
 status=0
-TPCOMM_TRANSFORMERS_DIRS="$(IFS=:; echo "${dirs[*]}")" "$PY" -m pytest -q -rs .ci/test_transformers_versions.py \
+TPCOMM_TEST_TRANSFORMERS_DIRS="$(IFS=:; echo "${dirs[*]}")" "$PY" -m pytest -q -rs .ci/test_transformers_versions.py \
   || status=$?
 step "done"
 exit "$status"

@@ -279,7 +279,7 @@ def scaling_model():
     return "\n".join(lines)
 
 
-TRANSFORMERS_RUNS = "transformers_versions_cpu.json"  # .ci/transformers_versions.sh with TPCOMM_VERSIONS_JSON
+TRANSFORMERS_RUNS = "transformers_versions_cpu.json"  # .ci/transformers_versions.sh with TPCOMM_TEST_VERSIONS_JSON
 
 
 def transformers_versions():

@@ -86,7 +86,7 @@ def uncounted(comm, op, x, *args, call=None):
     (tpcomm._agreement)."""
     x = x.contiguous()
     route = comm.route_all_reduce(x) if op == "all_reduce" else comm.route_all_gather(x, *args)
-    if call is not None and route == "nccl" and comm._agreement is not None:
+    if call is not None and route == comm._fallback and comm._agreement is not None:
         comm._agreement.check(*call)
     return comm._runner(op, x.dtype, route)(x, *args)
 

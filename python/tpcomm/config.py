@@ -44,7 +44,8 @@ KiB = 1024
 MiB = 1024 * KiB
 # The variables of the table above: what from_env reads.
 VARIABLES = ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_PACKET_MAX_BYTES", "TPCOMM_TABLE",
-             "TPCOMM_FORCE", "TPCOMM_FORBID", "TPCOMM_AITER", "TPCOMM_FUSED_KERNEL", "TPCOMM_QUANTIZE")
+             "TPCOMM_FORCE", "TPCOMM_FORBID", "TPCOMM_AITER", "TPCOMM_FUSED_KERNEL", "TPCOMM_QUANTIZE",
+             "TPCOMM_FALLBACK_CHECK")
 # Read outside the package, never warned of: by the build (setup.py), CI
 # (.ci/) and the test harness (docs/testing.md), whose own variables are all
 # TPCOMM_TEST_* besides TPCOMM_SHARE_GPU.
