@@ -9,7 +9,9 @@ registered" fallback warned and passed no gradient). Without grad the kernel
 runs the op's function itself on plain tensors and redispatches to a key
 below autograd that has a kernel of its own (a dispatch mode, fake and meta
 tensors). The C++ binding's internal ops, on the Communicator's hot path,
-have no Python kernel in front of them."""
+have no Python kernel in front of them; the Communicator's methods, which
+call them, give their outputs the same refusing backward where an input
+requires grad (on every route, the fallback's included)."""
 import contextlib
 import re
 import warnings
@@ -180,3 +182,29 @@ def _body_ops(rank, world_size):
 
 def test_each_op_and_a_model_refuse_the_backward_and_plain_calls_skip_the_redispatch():
     run_ranks(2, _body_ops, timeout=300)
+
+
+def _body_methods(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+
+    def make(*shapes):
+        return lambda: [torch.randn(s, generator=torch.Generator().manual_seed(rank + i)) for i, s in
+                        enumerate(shapes)]
+
+    _check_op("all_reduce", comm.all_reduce, make((4, 64)))
+    _check_op("all_reduce", lambda x, o: comm.all_reduce(x, out=o.detach()), make((4, 64), (4, 64)))
+    _check_op("all_gather", lambda x: comm.all_gather(x, 1), make((4, 64)))
+    _check_op("reduce_scatter", lambda x: comm.reduce_scatter(x, 1), make((4, 64)))
+    _check_op("all_reduce_add_rms_norm", lambda x, r, w: comm.all_reduce_add_rms_norm(x, r, w, 1e-6),
+              make((4, 64), (4, 64), (64,)))
+    # in place: into non-leaf tensors (a leaf that requires grad cannot be written in place)
+    _check_op("all_reduce_add_rms_norm",
+              lambda x, r, w: comm.all_reduce_add_rms_norm(x * 1, r * 1, w, 1e-6, in_place=True),
+              make((4, 64), (4, 64), (64,)))
+    with torch.no_grad():  # no gradient needed: plain tensors, as before
+        assert not comm.all_reduce(torch.ones(4, 64, requires_grad=True)).requires_grad
+    comm.close()
+
+
+def test_the_communicators_methods_refuse_the_backward():
+    run_ranks(2, _body_methods, timeout=300)

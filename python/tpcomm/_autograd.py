@@ -27,7 +27,11 @@ the Communicator calls them on its eager hot path, where a Python kernel in
 front of each would cost a Python call and a redispatch; under the ops
 covered here they run with grad mode off (inside the backward-refusing
 autograd.Function) or with no input that requires grad, so torch's C++
-fallback in front of them passes them through."""
+fallback in front of them passes them through. The Communicator's methods,
+which call them directly, give their outputs the same refusing backward
+where an input requires grad (without_backward)."""
+import functools
+
 import torch
 from torch import _C
 
@@ -64,22 +68,33 @@ def dense(keyset):
 
 
 class _NoBackward(torch.autograd.Function):
-    """The op's call below autograd (its Autograd kernel, grad mode being
-    off here); the backward of its outputs is no_backward for every tensor
-    input that needs a gradient."""
+    """call(*args) with grad mode off; the backward of its outputs is
+    no_backward for every tensor input that needs a gradient."""
 
     @staticmethod
-    def forward(ctx, kernel, op_name, keyset, *args):
+    def forward(ctx, call, op_name, *args):
         ctx.op = op_name
         ctx.inputs = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
-        return kernel(keyset, *args)
+        return call(*args)
 
     @staticmethod
     def backward(ctx, *grads):
         grad = grads[0]
-        return (None, None, None) + tuple(
+        return (None, None) + tuple(
             torch.ops._tpcomm.no_backward(grad, meta[0], meta[1], ctx.op) if meta is not None and needed else None
-            for meta, needed in zip(ctx.inputs, ctx.needs_input_grad[3:]))
+            for meta, needed in zip(ctx.inputs, ctx.needs_input_grad[2:]))
+
+
+def needs_grad(*tensors):
+    """Whether a call on `tensors` must give its outputs a backward."""
+    return _grad_enabled() and _any_requires_grad(*tensors)
+
+
+def without_backward(call, op_name, *args):
+    """call(*args), whose outputs (new tensors) get a backward that raises
+    naming op_name: what tpcomm.Communicator's methods return when an input
+    requires grad (their kernels and the fallback pass no gradient)."""
+    return _NoBackward.apply(call, op_name, *args)
 
 
 def cover(op, impl):
@@ -93,7 +108,7 @@ def cover(op, impl):
 
     def kernel(keyset, *args):
         if _grad_enabled() and _any_requires_grad(*args):
-            return _NoBackward.apply(kernel, name, keyset, *args)
+            return _NoBackward.apply(functools.partial(kernel, keyset), name, *args)
         is_dense = _dense.get(keyset.raw_repr())
         if is_dense is None:
             is_dense = dense(keyset)

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _agreement, _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
+from . import _agreement, _autograd, _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
 from ._kernel_only import KernelOnly
 from ._log import log_once
 from ._shapes import check_int_dim, check_tensor, checked_dim
@@ -159,6 +159,9 @@ class Communicator(KernelOnly):
         cell, run, _ = hit
         cell[0] += 1
         cell[1] += nbytes
+        if x.requires_grad and _autograd.needs_grad(x):  # its sum passes no gradient: a backward raises
+            y = _autograd.without_backward(run, "all_reduce", x, None)
+            return y if out is None else out.copy_(y)
         return run(x, out)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -206,6 +209,10 @@ class Communicator(KernelOnly):
         cell = self._cell("all_reduce_add_rms_norm", how)
         cell[0] += 1
         cell[1] += x.numel() * x.element_size()
+        if _autograd.needs_grad(x, residual, weight):  # as in all_reduce; in place: copied, as autograd tracks
+            normed, summed = _autograd.without_backward(add_rms_norm.run, "all_reduce_add_rms_norm", self, how,
+                                                        x, residual, weight, eps, False)
+            return (x.copy_(normed), residual.copy_(summed)) if in_place else (normed, summed)
         return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
 
     # -------------------------------------------------------------- routing
@@ -255,6 +262,8 @@ class Communicator(KernelOnly):
             return None
         cell[0] += 1
         cell[1] += x.numel() * x.element_size()
+        if x.requires_grad and _autograd.needs_grad(x):  # as in all_reduce
+            return _autograd.without_backward(run, op, x, *args)
         return run(x, *args)
 
     def _entry(self, op, x, dim=0):
