@@ -25,7 +25,7 @@ def _comm(quantize=None, world_size=4, table=TABLE, force=None, line_kernels=Tru
     comm.config, comm.world_size = Config(quantize=quantize), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table), world_size, force, (), quantize)
     comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, line_kernels)
-    comm._nccl = FALLBACK
+    comm._nccl, comm._fallback = FALLBACK, FALLBACK.backend
     return comm
 
 
@@ -158,7 +158,7 @@ def test_the_decline_contract_takes_the_quantized_route():
         comm._closed = False
         comm._check_input = lambda x, what: None  # a tensor on the communicator's device
         # the dispatcher's memo, which should_custom_ar reads, with kernels that are never run here
-        comm._memo, comm._stat_cells, comm._aiter = {op: {} for op in routing.OPS}, {}, None
+        comm._memo, comm._stat_cells, comm._aiter, comm._agreement = {op: {} for op in routing.OPS}, {}, None, None
         comm._kernels = types.SimpleNamespace(all_reduce_runner=lambda dtype, algo: None)
         x = _t(4 * MiB)
         assert comm.route_all_reduce(x) == (f"quantized_{mode}" if mode else "bulk")

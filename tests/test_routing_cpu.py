@@ -32,7 +32,7 @@ def _comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABL
     comm.config, comm.world_size = Config(), world_size
     comm._routes = _routes(table, world_size, force, forbid)
     comm._caps = routing.Caps(world_size, max_bytes, packet_max_bytes, line_kernels) if enabled else None
-    comm._nccl = FALLBACK
+    comm._nccl, comm._fallback = FALLBACK, FALLBACK.backend
     return comm
 
 
