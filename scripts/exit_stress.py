@@ -86,8 +86,7 @@ def run_once(argv, extra, root, timeout_s):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=50)
-    p.add_argument("--cases", default="quickstart,readme_core,tp_functional,tp_decode,hf_llama_tp",
-                   help=f"comma-separated, of: {', '.join(cases(HERE))}")
+    p.add_argument("--cases", default=",".join(cases(HERE)), help="comma-separated (default: every case)")
     p.add_argument("--root", default=HERE, help="the checkout to run (default: this one)")
     p.add_argument("--out", help="also append the table to this file")
     p.add_argument("--label", default="", help="said in the table's heading (e.g. what the checkout holds)")

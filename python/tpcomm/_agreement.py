@@ -36,7 +36,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
           torch.float8_e5m2)
 MAGIC = 0x7470636F6D6D0001  # "tpcomm", format 1: a peer in another collective shows as a differing header
-SHAPE_DIMS = 10  # dims held one a slot; a longer shape is compared by a checksum of the rest
+SHAPE_DIMS = 10  # dims held one per slot; a longer shape is compared by a checksum of the rest
 HEADER_SLOTS = 6 + SHAPE_DIMS
 FIELDS = ("format", "op", "dtype", "dim")  # the slots after these hold the shape
 
