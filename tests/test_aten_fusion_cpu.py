@@ -3,8 +3,9 @@ gloo ranks: a row-parallel layer as transformers 4.x writes it (the local
 matmul's output a Partial DTensor, redistributed to Replicate: an all-reduce
 Dynamo's graph does not show) followed by the residual add and the next
 norm (Llama-style) or by Gemma's sandwich norm, in fp32 and bf16.
-compile_backend("aot_eager") and TpcommPass on AOT's forward graph (what
-inductor's post-grad pass gets) fuse it under the right pattern, giving
+compile_backend("aot_eager"), TpcommPass on AOT's forward graph (what
+inductor's post-grad pass gets) and compile_backend("inductor") through
+inductor's lowering fuse it under the right pattern, giving
 the fused op's definition bit for bit (norm_patterns.from_sums: the
 ranks' partial sums added in fp32, the add and norms in fp32, each output
 rounded once); fuse=False leaves it and gives the eager model's bits; the
@@ -94,10 +95,13 @@ def _body(rank, world_size):
                 eager, fused = layer(x, residual), layer.fused(x, residual)
                 for fuse in (True, False):
                     backends = [("aot_eager", tpcomm.compile_backend("aot_eager", fuse=fuse)), ("pass", _aot_pass(fuse))]
+                    if fuse:  # through inductor's lowering too (unfused, its own arithmetic is not eager's bits)
+                        backends.append(("inductor", tpcomm.compile_backend("inductor")))
                     for name, backend in backends:
-                        backend, counts = (backend, backend.counts) if name == "aot_eager" else backend
+                        backend, counts = (backend, backend.counts) if name != "pass" else backend
                         torch._dynamo.reset()
-                        got = torch.compile(layer, backend=backend, fullgraph=True)(x, residual)
+                        with torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit skips the pass's counts
+                            got = torch.compile(layer, backend=backend, fullgraph=True)(x, residual)
                         assert counts["all_reduce"] == 1, (what, name, counts)  # DTensor's, rewritten after AOT
                         assert counts[key] == fuse and sum(counts[k] for k in STATS_KEY.values()) == fuse, \
                             (what, name, fuse, counts)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpcomm
 from tpcomm import ops
+from tpcomm import norm_patterns
 from tpcomm.norm_patterns import Pattern
 
 from multiproc import run_ranks
@@ -203,7 +204,20 @@ def _body_methods(rank, world_size):
               make((4, 64), (4, 64), (64,)))
     with torch.no_grad():  # no gradient needed: plain tensors, as before
         assert not comm.all_reduce(torch.ones(4, 64, requires_grad=True)).requires_grad
+    # in place into a leaf that requires grad (dist.all_reduce(param) under install()): written
+    # unrecorded, as torch.distributed's in-place collectives write
+    param = torch.nn.Parameter(torch.full((4, 64), float(rank + 1)))
+    assert comm.all_reduce(param, out=param) is param and torch.equal(param, torch.full((4, 64), 3.0))
+    with tpcomm.install(comm.group):
+        torch.distributed.all_reduce(param, group=comm.group)
+    assert torch.equal(param.detach(), torch.full((4, 64), 6.0))
+    x, r = (torch.nn.Parameter(torch.ones(4, 64)) for _ in range(2))
+    normed, z = comm.all_reduce_add_rms_norm(x, r, torch.nn.Parameter(torch.ones(64)), 1e-6, in_place=True)
+    assert normed is x and z is r and torch.equal(z, torch.full((4, 64), 3.0))
     comm.close()
+    with pytest.raises(tpcomm.CommunicatorClosed):
+        norm_patterns.run(comm, int(Pattern.NORM_ADD), *(torch.ones(4, 64) for _ in range(2)), torch.ones(64),
+                          None, 1e-6, 0.0, 0.0)
 
 
 def test_the_communicators_methods_refuse_the_backward():

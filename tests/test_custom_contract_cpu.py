@@ -109,6 +109,7 @@ def _body_contract(rank, world_size):
         comm.custom_all_gather(x, 1.5)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         comm.custom_all_reduce([1.0])
+    assert comm.custom_reduce_scatter(torch.ones(3, 16), 0) is None  # no kernel takes it: None, not ValueError
 
     # With the kernels' caps in place (as on GPUs), the declines are the
     # dispatcher's routing: dtype, size, alignment, layout.
@@ -123,6 +124,8 @@ def _body_contract(rank, world_size):
     assert comm.custom_reduce_scatter(torch.ones(4, 2, dtype=torch.int64), 1) is None, "dtype"
     assert comm.stats() == {} and comm._kernels.ran == []
     assert comm.custom_reduce_scatter(torch.ones(8, 16), 1) is not None
+    with pytest.raises(ValueError, match="divisible"):  # a kernel would take it: the dim must divide
+        comm.custom_reduce_scatter(torch.ones(3 * world_size + 1, 16), 0)
     assert comm.custom_all_gather(torch.ones(8, 16), -1) is not None
     assert comm._kernels.ran == [("reduce_scatter", "packet"), ("all_gather", "packet")], comm._kernels.ran
     comm._caps = None

@@ -77,9 +77,13 @@ def _body_disagreeing_ranks_raise(rank, world_size, entry):
                 message = str(info.value)
                 assert f"{field} differs" in message and f"peers that differ from it: [{1 - rank}]" in message, \
                     (entry, op, field, message)
-            # the group is as it was: an agreeing call gives the exact sum
+            # a stopped call is not counted (nothing ran); the group is as it was: an agreeing call
+            # gives the exact sum
+            if entry == "method":
+                assert comm.stats() == {}, (op, comm.stats())
             y = comm.all_reduce(torch.full(SQUARE, float(rank + 1)))
             assert torch.equal(y, torch.full(SQUARE, 3.0)), (entry, op, y)
+            comm._stat_cells.clear()
     comm.close()
 
 
@@ -160,3 +164,22 @@ def test_headers_tell_long_shapes_apart_and_name_the_field():
     message = _agreement.mismatch_message([a, c], 1, "gloo")
     assert "op differs (rank 0: all_gather; rank 1: reduce_scatter)" in message, message
     assert "torch.float8_e5m2 (4, 4), dim 1" in message, message
+
+
+def _body_unnamed_backend(rank, world_size):
+    """A group made with a backend per device type ("cpu:gloo"): get_backend
+    names none ("undefined" for init_process_group() with no backend), the
+    fallback is still named by the backend that runs the device's tensors."""
+    group = dist.new_group(list(range(world_size)), backend="cpu:gloo")
+    assert str(dist.get_backend(group)) != "gloo"
+    comm = tpcomm.Communicator(group, device="cpu")
+    x = torch.ones(4)
+    assert comm.route_all_reduce(x) == "gloo" and "gloo only" in repr(comm)
+    assert comm._agreement is not None  # on by default: the fallback is gloo
+    comm.all_reduce(x)
+    assert list(comm.stats()) == [("all_reduce", "gloo")], comm.stats()
+    comm.close()
+
+
+def test_the_fallback_is_named_by_its_backend_when_the_group_names_several():
+    run_ranks(2, _body_unnamed_backend)

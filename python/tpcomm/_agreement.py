@@ -41,9 +41,10 @@ HEADER_SLOTS = 6 + SHAPE_DIMS
 FIELDS = ("format", "op", "dtype", "dim")  # the slots after these hold the shape
 
 
-def default_on(group, device):
-    """Where the check is on unless configured: the fallback runs on gloo."""
-    return device.type == "cpu" or str(dist.get_backend(group)) == "gloo"
+def default_on(fallback, device):
+    """Where the check is on unless configured: the fallback (its backend's
+    name) runs on gloo."""
+    return device.type == "cpu" or fallback == "gloo"
 
 
 class Agreement:
@@ -77,8 +78,8 @@ def for_communicator(comm):
     """The Agreement of a Communicator's fallback, or None where it is off
     (Config.fallback_check; None: default_on) or there is no peer."""
     configured = comm.config.fallback_check
-    on = default_on(comm.group, comm.device) if configured is None else configured
-    return Agreement(comm.group, comm.rank, comm.world_size, comm.device, comm._nccl.backend) \
+    on = default_on(comm._fallback, comm.device) if configured is None else configured
+    return Agreement(comm.group, comm.rank, comm.world_size, comm.device, comm._fallback) \
         if on and comm.world_size > 1 else None
 
 

@@ -97,6 +97,35 @@ def without_backward(call, op_name, *args):
     return _NoBackward.apply(call, op_name, *args)
 
 
+def _in_place_unrecorded(*tensors):
+    """Whether writing into `tensors` must not be recorded: a leaf that
+    requires grad cannot take an in-place op that autograd records."""
+    return any(t.is_leaf and t.requires_grad for t in tensors)
+
+
+def all_reduce_without_backward(run, x, out):
+    """Communicator.all_reduce's run(x, out) where x requires grad: a new sum
+    refuses its backward, and so does `out` written from it; into a leaf
+    that requires grad (dist.all_reduce(param), in place, under install())
+    the sum is written unrecorded, as torch.distributed's in-place
+    collectives write."""
+    if out is not None and _in_place_unrecorded(out):
+        with torch.no_grad():
+            return run(x, out)
+    y = without_backward(run, "all_reduce", x, None)
+    return y if out is None else out.copy_(y)
+
+
+def add_rms_norm_without_backward(run, comm, how, x, residual, weight, eps, in_place):
+    """tpcomm.add_rms_norm.run for Communicator.all_reduce_add_rms_norm where
+    an input requires grad, as all_reduce_without_backward does it."""
+    if in_place and _in_place_unrecorded(x, residual):
+        with torch.no_grad():
+            return run(comm, how, x, residual, weight, eps, True)
+    normed, summed = without_backward(run, "all_reduce_add_rms_norm", comm, how, x, residual, weight, eps, False)
+    return (x.copy_(normed), residual.copy_(summed)) if in_place else (normed, summed)
+
+
 def cover(op, impl):
     """Registers op's Autograd kernel; `op` (an OpOverload with no
     keyword-only arguments, returning tensors and writing none of its

@@ -84,7 +84,7 @@ class Communicator(KernelOnly):
         self.comm_id = self._last_comm_id = 0
         self._comm = self._lib = self._kernels = self._aiter = self._caps = None
         self._closed = False
-        self._nccl = Nccl(self.group)  # the fallback (None once closed: it holds the group)
+        self._nccl = Nccl(self.group, self.device)  # the fallback (None once closed: it holds the group)
         self._fallback = self._nccl.backend  # its name, as routes and stats() say it: "nccl", "gloo"
         self._agreement = _agreement.for_communicator(self)  # None where the ranks' agreement is not checked
         self._stat_cells = {}  # (op, backend) -> [calls, input bytes per rank]
@@ -157,12 +157,13 @@ class Communicator(KernelOnly):
         if hit is None:
             hit = self._remember("all_reduce", (x.dtype, nbytes), x, nbytes)
         cell, run, _ = hit
-        cell[0] += 1
+        if x.requires_grad and _autograd.needs_grad(x):
+            y = _autograd.all_reduce_without_backward(run, x, out)
+        else:
+            y = run(x, out)
+        cell[0] += 1  # counted once it ran (the fallback's agreement check may stop it)
         cell[1] += nbytes
-        if x.requires_grad and _autograd.needs_grad(x):  # its sum passes no gradient: a backward raises
-            y = _autograd.without_backward(run, "all_reduce", x, None)
-            return y if out is None else out.copy_(y)
-        return run(x, out)
+        return y
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenation of every rank's x along `dim` (negative dims count
@@ -184,12 +185,15 @@ class Communicator(KernelOnly):
         return self._scatter(x, checked_dim(x, dim, "reduce_scatter"), False)
 
     def _scatter(self, x, dim, kernel_only):
-        """reduce_scatter of x along a checked dim (see _run for kernel_only)."""
+        """reduce_scatter of x along a checked dim (see _run for kernel_only:
+        a call no kernel takes is None before its dim is checked)."""
+        entry = self._entry("reduce_scatter", x, dim)  # keyed by dim too: the fallback's agreement compares it
+        if kernel_only and not entry[2]:
+            return None
         if x.shape[dim] % self.world_size:
             raise ValueError(f"tpcomm: reduce_scatter needs dim {dim} (size {x.shape[dim]}) divisible by "
                              f"the world size {self.world_size}")
-        # keyed by dim too: the fallback's agreement check compares it
-        y = self._run("reduce_scatter", x.movedim(dim, 0) if dim else x, dim, kernel_only)
+        y = self._run("reduce_scatter", x.movedim(dim, 0) if dim else x, dim, kernel_only, entry=entry)
         return y.movedim(0, dim).contiguous() if dim and y is not None else y
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -206,14 +210,16 @@ class Communicator(KernelOnly):
             self._check_input(tensor, what)
         add_rms_norm.check_args(x, residual, weight, eps)
         how = self.route_all_reduce_add_rms_norm(x, weight)
+        if (x.requires_grad or residual.requires_grad or weight.requires_grad) and \
+                _autograd.needs_grad(x, residual, weight):
+            out = _autograd.add_rms_norm_without_backward(add_rms_norm.run, self, how, x, residual, weight, eps,
+                                                          in_place)
+        else:
+            out = add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
         cell = self._cell("all_reduce_add_rms_norm", how)
-        cell[0] += 1
+        cell[0] += 1  # as in all_reduce
         cell[1] += x.numel() * x.element_size()
-        if _autograd.needs_grad(x, residual, weight):  # as in all_reduce; in place: copied, as autograd tracks
-            normed, summed = _autograd.without_backward(add_rms_norm.run, "all_reduce_add_rms_norm", self, how,
-                                                        x, residual, weight, eps, False)
-            return (x.copy_(normed), residual.copy_(summed)) if in_place else (normed, summed)
-        return add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
+        return out
 
     # -------------------------------------------------------------- routing
     # The fallback is named as stats() counts it: by the group's backend
@@ -253,18 +259,18 @@ class Communicator(KernelOnly):
         got = how(self._routes, self._caps, *args)
         return self._fallback if got == "nccl" else got
 
-    def _run(self, op, x, dim, kernel_only, *args):
-        """op on the memoised route of a call like x, counted in stats(), with
-        run's arguments `args`; None instead where kernel_only and the route is
-        not one of tpcomm's kernels."""
-        cell, run, kernel = self._entry(op, x, dim)
+    def _run(self, op, x, dim, kernel_only, *args, entry=None):
+        """op on the memoised route of a call like x (`entry`, where looked up
+        already), counted in stats(), with run's arguments `args`; None
+        instead where kernel_only and the route is not one of tpcomm's kernels."""
+        cell, run, kernel = entry or self._entry(op, x, dim)
         if kernel_only and not kernel:
             return None
-        cell[0] += 1
+        y = _autograd.without_backward(run, op, x, *args) if x.requires_grad and _autograd.needs_grad(x) \
+            else run(x, *args)
+        cell[0] += 1  # as in all_reduce
         cell[1] += x.numel() * x.element_size()
-        if x.requires_grad and _autograd.needs_grad(x):  # as in all_reduce
-            return _autograd.without_backward(run, op, x, *args)
-        return run(x, *args)
+        return y
 
     def _entry(self, op, x, dim=0):
         """The memo's (stats cell, run, kernel) for a call of op like x: one

@@ -96,16 +96,19 @@ def run(comm, pattern, x, residual, weight, next_weight, eps, next_eps, weight_o
     pattern = Pattern(pattern)
     if pattern == Pattern.ADD_NORM and not weight_offset:
         return comm.all_reduce_add_rms_norm(x, residual, weight, eps)
+    comm._check_open()  # a closed Communicator holds no fallback
     how = route(comm, pattern, x, weight, next_weight, weight_offset)
-    cell = comm._cell(STATS_KEY[pattern], how)
-    cell[0] += 1
-    cell[1] += x.numel() * x.element_size()
     if how == "fused":
         xc, rc = x.contiguous(), residual.contiguous()
         normed, stream = torch.empty_like(xc), torch.empty_like(rc)
         comm.kernels.all_reduce_norm(pattern, xc, rc, weight.contiguous(),
                                      None if next_weight is None else next_weight.contiguous(), eps, next_eps,
                                      weight_offset, normed, stream)
-        return normed, stream
-    sums = add_rms_norm.uncounted(comm, "all_reduce", x.float(), call=(STATS_KEY[pattern], x))
-    return from_sums(pattern, sums, residual, weight, next_weight, eps, next_eps, weight_offset, x.dtype)
+    else:
+        sums = add_rms_norm.uncounted(comm, "all_reduce", x.float(), call=(STATS_KEY[pattern], x))
+        normed, stream = from_sums(pattern, sums, residual, weight, next_weight, eps, next_eps, weight_offset,
+                                   x.dtype)
+    cell = comm._cell(STATS_KEY[pattern], how)
+    cell[0] += 1  # counted once it ran (the fallback's agreement check may stop it)
+    cell[1] += x.numel() * x.element_size()
+    return normed, stream

@@ -14,12 +14,25 @@ def _funcol():
     return funcol
 
 
+def backend_name(group, device=None):
+    """The torch.distributed backend that runs `device`'s tensors on group:
+    "nccl", "gloo", ... A group made without a backend named has one per
+    device type, and get_backend names none of them ("undefined")."""
+    name = str(dist.get_backend(group))
+    if device is not None and (name == "undefined" or ":" in name):
+        try:
+            name = group._get_backend(torch.device(device)).name()
+        except RuntimeError:  # no backend for that device type: its calls fail in torch, named as torch names it
+            pass
+    return name
+
+
 class Nccl:
     name = "nccl"
 
-    def __init__(self, group):
+    def __init__(self, group, device=None):
         self.group = group
-        self.backend = str(dist.get_backend(group))  # what really runs the fallback: "nccl", "gloo", ...
+        self.backend = backend_name(group, device)  # what really runs the fallback: "nccl", "gloo", ...
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
