@@ -33,6 +33,11 @@ import torch.distributed as dist
 
 import logit_accuracy
 
+# transformers >= 5.2x with the `kernels` package swaps modules (rotary, norms)
+# for kernels fetched from the Hub on CUDA: the families compare tpcomm with
+# transformers' own torch code, offline, so its modules stay as written.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
 SHAPE = dict(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=8,
              vocab_size=96, max_position_embeddings=64)
 LAYERS = 2
