@@ -118,6 +118,21 @@ typedef enum {
   TPC_PATTERN_NORM_ADD_NORM = 2 /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
 } tpc_norm_pattern;
 
+/* The FP8 epilogue of the fused norm (tpc_all_reduce_norm_quant). x is the
+ * normed output rounded to the input's dtype, exactly as tpc_all_reduce_norm
+ * writes it, read back in fp32; e4m3(v) rounds to nearest even to e4m3 ("fn":
+ * torch.float8_e4m3fn), saturating at +-448, NaN to NaN (0x7f). Every division
+ * is fp32's, correctly rounded. tpcomm.fp8.Quant is this enum. */
+typedef enum {
+  TPC_QUANT_NONE = 0,           /* the normed output in the input's dtype */
+  TPC_QUANT_PER_TENSOR = 1,     /* q = e4m3(x / scale), scale given (one float) */
+  TPC_QUANT_PER_TOKEN = 2,      /* s = max(amax_row(|x|) / 448, floor), q = e4m3(x / s) */
+  TPC_QUANT_PER_TOKEN_GROUP = 3 /* the same over each TPC_FP8_GROUP values of a row */
+} tpc_norm_quant;
+
+/* Values of a row per scale of TPC_QUANT_PER_TOKEN_GROUP (DeepSeek-V3's block FP8). */
+#define TPC_FP8_GROUP 128
+
 /* Which GPUs a build runs on: the line protocol rests on NVLink delivering
  * a warp's 128-byte store whole, which AMD's fabric does not promise. */
 typedef enum { TPC_PLATFORM_CUDA = 0, TPC_PLATFORM_ROCM = 1 } tpc_platform;
@@ -253,6 +268,31 @@ tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const v
                                const void *weight, const void *next_weight, void *normed, void *stream_out,
                                size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
                                float weight_offset, void *stream);
+
+/* tpc_all_reduce_norm with an FP8 epilogue (tpc_norm_quant): the normed
+ * output also quantized to e4m3 codes (one byte a value, the input's shape).
+ * normed (the 16-bit normed output) may be NULL when quant is not NONE: then
+ * it is not written. scales: TPC_QUANT_PER_TENSOR reads scales[0];
+ * PER_TOKEN writes scales[row * scale_row_stride] and PER_TOKEN_GROUP
+ * scales[row * scale_row_stride + g * scale_group_stride] (g the row's group:
+ * row-major or column-major scales alike), strides in floats; the row's
+ * values a multiple of TPC_FP8_GROUP for PER_TOKEN_GROUP. scale_floor, finite
+ * and > 0, bounds the dynamic scales from below. codes 16-byte aligned,
+ * scales 4-byte; neither may overlap another argument. CUDA builds only. */
+tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant,
+                                     const void *in, const void *residual, const void *weight,
+                                     const void *next_weight, void *normed, void *stream_out, void *codes,
+                                     float *scales, size_t scale_row_stride, size_t scale_group_stride,
+                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps,
+                                     float next_eps, float weight_offset, void *stream);
+
+/* The FP8 epilogue's own rules (limits.c), apart from the pointers and the
+ * kernel's sizes: quant known and built for this platform (rocm nonzero:
+ * refused), the row (row_values values) a multiple of TPC_FP8_GROUP for
+ * PER_TOKEN_GROUP, strides nonzero where scales are written, the floor
+ * finite and > 0 for the dynamic scales. */
+tpc_result tpc_norm_quant_check(int quant, size_t row_values, size_t scale_row_stride,
+                                size_t scale_group_stride, float scale_floor, int rocm, char *why, size_t why_len);
 
 /* The fused norm's own rules (limits.c), apart from the kernel's sizes:
  * pattern known, next_weight given iff NORM_ADD_NORM, eps (and next_eps

@@ -117,6 +117,46 @@ class Cases:
             if far > 1:
                 raise AssertionError(f"{what} is {far} ulp from the reference")
 
+    def norm_fp8(self, rows, hidden, dtype, pattern, quant, normed_out, column_major=False, offset=0.0):
+        """The fused norm family's FP8 epilogue (tpc_norm_quant): the normed
+        output (written, or not) as the fused norm holds it, and the codes
+        and scales bit for bit tpcomm.fp8.quantize of the kernel's own
+        normed output (the epilogue quantizes what it rounded)."""
+        from tpcomm import fp8
+        from tpcomm.reference import reference_all_reduce_norm, ulp_distance
+
+        x, xs = self.inputs((rows, hidden), dtype)
+        residual = ints((rows, hidden), 0, self.salt + 100, dtype)
+        weight = ints((hidden,), 0, self.salt + 200, dtype)
+        next_weight = ints((hidden,), 0, self.salt + 300, dtype) if pattern == C.TPC_PATTERN_NORM_ADD_NORM else None
+        want_normed, _ = reference_all_reduce_norm(xs, residual, weight, EPS, pattern, offset, next_weight, EPS / 2)
+        scale = torch.tensor([0.01], device=x.device) if quant == C.TPC_QUANT_PER_TENSOR else None
+        floor = fp8.DEFAULT_FLOOR[quant] if scale is None else 0.0
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        groups = hidden // C.TPC_FP8_GROUP if quant == C.TPC_QUANT_PER_TOKEN_GROUP else 1
+        if scale is not None:
+            scales = scale
+        elif column_major:
+            scales = torch.empty(groups, rows, device=x.device).t()
+        else:
+            scales = torch.empty(rows, groups, device=x.device)
+        normed, stream = torch.empty_like(x), torch.empty_like(x)
+        self.ops.all_reduce_norm_quant_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, quant,
+                                           floor, normed, stream, codes, scales, self.comm.comm_id)
+        far = int(ulp_distance(normed, want_normed).max())
+        if far > 1:
+            raise AssertionError(f"normed is {far} ulp from the reference")
+        want_codes, want_scales = fp8.quantize(normed, quant, scale=scale, floor=floor if scale is None else None,
+                                               column_major_scales=column_major)
+        same_fp8(codes, want_codes)
+        if scale is None:
+            same(scales.contiguous(), want_scales.contiguous().reshape(scales.shape))
+        if not normed_out:  # the same codes without the 16-bit normed output
+            codes2 = torch.empty_like(codes)
+            self.ops.all_reduce_norm_quant_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, quant,
+                                               floor, None, stream, codes2, scales, self.comm.comm_id)
+            same_fp8(codes2, want_codes)
+
     def all(self):
         """(name, thunk) of every case: each kernel of launch.cu, its bands'
         sizes, and the layout variants that take other code paths."""
@@ -174,6 +214,14 @@ class Cases:
             ("all_reduce_rms_norm_add spread", lambda: self.add_rms_norm(3, 2048, f16, False, C.TPC_PATTERN_NORM_ADD)),
             ("all_reduce_rms_norm_add_rms_norm in place, weight 1 + w",
              lambda: self.add_rms_norm(4, 4096, bf16, True, C.TPC_PATTERN_NORM_ADD_NORM, 1.0)),
+            # its FP8 epilogues: each quantization, the normed output written or not, column-major scales
+            ("all_reduce_norm fp8 per_token spread",
+             lambda: self.norm_fp8(3, 4096, bf16, C.TPC_PATTERN_ADD_NORM, C.TPC_QUANT_PER_TOKEN, True)),
+            ("all_reduce_norm fp8 per_token_group column-major, weight 1 + w",
+             lambda: self.norm_fp8(5, 2048, f16, C.TPC_PATTERN_NORM_ADD_NORM, C.TPC_QUANT_PER_TOKEN_GROUP, False,
+                                   True, 1.0)),
+            ("all_reduce_norm fp8 per_tensor",
+             lambda: self.norm_fp8(2, 2048, bf16, C.TPC_PATTERN_NORM_ADD, C.TPC_QUANT_PER_TENSOR, False)),
         ]
 
 
@@ -187,6 +235,15 @@ def same(got, want):
         first = differ.nonzero()[0].tolist()
         raise AssertionError(f"{int(differ.sum())} elements differ, the first at {first}: "
                              f"{got[tuple(first)].item()} != {want[tuple(first)].item()}")
+
+
+def same_fp8(got, want):
+    """e4m3 codes bit for bit, but NaN: the kernel writes 0x7f, torch keeps the sign."""
+    g, w = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    nan_g, nan_w = (g & 0x7f) == 0x7f, (w & 0x7f) == 0x7f
+    if bool((nan_g != nan_w).any()) or bool(((g != w) & ~nan_g).any()):
+        differ = ((g != w) & ~(nan_g & nan_w)).nonzero()
+        raise AssertionError(f"{len(differ)} codes differ, the first at {differ[0].tolist()}")
 
 
 def main():

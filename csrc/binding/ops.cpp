@@ -223,6 +223,81 @@ void all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, std::opti
   if (!aligned16(stream_out)) torch::stable::copy_(stream_out, stream_dst);
 }
 
+// The fused norm family with its FP8 epilogue (tpc_all_reduce_norm_quant):
+// quant a tpc_norm_quant other than NONE; codes float8_e4m3fn of the input's
+// shape; normed (the 16-bit normed output) written only where given; scales
+// float32: PER_TENSOR's one given scale (read), else one per row (PER_TOKEN,
+// contiguous) or per row and group (PER_TOKEN_GROUP: contiguous, or the 2-D
+// (rows, groups) view of any strides, e.g. column-major), whose strides the
+// kernel writes by.
+void all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, std::optional<Tensor> next_weight,
+                               double eps, double next_eps, double weight_offset, int64_t pattern, int64_t quant,
+                               double scale_floor, std::optional<Tensor> normed, Tensor stream_out, Tensor codes,
+                               Tensor scales, int64_t comm_id) {
+  Held held(comm_id);
+  tpc_comm *comm = held.get();
+  const Tensor *all[] = {&input, &residual, &weight, &stream_out, next_weight.has_value() ? &next_weight.value() : nullptr,
+                         normed.has_value() ? &normed.value() : nullptr};
+  const char *names[] = {"input", "residual", "weight", "stream_out", "next_weight", "normed"};
+  for (int i = 0; i < 6; ++i) {
+    if (!all[i]) continue;
+    check_tensor(comm, *all[i], names[i]);
+    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_norm_quant: %s must be contiguous", names[i]);
+    if (all[i]->scalar_type() != input.scalar_type())
+      fail("tpcomm: all_reduce_norm_quant: %s has another dtype than the input", names[i]);
+  }
+  check_tensor(comm, codes, "codes");
+  check_tensor(comm, scales, "scales");
+  const tpc_dtype dtype = reduce_dtype(input, "all_reduce_norm_quant");
+  if (input.dim() < 1) fail("tpcomm: all_reduce_norm_quant needs a tensor with at least one dimension");
+  const int64_t hidden = input.size(input.dim() - 1), rows = hidden ? input.numel() / hidden : 0;
+  if (residual.numel() != input.numel() || stream_out.numel() != input.numel() ||
+      (normed.has_value() && normed->numel() != input.numel()) || codes.numel() != input.numel())
+    fail("tpcomm: all_reduce_norm_quant: residual and the outputs must have the input's size");
+  for (int i : {2, 4})  // the weights: one row each
+    if (all[i] && all[i]->numel() != hidden)
+      fail("tpcomm: all_reduce_norm_quant: %s has %lld values, the last dimension %lld", names[i],
+           static_cast<long long>(all[i]->numel()), static_cast<long long>(hidden));
+  if (codes.scalar_type() != ScalarType::Float8_e4m3fn || !codes.is_contiguous() || !aligned16(codes))
+    fail("tpcomm: all_reduce_norm_quant: codes must be a contiguous, 16-byte aligned float8_e4m3fn tensor");
+  if (scales.scalar_type() != ScalarType::Float) fail("tpcomm: all_reduce_norm_quant: scales must be float32");
+  if (pattern < INT32_MIN || pattern > INT32_MAX || quant < INT32_MIN || quant > INT32_MAX)
+    fail("tpcomm: all_reduce_norm_quant: unknown pattern %lld or quant %lld", static_cast<long long>(pattern),
+         static_cast<long long>(quant));
+  // the scales' strides, in floats; the C core checks the quant and the rows' fit
+  const int64_t groups = quant == TPC_QUANT_PER_TOKEN_GROUP ? hidden / TPC_FP8_GROUP : 1;
+  const int64_t wanted = quant == TPC_QUANT_PER_TENSOR ? 1 : rows * groups;
+  if (scales.numel() != wanted)
+    fail("tpcomm: all_reduce_norm_quant: scales has %lld values, the quantization writes or reads %lld",
+         static_cast<long long>(scales.numel()), static_cast<long long>(wanted));
+  int64_t row_stride = groups, group_stride = 1;
+  if (!scales.is_contiguous()) {
+    if (quant != TPC_QUANT_PER_TOKEN_GROUP || scales.dim() != 2 || scales.size(0) != rows || scales.size(1) != groups)
+      fail("tpcomm: all_reduce_norm_quant: scales must be contiguous, or the (rows, groups) view of PER_TOKEN_GROUP");
+    row_stride = scales.stride(0);
+    group_stride = scales.stride(1);
+    if (row_stride < 1 || group_stride < 1) fail("tpcomm: all_reduce_norm_quant: scales' strides must be positive");
+  }
+  const size_t nbytes = static_cast<size_t>(input.numel()) * input.element_size();
+  const size_t row_bytes = static_cast<size_t>(hidden) * input.element_size();
+  const Tensor in = aligned_input(input), res = aligned_input(residual), w = aligned_input(weight);
+  const std::optional<Tensor> next_w =
+      next_weight.has_value() ? std::optional<Tensor>(aligned_input(*next_weight)) : std::nullopt;
+  std::optional<Tensor> normed_dst = normed;
+  if (normed.has_value() && !aligned16(*normed)) normed_dst = new_output(*normed, sizes_of(*normed));
+  Tensor stream_dst = aligned16(stream_out) ? stream_out : new_output(stream_out, sizes_of(stream_out));
+  check(comm, tpc_all_reduce_norm_quant(
+                  comm, static_cast<tpc_norm_pattern>(pattern), static_cast<tpc_norm_quant>(quant), in.const_data_ptr(),
+                  res.const_data_ptr(), w.const_data_ptr(), next_w.has_value() ? next_w->const_data_ptr() : nullptr,
+                  normed_dst.has_value() ? normed_dst->mutable_data_ptr() : nullptr, stream_dst.mutable_data_ptr(),
+                  codes.mutable_data_ptr(), static_cast<float *>(scales.mutable_data_ptr()),
+                  static_cast<size_t>(row_stride), static_cast<size_t>(group_stride), static_cast<float>(scale_floor),
+                  nbytes, row_bytes, dtype, static_cast<float>(eps), static_cast<float>(next_eps),
+                  static_cast<float>(weight_offset), current_stream(input.get_device_index())));
+  if (normed.has_value() && !aligned16(*normed)) torch::stable::copy_(*normed, *normed_dst);
+  if (!aligned16(stream_out)) torch::stable::copy_(stream_out, stream_dst);
+}
+
 // Rank r's share of the sum: the input's dim 0 holds world_size equal parts
 // (NCCL's reduce_scatter_tensor layout); the output is the sum of part r, in
 // the input's dtype or (float32) as the fp32 sums, not rounded.
@@ -300,6 +375,12 @@ void all_reduce_norm_out_not_cuda(Tensor input, Tensor, Tensor, std::optional<Te
   needs_cuda("all_reduce_norm_out", input);
 }
 
+void all_reduce_norm_quant_out_not_cuda(Tensor input, Tensor, Tensor, std::optional<Tensor>, double, double, double,
+                                        int64_t, int64_t, double, std::optional<Tensor>, Tensor, Tensor, Tensor,
+                                        int64_t) {
+  needs_cuda("all_reduce_norm_quant_out", input);
+}
+
 }  // namespace
 
 // Internal ops: the Communicator (Python) picks `algo`, a tpc_algo; model code
@@ -314,6 +395,9 @@ STABLE_TORCH_LIBRARY(_tpcomm, m) {
   m.def("all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, Tensor? next_weight, float eps, "
         "float next_eps, float weight_offset, int pattern, Tensor(a!) normed, Tensor(b!) stream_out, "
         "int comm_id) -> ()");
+  m.def("all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, Tensor? next_weight, float eps, "
+        "float next_eps, float weight_offset, int pattern, int quant, float scale_floor, Tensor(a!)? normed, "
+        "Tensor(b!) stream_out, Tensor(c!) codes, Tensor(d!) scales, int comm_id) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
@@ -323,6 +407,7 @@ STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CUDA, m) {
   m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter));
   m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32));
   m.impl("all_reduce_norm_out", TORCH_BOX(&all_reduce_norm_out));
+  m.impl("all_reduce_norm_quant_out", TORCH_BOX(&all_reduce_norm_quant_out));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
@@ -332,4 +417,5 @@ STABLE_TORCH_LIBRARY_IMPL(_tpcomm, CPU, m) {
   m.impl("reduce_scatter", TORCH_BOX(&reduce_scatter_not_cuda));
   m.impl("reduce_scatter_f32", TORCH_BOX(&reduce_scatter_f32_not_cuda));
   m.impl("all_reduce_norm_out", TORCH_BOX(&all_reduce_norm_out_not_cuda));
+  m.impl("all_reduce_norm_quant_out", TORCH_BOX(&all_reduce_norm_quant_out_not_cuda));
 }

@@ -51,11 +51,16 @@ const char *tpc_comm_last_error(const tpc_comm *comm) {
 }
 
 static const char *op_name(uint32_t kind) {
-  if (TPC_KIND_BASE_OP(kind) == TPC_OP_ALL_REDUCE_NORM) switch (TPC_KIND_PATTERN(kind)) {
-      case TPC_PATTERN_ADD_NORM: return "all_reduce_norm ADD_NORM";
-      case TPC_PATTERN_NORM_ADD: return "all_reduce_norm NORM_ADD";
-      case TPC_PATTERN_NORM_ADD_NORM: return "all_reduce_norm NORM_ADD_NORM";
-    }
+  /* by pattern, then tpc_norm_quant */
+  static const char *const norm_names[3][4] = {
+      {"all_reduce_norm ADD_NORM", "all_reduce_norm ADD_NORM fp8 PER_TENSOR", "all_reduce_norm ADD_NORM fp8 PER_TOKEN",
+       "all_reduce_norm ADD_NORM fp8 PER_TOKEN_GROUP"},
+      {"all_reduce_norm NORM_ADD", "all_reduce_norm NORM_ADD fp8 PER_TENSOR", "all_reduce_norm NORM_ADD fp8 PER_TOKEN",
+       "all_reduce_norm NORM_ADD fp8 PER_TOKEN_GROUP"},
+      {"all_reduce_norm NORM_ADD_NORM", "all_reduce_norm NORM_ADD_NORM fp8 PER_TENSOR",
+       "all_reduce_norm NORM_ADD_NORM fp8 PER_TOKEN", "all_reduce_norm NORM_ADD_NORM fp8 PER_TOKEN_GROUP"}};
+  if (TPC_KIND_BASE_OP(kind) == TPC_OP_ALL_REDUCE_NORM && TPC_KIND_PATTERN(kind) < 3)
+    return norm_names[TPC_KIND_PATTERN(kind)][TPC_KIND_QUANT(kind)];
   switch (TPC_KIND_OP(kind)) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
     case TPC_OP_ALL_GATHER: return "all_gather";

@@ -104,8 +104,11 @@ static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_b
  * nibble (ops.c), so ranks that call different patterns fail as a mismatch
  * of the op instead of computing different outputs from the same sums. */
 #define TPC_KIND_NORM_OP(op, pattern) ((op) | (pattern) << 4)
+/* ... and its tpc_norm_quant in the top two bits (patterns take two) */
+#define TPC_KIND_NORM_QUANT_OP(op, pattern, quant) (TPC_KIND_NORM_OP(op, pattern) | (quant) << 6)
 #define TPC_KIND_BASE_OP(kind) ((kind) & 0x0fu)
-#define TPC_KIND_PATTERN(kind) (((kind) >> 4) & 0x0fu)
+#define TPC_KIND_PATTERN(kind) (((kind) >> 4) & 0x03u)
+#define TPC_KIND_QUANT(kind) (((kind) >> 6) & 0x03u)
 #define TPC_KIND_ALGO(kind) (((kind) >> 8) & 0xffu)
 #define TPC_KIND_DTYPE(kind) (((kind) >> 16) & 0xffu)
 
@@ -146,6 +149,14 @@ typedef struct {
   int32_t pattern;            /* a tpc_norm_pattern: the launch picks the kernel's instantiation by it */
   float weight_offset;        /* added to every weight value in fp32: 1.0f, or -0.0f for none (-0 + w is w,
                                  -0.0 included, so offset 0 leaves ADD_NORM's bits as they were) */
+  /* The FP8 epilogue (tpc_all_reduce_norm_quant; quant 0 elsewhere): out holds the e4m3 codes */
+  int32_t quant;              /* a tpc_norm_quant: the launch picks the instantiation by it */
+  float scale_floor;          /* the dynamic scales' lower bound */
+  void *out3;                 /* the 16-bit normed output, or NULL: not written */
+  float *scales;              /* PER_TENSOR: read (scales[0]); else written */
+  uint64_t scale_row_stride;  /* floats between two rows' scales */
+  uint64_t scale_group_stride; /* floats between two groups' scales of a row */
+  uint64_t poison2;           /* the input dtype's 8-byte NaN: out2 and out3 on failure (poison is e4m3's) */
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

@@ -194,3 +194,31 @@ tpc_result tpc_norm_check(int pattern, const void *next_weight, float eps, float
                   (double)weight_offset);
   return TPC_OK;
 }
+
+static const char *const quant_names[] = {"NONE", "PER_TENSOR", "PER_TOKEN", "PER_TOKEN_GROUP"};
+
+tpc_result tpc_norm_quant_check(int quant, size_t row_values, size_t scale_row_stride, size_t scale_group_stride,
+                                float scale_floor, int rocm, char *why, size_t len) {
+  if (quant < TPC_QUANT_NONE || quant > TPC_QUANT_PER_TOKEN_GROUP)
+    return refuse(TPC_ERR_INVALID_ARG, why, len,
+                  "all_reduce_norm: unknown quant %d (NONE %d, PER_TENSOR %d, PER_TOKEN %d or PER_TOKEN_GROUP %d)",
+                  quant, TPC_QUANT_NONE, TPC_QUANT_PER_TENSOR, TPC_QUANT_PER_TOKEN, TPC_QUANT_PER_TOKEN_GROUP);
+  if (quant == TPC_QUANT_NONE) return TPC_OK;
+  /* ROCm's FP8 is e4m3fnuz on MI300 (another NaN, another bias): the epilogue is e4m3fn's */
+  if (rocm)
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: the FP8 epilogue (%s) is built for CUDA only",
+                  quant_names[quant]);
+  if (quant == TPC_QUANT_PER_TOKEN_GROUP && row_values % TPC_FP8_GROUP != 0)
+    return refuse(TPC_ERR_INVALID_ARG, why, len,
+                  "all_reduce_norm: PER_TOKEN_GROUP needs rows of a multiple of %d values, not %zu", TPC_FP8_GROUP,
+                  row_values);
+  if (quant == TPC_QUANT_PER_TENSOR) return TPC_OK; /* the given scale is read: no stride, no floor */
+  if (scale_row_stride == 0 || (quant == TPC_QUANT_PER_TOKEN_GROUP && scale_group_stride == 0))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: %s scales need nonzero strides (%zu, %zu)",
+                  quant_names[quant], scale_row_stride, scale_group_stride);
+  /* written as a negation so that NaN fails it too; inf would make every code 0 */
+  if (!(scale_floor > 0.0f && scale_floor <= 3.4028234663852886e38f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: scale_floor %g is not finite and > 0",
+                  (double)scale_floor);
+  return TPC_OK;
+}

@@ -44,6 +44,8 @@
 #define TPC_NORM_THREADS 512 /* data threads per block at most */
 #define TPC_NORM_UNITS 8     /* packet units per data thread at most: z in 32 registers */
 
+#include "norm_fp8.cuh" /* the FP8 epilogue: reads TPC_NORM_UNITS */
+
 #if defined(__cplusplus)
 static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_NORM_MAX_ROW_BYTES,
               "the kernel's row capacity is what tpcomm.h announces");
@@ -74,7 +76,17 @@ TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) 
  * carries no second output. */
 TPC_COLD void tpc_norm_refuse(const tpc_kernel_args *a, uint32_t refused, uint32_t epoch) {
   tpc_op_refuse(a, refused, epoch);
-  tpc_poison_fill(a, a->out2, a->nbytes);
+  if (!a->quant) {
+    tpc_poison_fill(a, a->out2, a->nbytes);
+    return;
+  }
+  /* the FP8 epilogue: out holds the codes (e4m3's NaN); the 16-bit outputs take the dtype's */
+  uint32_t *outs[2] = {(uint32_t *)a->out2, (uint32_t *)a->out3};
+  for (int i = 0; i < 2; ++i)
+    for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; outs[i] && w < a->nbytes / 4;
+         w += (uint64_t)gridDim.x * blockDim.x)
+      outs[i][w] = (uint32_t)(w & 1u ? a->poison2 >> 32 : a->poison2);
+  tpc_fp8_refuse_scales(a);
 }
 
 /* The 4 fp32 values of a unit of a 16-bit row (weight or residual) plus `add`:
@@ -90,7 +102,28 @@ TPC_DEVICE void tpc_norm_load(const void *row, uint64_t u, int dtype, float add,
  * register file is split over 4 schedulers, so 98 registers a thread, what
  * the compiler picks unbounded, allow only 16 warps (launch error 701;
  * tests/test_kernel_resources.py checks every kernel against its block). */
-template <int PATTERN>
+/* The normed words n of unit u: written to out (no epilogue), or to out3
+ * where asked and kept in x for the FP8 epilogue (QUANT). */
+template <int QUANT>
+TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint32_t *n, int broken, float *x,
+                             uint32_t *amax) {
+  if (QUANT == TPC_QUANT_NONE) {
+    ((uint2 *)a.out)[unit] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
+    return;
+  }
+  if (a.out3)
+    ((uint2 *)a.out3)[unit] = broken ? make_uint2((uint32_t)a.poison2, (uint32_t)(a.poison2 >> 32))
+                                     : make_uint2(n[0], n[1]);
+  tpc_fp8_keep(n, a.dtype, x, amax);
+}
+
+/* The stream output's poison: the dtype's NaN (poison is e4m3's under an epilogue). */
+template <int QUANT>
+TPC_DEVICE uint2 tpc_norm_poison2(const tpc_kernel_args &a) {
+  return QUANT == TPC_QUANT_NONE ? tpc_poison8(&a) : make_uint2((uint32_t)a.poison2, (uint32_t)(a.poison2 >> 32));
+}
+
+template <int PATTERN, int QUANT>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_packet_start p;
@@ -104,7 +137,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const uint64_t rows = a.nbytes / a.row_bytes;
   const float inv_n = 1.0f / (float)(row_units * 4);
   const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual;
-  uint2 *out = (uint2 *)a.out, *out2 = (uint2 *)a.out2;
+  uint2 *out2 = (uint2 *)a.out2;
   const int spread = gridDim.x > rows; /* the same in every block */
 
   if (spread && t < data_threads) {
@@ -144,6 +177,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
 
     int broken = 0;
     const float scale = rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
+    uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
     if (PATTERN == TPC_PATTERN_ADD_NORM) {
 #pragma unroll
       for (int k = 0; k < TPC_NORM_UNITS; ++k) {
@@ -156,9 +190,10 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
         uint32_t n[2], s[2];
         tpc_round(normed, n, 2, a.dtype);
         tpc_round(v[k], s, 2, a.dtype);
-        out[base + u] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
-        out2[base + u] = broken ? tpc_poison8(&a) : make_uint2(s[0], s[1]);
+        out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
+        tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
       }
+      if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
       continue;
     }
 
@@ -175,14 +210,16 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       if (PATTERN == TPC_PATTERN_NORM_ADD) {
         uint32_t o[2];
         tpc_round(v[k], o, 2, a.dtype);
-        const uint2 packed = broken ? tpc_poison8(&a) : make_uint2(o[0], o[1]);
-        out[base + u] = packed;
-        out2[base + u] = packed;
+        out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(o[0], o[1]);
+        tpc_norm_put<QUANT>(a, base + u, o, broken, v[k], &amax);
       } else {
         for (int j = 0; j < 4; ++j) squares2 += v[k][j] * v[k][j];
       }
     }
-    if (PATTERN == TPC_PATTERN_NORM_ADD) continue;
+    if (PATTERN == TPC_PATTERN_NORM_ADD) {
+      if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
+      continue;
+    }
 
     /* NORM_ADD_NORM: the second norm, over o, in the same fixed order */
     int broken2 = 0;
@@ -199,9 +236,10 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       uint32_t n[2], s[2];
       tpc_round(normed, n, 2, a.dtype);
       tpc_round(v[k], s, 2, a.dtype);
-      out[base + u] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
-      out2[base + u] = broken ? tpc_poison8(&a) : make_uint2(s[0], s[1]);
+      out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
+      tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
     }
+    if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }

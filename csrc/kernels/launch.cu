@@ -200,18 +200,24 @@ extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *str
   const uint64_t rows = args->nbytes / args->row_bytes;
   const uint64_t row_units = args->row_bytes / TPC_PACKET_DATA_BYTES;
   const unsigned max_blocks = tpc_packet_max_blocks(args);
-  const uintptr_t in = (uintptr_t)args->in, out = (uintptr_t)args->out, out2 = (uintptr_t)args->out2;
+  const uintptr_t in = (uintptr_t)args->in, out = (uintptr_t)args->out, out2 = (uintptr_t)args->out2,
+                  out3 = (uintptr_t)args->out3;
   const uint64_t n = args->nbytes;
-  const int apart = (in + n <= out || out + n <= in) && (in + n <= out2 || out2 + n <= in);
+  const int apart = (in + n <= out || out + n <= in) && (in + n <= out2 || out2 + n <= in) &&
+                    (!out3 || in + n <= out3 || out3 + n <= in);
   const uint64_t pushers = apart ? (rows * row_units + TPC_PACKET_THIN_THREADS - 1) / TPC_PACKET_THIN_THREADS : 0;
   const uint64_t wanted = pushers > rows ? pushers : rows;
   tpc_geometry g;
   g.blocks = (unsigned)(wanted < max_blocks ? wanted : max_blocks);
   g.threads = (unsigned)(row_units < TPC_NORM_THREADS ? (row_units + 31) / 32 * 32 : TPC_NORM_THREADS) +
               TPC_CONTROL_THREADS;
-  /* the pattern picks the instantiation (all_reduce_norm.cuh says why a template); the core checked its range */
-  return tpc_launch(args->pattern == TPC_PATTERN_NORM_ADD        ? tpc_all_reduce_norm_kernel<TPC_PATTERN_NORM_ADD>
-                    : args->pattern == TPC_PATTERN_NORM_ADD_NORM ? tpc_all_reduce_norm_kernel<TPC_PATTERN_NORM_ADD_NORM>
-                                                                 : tpc_all_reduce_norm_kernel<TPC_PATTERN_ADD_NORM>,
-                    g, args, stream);
+  /* the pattern and the FP8 epilogue pick the instantiation (all_reduce_norm.cuh says why a template);
+   * the core checked both ranges */
+#define TPC_NORM_QUANTS(P)                                                                               \
+  {tpc_all_reduce_norm_kernel<P, TPC_QUANT_NONE>, tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TENSOR>, \
+   tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TOKEN>, tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TOKEN_GROUP>}
+  static const tpc_kernel kernels[3][4] = {TPC_NORM_QUANTS(TPC_PATTERN_ADD_NORM), TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD),
+                                            TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD_NORM)};
+#undef TPC_NORM_QUANTS
+  return tpc_launch(kernels[args->pattern][args->quant] /* a tpc_all_reduce_norm_kernel */, g, args, stream);
 }

@@ -182,6 +182,8 @@ void test_debug_set_epoch(void);
 void test_reduce_scatter(void);
 void test_reduce_scatter_f32(void);
 void test_all_reduce_norm(void);
+void test_all_reduce_norm_quant(void);
+void test_norm_quant_check(void);
 void test_all_reduce_validation(void);
 void test_all_reduce_algo_and_args(void);
 void test_quantized_validation(void);

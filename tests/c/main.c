@@ -38,6 +38,8 @@ int main(void) {
   RUN(test_reduce_scatter);
   RUN(test_reduce_scatter_f32);
   RUN(test_all_reduce_norm);
+  RUN(test_all_reduce_norm_quant);
+  RUN(test_norm_quant_check);
   RUN(test_all_reduce_algo_and_args);
   RUN(test_quantized_validation);
   RUN(test_all_gather);

@@ -1,0 +1,121 @@
+/*
+ * The FP8 epilogue of the fused norm family (tpc_norm_quant, tpcomm.h): the
+ * normed output, rounded to the input's dtype and read back in fp32 (x, exact),
+ * quantized to e4m3 codes with a scale per tensor (given), per row or per
+ * TPC_FP8_GROUP values of a row (computed, written). The kernel calls
+ * tpc_fp8_keep on each unit as it rounds the normed values, then
+ * tpc_fp8_emit once per row with every thread of the block.
+ *
+ * The absolute maximum is taken over the bits of |x|: for values without a
+ * sign bit the unsigned order is the float order, with inf above every finite
+ * value and NaN above inf, so a NaN anywhere makes the maximum NaN (torch.amax
+ * propagates NaN) and the order of the reduction cannot change the result.
+ * Each group of a row is one warp's 32 units in one step k: the data threads
+ * are a multiple of 32 and a unit holds 4 values, so units [32g, 32g + 32)
+ * are lanes 0-31 of one warp at one k.
+ */
+#ifndef TPCOMM_NORM_FP8_CUH
+#define TPCOMM_NORM_FP8_CUH
+
+#include "quant.cuh"
+
+#define TPC_FP8_MAX 448.0f
+
+#if defined(__cplusplus)
+static_assert(TPC_FP8_GROUP == 32 * 4, "a group is one warp's units at one step: 32 lanes of 4 values");
+#endif
+
+/* The maximum of v over the warp's 32 lanes (every lane takes part). */
+TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const uint32_t other = __float_as_uint(tpc_shfl_xor_float(__uint_as_float(v), offset));
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+/* The maximum of v over the block, the same in every thread; every thread of
+ * the block calls it. The second barrier keeps the next row's writes of
+ * `partial` after this row's reads. */
+TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
+  __shared__ uint32_t partial[1024 / 32];
+  v = tpc_warp_max_u32(v);
+  if (threadIdx.x % TPC_WARP_LANES == 0) partial[threadIdx.x / TPC_WARP_LANES] = v;
+  __syncthreads();
+  uint32_t m = 0;
+  const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
+  for (unsigned w = 0; w < warps; ++w) m = partial[w] > m ? partial[w] : m;
+  __syncthreads();
+  return m;
+}
+
+/* The rounded normed words of a unit back into x (exact) and |x|'s bits into *amax. */
+TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
+  tpc_start(x, words, 2, dtype);
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
+    *amax = bits > *amax ? bits : *amax;
+  }
+}
+
+/* The dynamic scale of an absolute maximum: max(amax / 448, floor), NaN kept
+ * (a NaN compares false). */
+TPC_DEVICE float tpc_fp8_scale(uint32_t amax, float floor) {
+  const float s = __uint_as_float(amax) / TPC_FP8_MAX;
+  return s < floor ? floor : s;
+}
+
+/* e4m3 codes of x / s, 4 values in a word (value j in byte j); NaN to 0x7f
+ * (the conversion's saturation would otherwise clamp it). */
+TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s) {
+  float q[4];
+  for (int j = 0; j < 4; ++j) q[j] = x[j] / s;
+  uint32_t c = tpc_e4m3x2_of(q[0], q[1]) | tpc_e4m3x2_of(q[2], q[3]) << 16;
+  for (int j = 0; j < 4; ++j)
+    if (q[j] != q[j]) c = (c & ~(0xffu << (8 * j))) | 0x7fu << (8 * j);
+  return c;
+}
+
+/* Codes (and scales) of one row from the kept x; every thread of the block
+ * calls it (PER_TOKEN's maximum is a block reduction). broken: the op
+ * failed; codes and written scales are NaN. */
+template <int QUANT>
+TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t amax, uint64_t row, uint64_t base,
+                             uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
+  uint32_t *codes = (uint32_t *)a.out;
+  float s = 0.0f;
+  if (QUANT == TPC_QUANT_PER_TENSOR) s = a.scales[0];
+  if (QUANT == TPC_QUANT_PER_TOKEN) {
+    const uint32_t m = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
+    s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
+    if (t == 0) a.scales[row * a.scale_row_stride] = s;
+  }
+#pragma unroll
+  for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+    const uint64_t u = t + (uint64_t)k * data_threads;
+    /* uniform over a warp: the control warp is whole, and the row's units a multiple of 32 here */
+    if (t >= data_threads || u >= row_units) continue;
+    if (QUANT == TPC_QUANT_PER_TOKEN_GROUP) {
+      uint32_t m = 0;
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t bits = __float_as_uint(x[k][j]) & 0x7fffffffu;
+        m = bits > m ? bits : m;
+      }
+      s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(tpc_warp_max_u32(m), a.scale_floor);
+      if (t % 32 == 0) a.scales[row * a.scale_row_stride + (u / 32) * a.scale_group_stride] = s;
+    }
+    codes[base + u] = broken ? 0x7f7f7f7fu : tpc_fp8_codes(x[k], s);
+  }
+}
+
+/* Refused or failed before the rows: the scales it writes are NaN too. */
+TPC_COLD void tpc_fp8_refuse_scales(const tpc_kernel_args *a) {
+  if (a->quant != TPC_QUANT_PER_TOKEN && a->quant != TPC_QUANT_PER_TOKEN_GROUP) return;
+  const uint64_t rows = a->nbytes / a->row_bytes;
+  const uint64_t groups = a->quant == TPC_QUANT_PER_TOKEN ? 1 : a->row_bytes / 2 / TPC_FP8_GROUP;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * groups;
+       i += (uint64_t)gridDim.x * blockDim.x)
+    a->scales[(i / groups) * a->scale_row_stride + (i % groups) * a->scale_group_stride] = __uint_as_float(0x7fc00000u);
+}
+
+#endif /* TPCOMM_NORM_FP8_CUH */
