@@ -33,7 +33,8 @@ COVERED = {"tpcomm::custom_all_reduce", "tpcomm::custom_all_gather", "tpcomm::cu
            "tpcomm::custom_all_reduce_add_rms_norm", "_tpcomm::all_reduce_norm",
            "tpcomm::custom_all_reduce_add_rms_norm_fp8", "_tpcomm::all_reduce_norm_fp8"}
 BINDING = {"_tpcomm::all_reduce", "_tpcomm::all_reduce_out", "_tpcomm::all_gather", "_tpcomm::reduce_scatter",
-           "_tpcomm::reduce_scatter_f32", "_tpcomm::all_reduce_norm_out"}
+           "_tpcomm::reduce_scatter_f32", "_tpcomm::all_reduce_norm_out",
+           "_tpcomm::all_reduce_norm_quant_out"}
 
 
 def test_the_python_ops_alone_have_an_autograd_kernel():

@@ -27,6 +27,10 @@ SCHEMAS = {
     "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor",
     "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor",
     "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor",
+    "all_reduce_norm_quant_out": "_tpcomm::all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, "
+                                 "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, "
+                                 "int quant, float scale_floor, Tensor(a!)? normed, Tensor(b!) stream_out, "
+                                 "Tensor(c!) codes, Tensor(d!) scales, int comm_id) -> ()",
 }
 P, L, B = _lib.ALGO_PACKET, _lib.ALGO_LINE, _lib.ALGO_BULK
 
@@ -81,6 +85,9 @@ CPU_CALLS = {
     "reduce_scatter_f32": lambda x, h: torch.ops._tpcomm.reduce_scatter_f32(x, h, P),
     "all_reduce_norm_out": lambda x, h: torch.ops._tpcomm.all_reduce_norm_out(
         x, x, x, None, 1e-6, 1e-6, 0.0, 0, torch.empty_like(x), torch.empty_like(x), h),
+    "all_reduce_norm_quant_out": lambda x, h: torch.ops._tpcomm.all_reduce_norm_quant_out(
+        x, x, x, None, 1e-6, 1e-6, 0.0, 0, 2, 1e-6, None, torch.empty_like(x),
+        torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(1), h),
 }
 
 

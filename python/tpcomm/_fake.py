@@ -31,6 +31,11 @@ def register():
                                   stream_out, comm_id):
         return None
 
+    @torch.library.register_fake(f"{NAMESPACE}::all_reduce_norm_quant_out")
+    def _all_reduce_norm_quant_out_fake(input, residual, weight, next_weight, eps, next_eps, weight_offset, pattern,
+                                        quant, scale_floor, normed, stream_out, codes, scales, comm_id):
+        return None
+
     @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")
     def _reduce_scatter_fake(input, comm_id, algo):
         return input.new_empty(_scattered_shape(input, comm_id))
