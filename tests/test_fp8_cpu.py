@@ -7,6 +7,8 @@ dynamic row; the layouts of the scales (row-major, column-major); the modes'
 codes against csrc/tpcomm.h; argument errors with their messages."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -223,3 +225,17 @@ def test_floors_accepted_as_fp32():
     codes, scales = fp8.quantize(torch.zeros(1, 128, dtype=BF16), "per_token", None, 0.1)
     assert scales.item() == float(_f32(0.1)) and _bytes(codes) == [[0] * 128]
     assert fp8.check_floor(Quant.PER_TOKEN, 1) == 1.0
+
+
+def test_dynamic_scales_divide_on_every_device():
+    """amax / 448 is a division, correctly rounded (numpy's fp32 division),
+    never the product with 1/448 that torch computes for a Python-number
+    divisor on CUDA: the two differ in about half of these rows."""
+    torch.manual_seed(0)
+    x = (torch.rand(4096, 128) * 10).to(torch.bfloat16)
+    _, scales = fp8.quantize(x, "per_token")
+    amax = x.float().abs().amax(-1).numpy()
+    divided = torch.from_numpy(np.maximum(amax / np.float32(448.0), np.float32(fp8.DEFAULT_FLOOR[fp8.Quant.PER_TOKEN])))
+    product = torch.from_numpy(amax * np.float32(1 / 448.0))
+    assert torch.equal(scales.reshape(-1), divided)
+    assert not torch.equal(scales.reshape(-1), product)
