@@ -17,6 +17,13 @@
 #   TPCOMM_TEST_WORLD="2 3" bash scripts/device_run.sh quant
 #     tests/gpu/test_quantized_gpu.py with every rank on GPU 0 at each world
 #     size given (default 2 3 4 8; one log per world size)
+#   TPCOMM_TEST_WORLD="2 3" bash scripts/device_run.sh fp8
+#     tests/gpu/test_fp8_norm_gpu.py (the fused norm's FP8 epilogues) with
+#     every rank on GPU 0 at each world size given (default 2 3 4 8)
+#   bash scripts/device_run.sh fp8_local
+#     benchmarks/norm_fp8_local.py: the fused norm with each FP8 epilogue
+#     beside the kernel without it then a separate quantization kernel
+#     (norm_fp8_local_<gpu>.json)
 #   bash scripts/device_run.sh quant_local
 #     benchmarks/quant_identity.cu on the GPU (the codecs' conversion
 #     instructions give their software definition's bits), then
@@ -64,6 +71,18 @@ if [ "$what" = quant ]; then
       | tee "$results/gpu_tests_quantized_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
     echo "quantized tests (world $world) done: $(( $(date +%s) - start )) s"
   done
+fi
+if [ "$what" = fp8 ]; then
+  for world in ${TPCOMM_TEST_WORLD:-2 3 4 8}; do
+    CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
+      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs tests/gpu/test_fp8_norm_gpu.py "$@" 2>&1 \
+      | tee "$results/gpu_tests_fp8_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
+    echo "fp8 tests (world $world) done: $(( $(date +%s) - start )) s"
+  done
+fi
+if [ "$what" = fp8_local ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
+    | tail -20
 fi
 if [ "$what" = quant_local ]; then
   # first the codecs' instructions against their software definition (benchmarks/quant_identity.cu)

@@ -1,0 +1,136 @@
+"""The FP8 epilogue's cost: the fused all-reduce + add + RMSNorm kernel
+(ADD_NORM, bf16) with each epilogue (per-tensor, per-token, per-token-group
+of 128) beside the same kernel without it followed by the separate
+quantization kernel a torch model runs (tpcomm.fp8.quantize compiled by
+inductor into one kernel, dynamic shapes). CUDA graphs of 10 back-to-back
+calls, median over 20 replays, slowest rank, µs per call.
+
+    python benchmarks/norm_fp8_local.py [--out results.json]
+
+With one GPU the two ranks share it (each kernel on its share of the
+multiprocessors, the exchange through one GPU's memory): the times are the
+kernels' local work side by side, not NVLink latencies; the ratios between
+rows of one shape are what the table is for."""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
+
+SHAPES = [(8, 4096), (32, 4096), (256, 4096), (8, 8192), (32, 8192), (256, 8192)]
+QUANTS = ("per_tensor", "per_token", "per_token_group")
+EPS = 1e-5
+
+
+def _driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except Exception:  # noqa: BLE001 - the driver version is a note, not a requirement
+        return None
+
+
+def _time_graph(fn, calls=10, replays=20):
+    for _ in range(3):  # inductor's kernels compile and autotune on their first calls, outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        torch.cuda.synchronize()
+        times.append(_ranks.seconds_per_call(graph.replay, 1, torch.device("cuda")) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def _rank(rank, world, init_method, out, gpus):
+    import tpcomm
+    from tpcomm import _testing, fp8
+    from tpcomm.topology import force_multicast_off
+
+    force_multicast_off()
+    _testing.allow_shared_gpu(gpus < world)
+    torch.cuda.set_device(rank % gpus)
+    dist.init_process_group("nccl" if gpus >= world else "gloo", init_method=init_method, rank=rank,
+                            world_size=world)
+    comm = tpcomm.Communicator(packet_max_bytes=4 * 1024 * 1024)  # 256 x 8192 bf16: the fused kernel's packet path
+    assert comm.enabled, comm.disabled_reason
+    ops, cid = torch.ops._tpcomm, comm.comm_id
+    quantize = torch.compile(fp8.quantize_checked, dynamic=True)
+    rows = []
+    for tokens, hidden in SHAPES:
+        torch.manual_seed(rank)
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        torch.manual_seed(100)
+        residual = torch.randn_like(x)
+        weight = torch.rand(hidden, device="cuda").to(torch.bfloat16) + 0.5
+        normed, stream = torch.empty_like(x), torch.empty_like(x)
+
+        def fused():
+            ops.all_reduce_norm_out(x, residual, weight, None, EPS, EPS, 0.0, 0, normed, stream, cid)
+
+        row = {"tokens": tokens, "hidden": hidden, "us": {}}
+        timed = {"fused": fused}
+        for name in QUANTS:
+            quant = fp8.parse_quant(name)
+            scale = torch.tensor([0.02], device="cuda") if quant == fp8.Quant.PER_TENSOR else None
+            floor = fp8.DEFAULT_FLOOR.get(quant, 0.0)
+            codes, scales = fp8.empty_outputs(x, quant, scale)
+
+            def with_epilogue(quant=quant, floor=floor, codes=codes, scales=scales):
+                ops.all_reduce_norm_quant_out(x, residual, weight, None, EPS, EPS, 0.0, 0, int(quant), floor, None,
+                                              stream, codes, scales, cid)
+
+            def then_quant(quant=quant, scale=scale, floor=floor):
+                fused()
+                quantize(normed, quant, scale, floor if scale is None else None, False)
+
+            timed[f"fused + {name} epilogue"] = with_epilogue
+            timed[f"fused, then {name} kernel"] = then_quant
+        for name, fn in timed.items():
+            worst = [None] * world
+            dist.all_gather_object(worst, _time_graph(fn))
+            row["us"][name] = round(max(worst), 2)
+        rows.append(row)
+        if rank == 0:
+            print(f"{tokens:4d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
+    if rank == 0 and out:
+        env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world, "gpus": gpus,
+               "date": datetime.date.today().isoformat(),
+               "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"
+                         + ("; the ranks share one GPU" if gpus < world else "")}
+        with open(out, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        print("needs a GPU")
+        return
+    with _ranks.rendezvous() as (init_method, _):
+        outcome = _ranks.wait(_ranks.start(args.world, _rank, init_method, args.out, min(gpus, args.world)), 900)
+    if outcome.failed or outcome.hung:
+        sys.exit(f"norm_fp8_local: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
+
+
+if __name__ == "__main__":
+    main()
