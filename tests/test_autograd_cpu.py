@@ -30,7 +30,8 @@ from tpcomm.norm_patterns import Pattern
 from multiproc import run_ranks
 
 COVERED = {"tpcomm::custom_all_reduce", "tpcomm::custom_all_gather", "tpcomm::custom_reduce_scatter",
-           "tpcomm::custom_all_reduce_add_rms_norm", "_tpcomm::all_reduce_norm"}
+           "tpcomm::custom_all_reduce_add_rms_norm", "_tpcomm::all_reduce_norm",
+           "tpcomm::custom_all_reduce_add_rms_norm_fp8", "_tpcomm::all_reduce_norm_fp8"}
 BINDING = {"_tpcomm::all_reduce", "_tpcomm::all_reduce_out", "_tpcomm::all_gather", "_tpcomm::reduce_scatter",
            "_tpcomm::reduce_scatter_f32", "_tpcomm::all_reduce_norm_out"}
 

@@ -21,7 +21,8 @@ def test_import_alone_registers_the_ops():
     public group-name family torch.ops.tpcomm.* (and no other op in that
     namespace) and the internal torch.ops._tpcomm.*."""
     code = ("import torch, tpcomm\n"
-            "for name in ('custom_all_reduce', 'custom_all_gather', 'custom_reduce_scatter', 'custom_all_reduce_add_rms_norm'):\n"
+            "for name in ('custom_all_reduce', 'custom_all_gather', 'custom_reduce_scatter', 'custom_all_reduce_add_rms_norm',\n"
+            "             'custom_all_reduce_add_rms_norm_fp8'):\n"
             "    print(getattr(torch.ops.tpcomm, name).default._schema)\n"
             "for name in ('all_reduce', 'all_reduce_out', 'all_gather', 'reduce_scatter', 'reduce_scatter_f32',\n"
             "             'all_reduce_norm_out'):\n"
@@ -31,10 +32,11 @@ def test_import_alone_registers_the_ops():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert sum(line.startswith("tpcomm::") and "str group_name" in line for line in lines) == 4, out.stdout
+    assert sum(line.startswith("tpcomm::") and "str group_name" in line for line in lines) == 5, out.stdout
     assert sum(line.startswith("_tpcomm::") and "int comm_id" in line for line in lines) == 6, out.stdout
     assert lines[-1] == ("public: ['tpcomm::custom_all_gather', 'tpcomm::custom_all_reduce', "
-                         "'tpcomm::custom_all_reduce_add_rms_norm', 'tpcomm::custom_reduce_scatter']"), lines[-1]
+                         "'tpcomm::custom_all_reduce_add_rms_norm', 'tpcomm::custom_all_reduce_add_rms_norm_fp8', "
+                         "'tpcomm::custom_reduce_scatter']"), lines[-1]
 
 
 def test_inductor_pass_as_the_readme_names_it():

@@ -19,7 +19,8 @@ from . import _version, ops
 # the patterns' numbering, the inductor pass, the ops' definitions, fake
 # shapes and autograd, and this key itself.
 GRAPH_SOURCES = ("compile_pass.py", "fusion.py", "norm_patterns.py", "inductor_pass.py", "ops.py", "_fake.py",
-                 "_shapes.py", "_autograd.py", "_cache_key.py", "aten_norms.py", "unfused_report.py")
+                 "_shapes.py", "_autograd.py", "_cache_key.py", "aten_norms.py", "unfused_report.py",
+                 "fp8.py", "norm_fp8.py")
 
 
 @functools.cache

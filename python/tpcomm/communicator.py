@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _agreement, _autograd, _group_setup, _lib, _registry, add_rms_norm, routing, routing_table
+from . import _agreement, _autograd, _group_setup, _lib, _registry, add_rms_norm, norm_fp8, routing, routing_table
 from ._kernel_only import KernelOnly
 from ._log import log_once
 from ._shapes import check_int_dim, check_tensor, checked_dim
@@ -220,6 +220,16 @@ class Communicator(KernelOnly):
         cell[0] += 1  # as in all_reduce
         cell[1] += x.numel() * x.element_size()
         return out
+
+    def all_reduce_add_rms_norm_fp8(self, x, residual, weight, eps, quant, *, scale=None, scale_floor=None,
+                                    column_major_scales=False, return_normed=False) -> "norm_fp8.Fp8Norm":
+        """all_reduce_add_rms_norm with its normed output quantized to FP8
+        e4m3 (quant "per_tensor" with an fp32 `scale`, "per_token",
+        "per_token_group"): Fp8Norm(codes, scales, summed, normed), normed
+        None unless return_normed. Math, floors, layouts: tpcomm.fp8; routes:
+        tpcomm.norm_fp8."""
+        return norm_fp8.run(self, norm_fp8.Pattern.ADD_NORM, quant, x, residual, weight, None, eps, 0.0, 0.0, scale,
+                            scale_floor, column_major_scales, return_normed)
 
     # -------------------------------------------------------------- routing
     # The fallback is named as stats() counts it: by the group's backend

@@ -5,6 +5,8 @@ family, taking the group's name.
     z = torch.ops.tpcomm.custom_all_gather(x, dim, comm.group_name)
     w = torch.ops.tpcomm.custom_reduce_scatter(x, dim, comm.group_name)
     normed, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(x, residual, weight, eps, comm.group_name)
+    codes, scales, summed = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_fp8(
+        x, residual, weight, eps, "per_token", None, None, False, comm.group_name)
 
 They take the group's name (as vLLM's all_reduce(x, group_name) does), not
 a raw handle: a compiled graph holds the dispatcher of that group, which
@@ -34,7 +36,7 @@ through.
 """
 import torch
 
-from . import _autograd, norm_patterns
+from . import _autograd, fp8, norm_fp8, norm_patterns
 from ._registry import communicator_for
 from ._shapes import checked_dim
 
@@ -123,6 +125,59 @@ def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_off
     code calls the public all_reduce_add_rms_norm."""
     return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
                              next_eps, weight_offset)
+
+
+def _private_floor(quant, scale_floor):
+    """The private op's scale_floor as tpcomm.norm_fp8 takes it: PER_TENSOR uses none."""
+    return None if fp8.parse_quant(quant) == fp8.Quant.PER_TENSOR else scale_floor
+
+
+def _fp8_fake(x, residual, quant, scale, scale_floor, column_major_scales):
+    """(codes, scales, stream) as tpcomm.norm_fp8.run makes them (its arguments checked as it checks them)."""
+    quant, _ = fp8.check_args(quant, x, scale, scale_floor, column_major_scales)
+    codes, scales = fp8.empty_outputs(x, quant, scale, column_major_scales)
+    return codes, scales, residual.new_empty(residual.shape)
+
+
+def _all_reduce_norm_fp8_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, quant, scale,
+                              scale_floor, column_major_scales, return_normed, group_name):
+    codes, scales, stream = _fp8_fake(x, residual, quant, scale, _private_floor(quant, scale_floor),
+                                      column_major_scales)
+    return codes, scales, stream, x.new_empty(x.shape if return_normed else (0,))
+
+
+@_op("all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, float eps, float next_eps, "
+     "float weight_offset, int pattern, int quant, Tensor? scale, float scale_floor, bool column_major_scales, "
+     "bool return_normed, str group_name) -> (Tensor codes, Tensor scales, Tensor stream, Tensor normed)",
+     _all_reduce_norm_fp8_fake, _INTERNAL)
+def _all_reduce_norm_fp8(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, quant, scale,
+                         scale_floor, column_major_scales, return_normed, group_name):
+    """Private: all_reduce_norm with the FP8 epilogue `quant`
+    (tpcomm.fp8.Quant; scale_floor unused by PER_TENSOR) on its normed
+    output: (codes, scales, stream, normed), normed empty (numel 0) unless
+    return_normed (tpcomm.norm_fp8)."""
+    out = norm_fp8.run(communicator_for(group_name), pattern, quant, x, residual, weight, next_weight, eps, next_eps,
+                       weight_offset, scale, _private_floor(quant, scale_floor), column_major_scales, return_normed)
+    return out.codes, out.scales, out.summed, out.normed if return_normed else x.new_empty(0)
+
+
+def _all_reduce_add_rms_norm_fp8_fake(x, residual, weight, eps, quant, scale, scale_floor, column_major_scales,
+                                      group_name):
+    return _fp8_fake(x, residual, quant, scale, scale_floor, column_major_scales)
+
+
+@_op("custom_all_reduce_add_rms_norm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, str quant, "
+     "Tensor? scale, float? scale_floor, bool column_major_scales, str group_name) "
+     "-> (Tensor codes, Tensor scales, Tensor summed)", _all_reduce_add_rms_norm_fp8_fake)
+def custom_all_reduce_add_rms_norm_fp8(x, residual, weight, eps, quant, scale, scale_floor, column_major_scales,
+                                       group_name):
+    """custom_all_reduce_add_rms_norm with its normed output quantized to
+    FP8 e4m3: (codes, scales, summed); quant "per_tensor" (with scale),
+    "per_token" or "per_token_group" (tpcomm.fp8)."""
+    out = communicator_for(group_name).all_reduce_add_rms_norm_fp8(
+        x, residual, weight, eps, quant, scale=scale, scale_floor=scale_floor,
+        column_major_scales=column_major_scales)
+    return out.codes, out.scales, out.summed
 
 
 def registered():

@@ -250,6 +250,15 @@ def norm_pattern(add_norm_route, pattern, weight_offset, dtype, next_weight_dtyp
     return "unfused"
 
 
+def norm_fp8(pattern_route, cuda_build):
+    """How a fusion pattern with an FP8 epilogue (tpcomm.norm_fp8) runs, from
+    pattern_route, what norm_pattern() gives the pattern without it: "fused"
+    where that is "fused" in a CUDA build (the epilogues refuse on ROCm; a
+    CUDA build is one with the line kernels, Caps.line_kernels), else
+    "unfused" ("split" and a group of one's route included)."""
+    return "fused" if pattern_route == "fused" and cuda_build else "unfused"
+
+
 def summary(routes, caps):
     """The dispatch order of each op, as logged at init."""
     parts = []

@@ -4,8 +4,9 @@ core directly (tpcomm._fastpath): "packet" (barrier-free, small and medium
 sizes), "line" (the same scheme in 128-byte lines of data and flag, CUDA
 builds only), "two_shot" (all_reduce in lines, in two phases), "bulk" (large
 sizes: streamed, or the two-shot all-reduce of more than two ranks), and the
-fused all-reduce + add + RMSNorm family (every tpcomm.norm_patterns pattern). The caller picks the kernel (tpcomm.routing says which can take a
-call). They read only their input and the buffers registered at init, so
+fused all-reduce + add + RMSNorm family (every tpcomm.norm_patterns pattern,
+and the FP8 epilogues of tpcomm.norm_fp8). The caller picks the kernel
+(tpcomm.routing says which can take a call). They read only their input and the buffers registered at init, so
 graph capture needs nothing more. Errors come back as tpcomm's exception
 classes."""
 import torch
@@ -34,6 +35,7 @@ class Kernels:
                             for kernel in routing.KERNELS + routing.QUANTIZED} for op in routing.OPS}
         self._all_reduce_out = _op("all_reduce_out")
         self._norm_out = _op("all_reduce_norm_out")
+        self._norm_quant_out = _op("all_reduce_norm_quant_out")
         self._all_gather = _op("all_gather")
         self._reduce_scatter = _op("reduce_scatter")
         self._reduce_scatter_f32 = _op("reduce_scatter_f32")
@@ -87,6 +89,20 @@ class Kernels:
         try:
             self._norm_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
                            int(pattern), normed, stream_out, self.comm_id)
+        except RuntimeError as e:
+            raise _lib.translated(e) from None
+
+    def all_reduce_norm_quant(self, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset,
+                              scale_floor, normed, stream_out, codes, scales):
+        """all_reduce_norm with an FP8 epilogue `quant` (tpcomm.fp8.Quant) on
+        its normed output: writes codes (e4m3, x's shape, contiguous) and, but
+        for PER_TENSOR, whose one-element fp32 scale it reads, scales (fp32,
+        any strides: tpcomm.fp8.empty_outputs); normed (x's dtype) only where
+        it is not None, and stream_out. scale_floor: the dynamic modes' floor."""
+        try:
+            self._norm_quant_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
+                                 int(pattern), int(quant), float(scale_floor), normed, stream_out, codes, scales,
+                                 self.comm_id)
         except RuntimeError as e:
             raise _lib.translated(e) from None
 

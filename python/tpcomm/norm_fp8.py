@@ -1,0 +1,85 @@
+"""The fusion patterns of tpcomm.norm_patterns with an FP8 epilogue: the
+pattern's normed output, rounded to the input's dtype as the pattern writes
+it, quantized to e4m3 by tpcomm.fp8 (per tensor with a given scale, per
+token, or per token group of 128), for the FP8 GEMM that reads it next.
+run() returns Fp8Norm(codes, scales, summed, normed): summed is the pattern's
+stream output in the input's dtype (z, o), normed its normed output in that
+dtype where return_normed asks for it, else None.
+
+Routes (route()): "fused", one launch of the fused kernel family with the
+epilogue (Kernels.all_reduce_norm_quant), where the pattern itself runs
+"fused" (tpcomm.routing.norm_pattern) in a CUDA build (the epilogues refuse
+on ROCm); anything else "unfused": the all-reduce in fp32 through the
+Communicator's route (uncounted; the fallback's agreement check where that
+route is the fallback), the pattern in torch in fp32, rounded to the dtype,
+then fp8.quantize. Both quantize the same rounded normed output, so the
+codes and scales are fp8.quantize(normed) of that route's normed output bit
+for bit. Each call counts once in stats() under STATS_KEY[pattern] and the
+route that ran."""
+import typing
+
+import torch
+
+from . import _autograd, add_rms_norm, fp8, norm_patterns, routing
+from .norm_patterns import Pattern
+
+# The key each pattern's FP8 calls count under in Communicator.stats()
+STATS_KEY = {pattern: f"{key}_fp8" for pattern, key in norm_patterns.STATS_KEY.items()}
+
+
+class Fp8Norm(typing.NamedTuple):
+    codes: torch.Tensor  # float8_e4m3fn, the input's shape, contiguous
+    scales: torch.Tensor  # float32 (fp8.empty_outputs gives the layout)
+    summed: torch.Tensor  # the stream output (z, o) in the input's dtype
+    normed: "torch.Tensor | None"  # the normed output in the input's dtype, where asked for
+
+
+def route(comm, pattern, x, weight, next_weight, weight_offset):
+    """How run() takes this call: "fused" or "unfused"."""
+    how = norm_patterns.route(comm, pattern, x, weight, next_weight, weight_offset)
+    return routing.norm_fp8(how, comm._caps is not None and comm._caps.line_kernels)
+
+
+def run(comm, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale=None,
+        scale_floor=None, column_major_scales=False, return_normed=False):
+    """Fp8Norm of `pattern` over comm's group with the FP8 epilogue `quant`
+    (a tpcomm.fp8.Quant, its int or name); scale_floor None: the mode's
+    default. Raises before anything collective for bad arguments or a
+    closed Communicator."""
+    for tensor, what in ((x, "input"), (residual, "residual"), (weight, "weight"), (next_weight, "next_weight"),
+                         (scale, "scale")):
+        if tensor is not None:
+            comm._check_input(tensor, what)
+    norm_patterns.check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset)
+    quant, floor = fp8.check_args(quant, x, scale, scale_floor, column_major_scales)
+    pattern = Pattern(pattern)
+    how = route(comm, pattern, x, weight, next_weight, weight_offset)
+    args = (comm, how, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale, floor,
+            bool(column_major_scales), bool(return_normed))
+    if _autograd.needs_grad(*(t for t in (x, residual, weight, next_weight, scale) if t is not None)):
+        out = _autograd.without_backward(_run, STATS_KEY[pattern], *args)
+    else:
+        out = _run(*args)
+    cell = comm._cell(STATS_KEY[pattern], how)
+    cell[0] += 1  # counted once it ran (the fallback's agreement check may stop it)
+    cell[1] += x.numel() * x.element_size()
+    return Fp8Norm(*out)
+
+
+def _run(comm, how, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale, floor,
+         column_major_scales, return_normed):
+    """(codes, scales, stream, normed or None) by route `how`: every output contiguous but column-major scales."""
+    xc, rc = x.contiguous(), residual.contiguous()
+    if how == "fused":
+        normed = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if return_normed else None
+        stream = torch.empty(rc.shape, dtype=rc.dtype, device=rc.device)
+        codes, scales = fp8.empty_outputs(xc, quant, scale, column_major_scales)
+        comm.kernels.all_reduce_norm_quant(pattern, quant, xc, rc, weight.contiguous(),
+                                           None if next_weight is None else next_weight.contiguous(), eps, next_eps,
+                                           weight_offset, floor, normed, stream, codes, scales)
+        return codes, scales, stream, normed
+    sums = add_rms_norm.uncounted(comm, "all_reduce", xc.float(), call=(STATS_KEY[pattern], x))
+    normed, stream = norm_patterns.from_sums(pattern, sums, rc, weight, next_weight, eps, next_eps, weight_offset,
+                                             x.dtype)
+    codes, scales = fp8.quantize_checked(normed, quant, scale, floor, column_major_scales)
+    return codes, scales, stream, normed if return_normed else None
