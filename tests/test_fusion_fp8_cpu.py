@@ -125,3 +125,31 @@ def _body_inductor(rank, world_size):
 
 def test_inductor():
     run_ranks(2, _body_inductor, timeout=600)
+
+
+def _body_dynamic(rank, world_size):
+    """torch.compile(dynamic=True): the rows symbolic (the groups' view back to
+    rows then reads f.size(), which goes with the pattern)."""
+    comm = tpcomm.Communicator(device="cpu")
+    w1, w2 = M.weights(torch.bfloat16)
+    y, residual = M.inputs(rank, torch.bfloat16)
+    for name in ("static", "token", "group", "group_reshape", "group_rows"):
+        model = M.Layers(comm.group_name, Pattern.NORM_ADD_NORM, "llama", M.QUANTS[name], w1, w2,
+                         torch.tensor(1 / 64)).eval()
+        backend, graphs = tpcomm.compile_backend("aot_eager"), []
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or backend(gm, ex), dynamic=True)
+        for rows in (6, 4):
+            with torch.no_grad():
+                M.assert_same(compiled(y[:rows], residual[:rows]), model(y[:rows], residual[:rows], reference=True),
+                              f"dynamic {name} {rows} rows")
+        # (Dynamo may compile a second graph, for the slice of all 6 rows: each holds the ops with symbolic rows)
+        assert graphs and all(M.targets(gm).count(M.FP8_OP) == 2 for gm in graphs), (name, graphs)
+        assert backend.counts[COUNT_KEY[Pattern.NORM_ADD_NORM]] == 2 * len(graphs), (name, backend.counts)
+        assert all(isinstance(gm.graph.find_nodes(op="placeholder")[0].meta["example_value"], torch.SymInt)
+                   for gm in graphs), name
+    comm.close()
+
+
+def test_dynamic_shapes():
+    run_ranks(2, _body_dynamic, timeout=600)

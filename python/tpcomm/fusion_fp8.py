@@ -206,7 +206,7 @@ def _groups(f, owned, n_value):
     amax's shape) where a user of f (its only one where f is the pattern's
     own cast: `owned`) views it as groups of 128 of each row; else None."""
     views = [u for u in f.users if u.op == "call_method" and u.target in ("view", "reshape") and u.args[0] is f]
-    if len(views) != 1 or (owned and len(f.users) != 1):
+    if len(views) != 1 or (owned and any(u is not views[0] and not _is_size(u, f) for u in f.users)):
         return None
     g = views[0]
     shape, hidden = tuple(_example(g).shape) if _example(g) is not None else (), n_value.shape[-1]
@@ -217,6 +217,12 @@ def _groups(f, owned, n_value):
     if len(shape) == 2:  # view(-1, 128): rows of whole groups, since hidden % 128 == 0
         return g, ("view", -1, GROUP), ("view", -1, 1)
     return None
+
+
+def _is_size(node, f):
+    """Whether node is f.size(): under dynamic shapes Dynamo reads f's shape
+    so for the view back to rows (codes.view(f.size()))."""
+    return node.op == "call_method" and node.target == "size" and node.args == (f,) and not node.kwargs
 
 
 def _quant_of(f, owned, n_value, order, anchor):
@@ -251,7 +257,10 @@ def _quant_of(f, owned, n_value, order, anchor):
         if grouped and back is not None and back.op == "call_method" and back.target in ("view", "reshape") \
                 and _example(back) is not None and tuple(_example(back).shape) == tuple(n_value.shape):
             codes, codes_view = back, None  # viewed back to n's shape: the op's codes as they are
-        erased = [d, clamp] + chain + ([q] if codes is not q else []) + ([g] if grouped else [])
+        sizes = [u for u in f.users if _is_size(u, f)] if grouped and owned else []
+        if any(set(size.users) != {codes} for size in sizes):
+            continue  # f's shape read for anything but the view back, which goes: f has to stay
+        erased = [d, clamp] + chain + ([q] if codes is not q else []) + ([g] if grouped else []) + sizes
         return _Quant(quant, s if quant == PER_TENSOR else None, floor, codes, codes_view, scales,
                       grouped[2] if grouped else None, erased)
     return None
