@@ -51,17 +51,17 @@ import typing
 import torch
 
 from . import ops  # noqa: F401 - ops registers the fused ops
+from .fp8 import DTYPE, FP8_MAX, GROUP, Quant
 from .fusion import _erase, _example, _only_user  # the norm fusion's graph helpers: the same rules
 from .norm_patterns import STATS_KEY, Pattern
 
 COUNT_KEY = {pattern: f"{key}_fp8" for pattern, key in STATS_KEY.items()}
-PER_TENSOR, PER_TOKEN, PER_TOKEN_GROUP = 1, 2, 3  # tpcomm.fp8.Quant (csrc/tpcomm.h)
-GROUP, FP8_MAX = 128, 448.0
-_E4M3 = torch.float8_e4m3fn
+PER_TENSOR, PER_TOKEN, PER_TOKEN_GROUP = (int(q) for q in Quant)
 _NORMED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _PUBLIC = torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default
 _PRIVATE = torch.ops._tpcomm.all_reduce_norm.default
+_LOW, _HIGH = (lambda v: _is_number(v, -FP8_MAX)), (lambda v: _is_number(v, FP8_MAX))  # e4m3's saturation
 _DIV_FUNCTIONS = (operator.truediv, torch.div, torch.true_divide)
 _CLAMP_FUNCTIONS = (torch.clamp, torch.clip)
 
@@ -208,8 +208,8 @@ def _groups(f, owned, n_value):
     views = [u for u in f.users if u.op == "call_method" and u.target in ("view", "reshape") and u.args[0] is f]
     if len(views) != 1 or (owned and any(u is not views[0] and not _is_size(u, f) for u in f.users)):
         return None
-    g = views[0]
-    shape, hidden = tuple(_example(g).shape) if _example(g) is not None else (), n_value.shape[-1]
+    g, hidden = views[0], n_value.shape[-1]
+    shape = tuple(_example(g).shape) if _viewed_as(g, torch.float32) else ()  # a .view(dtype) is a bitcast
     if not isinstance(hidden, int) or hidden % GROUP or not shape or shape[-1] != GROUP:
         return None
     if shape[:-1] == tuple(n_value.shape[:-1]) + (hidden // GROUP,):
@@ -217,6 +217,13 @@ def _groups(f, owned, n_value):
     if len(shape) == 2:  # view(-1, 128): rows of whole groups, since hidden % 128 == 0
         return g, ("view", -1, GROUP), ("view", -1, 1)
     return None
+
+
+def _viewed_as(node, dtype, shape=None):
+    """Whether node is a .view / .reshape giving `dtype` (and `shape`, where given)."""
+    value = _example(node) if node is not None and node.op == "call_method" else None
+    return node is not None and node.target in ("view", "reshape") and value is not None \
+        and value.dtype == dtype and (shape is None or tuple(value.shape) == shape)
 
 
 def _is_size(node, f):
@@ -234,12 +241,11 @@ def _quant_of(f, owned, n_value, order, anchor):
     for d in g.users:
         divided = _divided(d, lambda s: isinstance(s, torch.fx.Node))
         clamp = _only_user(d) if divided and divided[0] is g else None
-        if clamp is None or _clamped(clamp, lambda v: _is_number(v, -FP8_MAX), lambda v: _is_number(v, FP8_MAX)) \
-                is not d:
+        if clamp is None or _clamped(clamp, _LOW, _HIGH) is not d:
             continue
         q = _only_user(clamp)
         # the codes of the op's shape (or of the groups'): a scale of shape (1, 1) broadcasts a row into 2-D
-        if q is None or not _cast_to(q, clamp, _E4M3) or _example(q) is None or _example(q).shape != _example(g).shape:
+        if q is None or not _cast_to(q, clamp, DTYPE) or _example(q) is None or _example(q).shape != _example(g).shape:
             continue
         s = divided[1]
         found = _dynamic_scale(s, g)
@@ -254,8 +260,7 @@ def _quant_of(f, owned, n_value, order, anchor):
             continue
         codes, codes_view = q, grouped[1] if grouped else None
         back = _only_user(q)
-        if grouped and back is not None and back.op == "call_method" and back.target in ("view", "reshape") \
-                and _example(back) is not None and tuple(_example(back).shape) == tuple(n_value.shape):
+        if grouped and _viewed_as(back, DTYPE, tuple(n_value.shape)):
             codes, codes_view = back, None  # viewed back to n's shape: the op's codes as they are
         sizes = [u for u in f.users if _is_size(u, f)] if grouped and owned else []
         if any(set(size.users) != {codes} for size in sizes):
