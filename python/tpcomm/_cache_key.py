@@ -20,7 +20,7 @@ from . import _version, ops
 # shapes and autograd, and this key itself.
 GRAPH_SOURCES = ("compile_pass.py", "fusion.py", "norm_patterns.py", "inductor_pass.py", "ops.py", "_fake.py",
                  "_shapes.py", "_autograd.py", "_cache_key.py", "aten_norms.py", "unfused_report.py",
-                 "fp8.py", "norm_fp8.py")
+                 "fp8.py", "norm_fp8.py", "fusion_fp8.py")
 
 
 @functools.cache

@@ -51,7 +51,7 @@ import operator
 
 import torch
 
-from . import _cache_key, _registry, fusion, ops, unfused_report  # noqa: F401 - ops registers torch.ops.tpcomm.*
+from . import _cache_key, _registry, fusion, fusion_fp8, ops, unfused_report  # noqa: F401 - ops: torch.ops.tpcomm.*
 from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
@@ -65,7 +65,8 @@ _WAIT = (_F.wait_tensor, _F.wait_tensor.default)
 _KEPT_META = ("example_value", "val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-COUNTED = COLLECTIVES + tuple(STATS_KEY.values())  # the collectives, then the fusion patterns
+# the collectives, then the fusion patterns, then those patterns with their FP8 quantization
+COUNTED = COLLECTIVES + tuple(STATS_KEY.values()) + tuple(fusion_fp8.COUNT_KEY.values())
 
 
 def _bound(node, names):
@@ -235,8 +236,10 @@ def rewrite_collectives(graph: torch.fx.Graph) -> dict:
 
 def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True, report: bool = True) -> None:
     """rewrite_collectives, then (with fuse, where the graph's module is a
-    GraphModule) the add + RMSNorm fusion; adds what they rewrote into
-    counts (keys COUNTED). With fuse and report, all-reduces left unfused
+    GraphModule) the add + RMSNorm fusion and its FP8 quantization
+    (tpcomm.fusion_fp8); adds what they rewrote into counts (keys COUNTED:
+    a fused call with its quantization counts under the pattern's "_fp8"
+    key, not the pattern's). With fuse and report, all-reduces left unfused
     next to an add + norm are reported (unfused_report): report=False where
     a later pass sees the graph again."""
     for what, n in rewrite_collectives(graph).items():
@@ -244,6 +247,9 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True, report: bool =
     module = graph.owning_module
     if fuse and isinstance(module, torch.fx.GraphModule):
         for key, n in fusion.fuse(module).items():
+            counts[key] += n
+        # after the norm fusion, whose fused calls it extends: a call it rewrites moves to its _fp8 key
+        for key, n in fusion_fp8.fuse(module).items():
             counts[key] += n
         module.recompile()
         if report:
