@@ -21,9 +21,9 @@
 #     tests/gpu/test_fp8_norm_gpu.py (the fused norm's FP8 epilogues) with
 #     every rank on GPU 0 at each world size given (default 2 3 4 8)
 #   bash scripts/device_run.sh fp8_local
-#     benchmarks/norm_fp8_local.py: the fused norm with each FP8 epilogue
-#     beside the kernel without it then a separate quantization kernel
-#     (norm_fp8_local_<gpu>.json)
+#     benchmarks/norm_fp8_local.py (2 GPUs): the fused norm with each FP8
+#     epilogue beside the kernel without it then a separate quantization
+#     kernel (norm_fp8_local_<gpu>.json)
 #   bash scripts/device_run.sh quant_local
 #     benchmarks/quant_identity.cu on the GPU (the codecs' conversion
 #     instructions give their software definition's bits), then
@@ -81,7 +81,7 @@ if [ "$what" = fp8 ]; then
   done
 fi
 if [ "$what" = fp8_local ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
+  timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
     | tail -20
 fi
 if [ "$what" = quant_local ]; then
