@@ -10,11 +10,7 @@ in fp32, the norm on a rank's rows, all-gather), "unfused" (an fp32
 all-reduce through the dispatcher, then torch); each row runs the route that
 the Communicator picks, and "unfused" again where another route was picked."""
 import argparse
-import datetime
-import json
 import os
-import statistics
-import subprocess
 import sys
 
 import torch
@@ -23,31 +19,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
 
+import graph_timing  # noqa: E402 - beside this file
+
 SHAPES = [(1, 4096), (32, 4096), (128, 4096), (512, 4096), (1024, 4096), (2048, 4096)]
 EPS = 1e-5
-
-
-def _driver():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.split()[0]
-    except Exception:  # noqa: BLE001 - the driver version is a note, not a requirement
-        return None
-
-
-def _time_graph(fn, calls=10, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        times.append(_ranks.seconds_per_call(graph.replay, 1, torch.device("cuda")) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def _nccl_layer(x, residual, weight):
@@ -84,19 +59,12 @@ def _rank(rank, world, init_method, out):
         row = {"tokens": tokens, "hidden": hidden, "bytes": x.numel() * 2, "route": route, "us": {}}
         with comm.capture():
             for name, fn in timed.items():
-                worst = [None] * world
-                dist.all_gather_object(worst, _time_graph(fn))
-                row["us"][name] = round(max(worst), 2)
+                row["us"][name] = graph_timing.slowest_rank_us(fn)
         rows.append(row)
         if rank == 0:
             print(f"{tokens:5d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
     if rank == 0 and out:
-        env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
-               "date": datetime.date.today().isoformat(),
-               "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
-        with open(out, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+        graph_timing.write(out, rows, world)
     comm.close()
     dist.destroy_process_group()
 

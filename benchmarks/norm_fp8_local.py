@@ -11,11 +11,7 @@ Needs a GPU a rank: ranks sharing one GPU over gloo replay their graphs
 milliseconds apart, and each kernel waits out that skew (2.2 ms a call on
 one H100, whatever the epilogue), which hides the kernels' own work."""
 import argparse
-import datetime
-import json
 import os
-import statistics
-import subprocess
 import sys
 
 import torch
@@ -24,33 +20,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
 
+import graph_timing  # noqa: E402 - beside this file
+
 SHAPES = [(8, 4096), (32, 4096), (256, 4096), (8, 8192), (32, 8192), (256, 8192)]
 QUANTS = ("per_tensor", "per_token", "per_token_group")
 EPS = 1e-5
-
-
-def _driver():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.split()[0]
-    except Exception:  # noqa: BLE001 - the driver version is a note, not a requirement
-        return None
-
-
-def _time_graph(fn, calls=10, replays=20):
-    for _ in range(3):  # inductor's kernels compile and autotune on their first calls, outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        times.append(_ranks.seconds_per_call(graph.replay, 1, torch.device("cuda")) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def _rank(rank, world, init_method, out):
@@ -97,19 +71,12 @@ def _rank(rank, world, init_method, out):
             timed[f"fused + {name} epilogue"] = with_epilogue
             timed[f"fused, then {name} kernel"] = then_quant
         for name, fn in timed.items():
-            worst = [None] * world
-            dist.all_gather_object(worst, _time_graph(fn))
-            row["us"][name] = round(max(worst), 2)
+            row["us"][name] = graph_timing.slowest_rank_us(fn, warmup=3)
         rows.append(row)
         if rank == 0:
             print(f"{tokens:4d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
     if rank == 0 and out:
-        env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
-               "date": datetime.date.today().isoformat(),
-               "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
-        with open(out, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+        graph_timing.write(out, rows, world)
     comm.close()
     dist.destroy_process_group()
 

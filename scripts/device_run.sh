@@ -64,22 +64,18 @@ if [ "$what" = shared ]; then
   done
 fi
 gpus=h200x$(nvidia-smi -L | wc -l)
-if [ "$what" = quant ]; then
+# one GPU test file with every rank on GPU 0, at each world size of TPCOMM_TEST_WORLD (default 2 3 4 8)
+shared_file() {
+  local file=$1 label=$2; shift 2
   for world in ${TPCOMM_TEST_WORLD:-2 3 4 8}; do
     CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
-      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs tests/gpu/test_quantized_gpu.py "$@" 2>&1 \
-      | tee "$results/gpu_tests_quantized_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
-    echo "quantized tests (world $world) done: $(( $(date +%s) - start )) s"
+      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs "$file" "$@" 2>&1 \
+      | tee "$results/gpu_tests_${label}_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
+    echo "$label tests (world $world) done: $(( $(date +%s) - start )) s"
   done
-fi
-if [ "$what" = fp8 ]; then
-  for world in ${TPCOMM_TEST_WORLD:-2 3 4 8}; do
-    CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
-      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs tests/gpu/test_fp8_norm_gpu.py "$@" 2>&1 \
-      | tee "$results/gpu_tests_fp8_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
-    echo "fp8 tests (world $world) done: $(( $(date +%s) - start )) s"
-  done
-fi
+}
+[ "$what" = quant ] && shared_file tests/gpu/test_quantized_gpu.py quantized "$@"
+[ "$what" = fp8 ] && shared_file tests/gpu/test_fp8_norm_gpu.py fp8 "$@"
 if [ "$what" = fp8_local ]; then
   timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
     | tail -20

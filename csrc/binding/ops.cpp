@@ -174,6 +174,19 @@ void all_reduce_out(Tensor input, Tensor out, int64_t comm_id, int64_t algo) {
   all_reduce_into(input, out, comm_id, algo);
 }
 
+// Each tensor of all[0 .. n) that is given (nullptr: absent) on the
+// communicator's device, contiguous and of the input's dtype.
+void check_like_input(tpc_comm *comm, const char *op, const Tensor &input, const Tensor *const *all,
+                      const char *const *names, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (!all[i]) continue;
+    check_tensor(comm, *all[i], names[i]);
+    if (!all[i]->is_contiguous()) fail("tpcomm: %s: %s must be contiguous", op, names[i]);
+    if (all[i]->scalar_type() != input.scalar_type())
+      fail("tpcomm: %s: %s has another dtype than the input", op, names[i]);
+  }
+}
+
 // The fused norm family (tpc_all_reduce_norm): pattern `pattern` (a
 // tpc_norm_pattern) over the sum of input over the ranks, residual and the
 // weights, into normed and stream_out (which may be input and residual
@@ -188,13 +201,7 @@ void all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, std::opti
   const Tensor *all[] = {&input, &residual, &weight, &normed, &stream_out,
                          next_weight.has_value() ? &next_weight.value() : nullptr};
   const char *names[] = {"input", "residual", "weight", "normed", "stream_out", "next_weight"};
-  for (int i = 0; i < 6; ++i) {
-    if (!all[i]) continue;
-    check_tensor(comm, *all[i], names[i]);
-    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_norm: %s must be contiguous", names[i]);
-    if (all[i]->scalar_type() != input.scalar_type())
-      fail("tpcomm: all_reduce_norm: %s has another dtype than the input", names[i]);
-  }
+  check_like_input(comm, "all_reduce_norm", input, all, names, 6);
   const tpc_dtype dtype = reduce_dtype(input, "all_reduce_norm");
   if (input.dim() < 1) fail("tpcomm: all_reduce_norm needs a tensor with at least one dimension");
   const int64_t hidden = input.size(input.dim() - 1);
@@ -239,13 +246,7 @@ void all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, std
   const Tensor *all[] = {&input, &residual, &weight, &stream_out, next_weight.has_value() ? &next_weight.value() : nullptr,
                          normed.has_value() ? &normed.value() : nullptr};
   const char *names[] = {"input", "residual", "weight", "stream_out", "next_weight", "normed"};
-  for (int i = 0; i < 6; ++i) {
-    if (!all[i]) continue;
-    check_tensor(comm, *all[i], names[i]);
-    if (!all[i]->is_contiguous()) fail("tpcomm: all_reduce_norm_quant: %s must be contiguous", names[i]);
-    if (all[i]->scalar_type() != input.scalar_type())
-      fail("tpcomm: all_reduce_norm_quant: %s has another dtype than the input", names[i]);
-  }
+  check_like_input(comm, "all_reduce_norm_quant", input, all, names, 6);
   check_tensor(comm, codes, "codes");
   check_tensor(comm, scales, "scales");
   const tpc_dtype dtype = reduce_dtype(input, "all_reduce_norm_quant");

@@ -1,0 +1,51 @@
+"""What the Python benchmarks of benchmarks/ share: a CUDA graph's time per
+call over the ranks, and the environment a result file records."""
+import datetime
+import json
+import statistics
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+from tpcomm import _ranks
+
+
+def _driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except Exception:  # noqa: BLE001 - the driver version is a note, not a requirement
+        return None
+
+
+def slowest_rank_us(fn, calls=10, replays=20, warmup=1):
+    """µs per call of fn: a CUDA graph of `calls` back-to-back calls, the
+    median over `replays` replays (every rank starting together), the
+    slowest rank's. warmup eager calls first (inductor's kernels compile and
+    autotune on their first calls, which a capture must not see)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        torch.cuda.synchronize()
+        times.append(_ranks.seconds_per_call(graph.replay, 1, torch.device("cuda")) * 1e6 / calls)
+    worst = [None] * dist.get_world_size()
+    dist.all_gather_object(worst, statistics.median(times))
+    return round(max(worst), 2)
+
+
+def write(out, rows, world):
+    """rows, with the GPU, driver, torch, NCCL, world size, date and method, as JSON in out."""
+    env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
+           "date": datetime.date.today().isoformat(),
+           "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
+    with open(out, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
