@@ -9,21 +9,11 @@ import torch
 import tpcomm
 from tpcomm.norm_patterns import Pattern
 
+from norm_helpers import norm
+
 F8 = torch.float8_e4m3fn
 HIDDEN = 256
-EPS = 1e-6
-
-
-def norm(kind, x, weight, eps=EPS):
-    """An RMSNorm of x as model code writes it: torch's F.rms_norm, Llama's
-    (weight w) or Gemma's (weight 1 + w) code."""
-    if kind == "functional":
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if kind == "llama":
-        return weight * h.to(x.dtype)
-    return (h * (1.0 + weight.float())).type_as(x)
+EPS = 1e-6  # the fused op's eps, norm_helpers.norm's default too
 
 
 # ------------------------------------------------------ quantizations matched

@@ -18,6 +18,7 @@ import fp8_models as M
 from tpcomm import fusion, fusion_fp8
 from fp8_models import F8
 from multiproc import run_ranks
+from norm_helpers import capture, copy_graph
 
 
 def _sat(v, bound=448.0):
@@ -172,32 +173,6 @@ def test_the_pass_leaves_these_alone():
 
 
 # ------------------------------------------------ every removed node, one more user
-def _capture(model, *args):
-    """The graph Dynamo hands a backend (node meta included) and the tensors it is called with."""
-    seen = []
-
-    def spy(gm, example_inputs):
-        seen.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=spy, fullgraph=True)(*args)
-    return seen[0]
-
-
-def _copy(gm, extra=None):
-    """A GraphModule of gm's graph (node names and meta kept), with the node named `extra` as one more output."""
-    graph, env = torch.fx.Graph(), {}
-    for node in gm.graph.nodes:
-        if node.op != "output":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            continue
-        outputs = tuple(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
-        graph.output(outputs + ((next(env[n] for n in env if n.name == extra),) if extra else ()))
-    return torch.fx.GraphModule(gm, graph)
-
-
 def _norm_outputs(gm):
     """The names of the fused-norm calls and their getitems: the op takes over their values."""
     calls = [n for n in gm.graph.nodes if n.target in M.NORM_OPS]
@@ -216,9 +191,9 @@ def _body_every_removed_node(rank, world_size):
     for pattern in Pattern:
         for name, quant in M.QUANTS.items():
             model = M.Layers(comm.group_name, pattern, "llama", quant, w1, w2, torch.tensor(1 / 64), layers=1)
-            gm, inputs = _capture(model.eval(), y, residual)
+            gm, inputs = capture(model.eval(), y, residual)
             fusion.fuse(gm)
-            clean = _copy(gm)
+            clean = copy_graph(gm)
             assert fusion_fp8.fuse(clean)[COUNT_KEY[pattern]] == 1, (pattern, name)
             removed = {n.name for n in gm.graph.nodes} - {n.name for n in clean.graph.nodes} - _norm_outputs(gm)
             by_name = {n.name: n for n in gm.graph.nodes}
@@ -228,7 +203,7 @@ def _body_every_removed_node(rank, world_size):
                 # the grouped codes viewed back to the rows are the op's codes in another view: never inside
                 inside = all(u.name in removed for u in by_name[node].users) \
                     and getattr(by_name[node].meta["example_value"], "dtype", None) != F8
-                variant = _copy(gm, extra=node)
+                variant = copy_graph(gm, extra=node)
                 with torch.no_grad():
                     expected, code = variant(*inputs), variant.code
                     moved = fusion_fp8.fuse(variant)

@@ -16,20 +16,9 @@ from tpcomm import fusion
 from tpcomm.norm_patterns import STATS_KEY, Pattern
 
 from multiproc import run_ranks
+from norm_helpers import capture, copy_graph, norm
 
 HIDDEN = 64
-
-
-def _norm(kind, x, weight, eps=1e-6):
-    """An RMSNorm of x as model code writes it: torch's F.rms_norm, Llama's
-    (weight w) or Gemma's (weight 1 + w) code."""
-    if kind == "functional":
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if kind == "llama":
-        return weight * h.to(x.dtype)
-    return (h * (1.0 + weight.float())).type_as(x)
 
 
 class _PreNorm(torch.nn.Module):
@@ -42,7 +31,7 @@ class _PreNorm(torch.nn.Module):
 
     def forward(self, y, residual):
         h = residual + self.drop(torch.ops.tpcomm.custom_all_reduce(y, self.group).reshape(residual.shape))
-        return _norm(self.kind, h, self.w), h
+        return norm(self.kind, h, self.w), h
 
 
 class _PostNorm(torch.nn.Module):
@@ -54,8 +43,8 @@ class _PostNorm(torch.nn.Module):
         self.w1, self.w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
 
     def forward(self, y, residual):
-        h = residual + _norm(self.kind, torch.ops.tpcomm.custom_all_reduce(y, self.group), self.w1)
-        return (_norm(self.kind, h, self.w2), h) if self.then_norm else (h,)
+        h = residual + norm(self.kind, torch.ops.tpcomm.custom_all_reduce(y, self.group), self.w1)
+        return (norm(self.kind, h, self.w2), h) if self.then_norm else (h,)
 
 
 def _models(group, w1, w2):
@@ -66,36 +55,6 @@ def _models(group, w1, w2):
         out.append((_PostNorm(group, kind, w1, w2, then_norm=False), STATS_KEY[Pattern.NORM_ADD]))
         out.append((_PostNorm(group, kind, w1, w2), STATS_KEY[Pattern.NORM_ADD_NORM]))
     return out
-
-
-def _capture(model, *args):
-    """The graph Dynamo hands a backend (node meta included) and the tensors it is called with."""
-    seen = []
-
-    def spy(gm, example_inputs):
-        seen.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=spy, fullgraph=True)(*args)
-    assert len(seen) == 1
-    return seen[0]
-
-
-def _copy(gm, extra=None):
-    """A GraphModule of gm's graph (node names and meta kept), with the node
-    named `extra` as one more output."""
-    graph, env = torch.fx.Graph(), {}
-    for node in gm.graph.nodes:
-        if node.op != "output":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            continue
-        outputs = tuple(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
-        if extra is not None:
-            outputs += (next(env[n] for n in env if n.name == extra),)
-        graph.output(outputs)
-    return torch.fx.GraphModule(gm, graph)
 
 
 def _names(gm):
@@ -119,8 +78,8 @@ def _body_every_removed_node(rank, world_size):
     y = torch.randint(-64, 65, (2, 3, HIDDEN), generator=torch.Generator().manual_seed(rank)) / 8
     for model, key in _models(comm.group_name, w1, w2):
         args = (y if isinstance(model, _PreNorm) else y.view(6, HIDDEN), residual)
-        gm, inputs = _capture(model.eval(), *args)
-        clean = _copy(gm)
+        gm, inputs = capture(model.eval(), *args)
+        clean = copy_graph(gm)
         assert fusion.fuse(clean)[key] == 1, (model.kind, key)
         removed = _names(gm) - _names(clean)
         by_name = {n.name: n for n in gm.graph.nodes}
@@ -129,7 +88,7 @@ def _body_every_removed_node(rank, world_size):
             what = f"{type(model).__name__} {model.kind} ({key}), one more user of {name}"
             # inside: every user of the node in the clean graph goes with the rewrite
             inside = all(u.name in removed for u in by_name[name].users)
-            variant = _copy(gm, extra=name)
+            variant = copy_graph(gm, extra=name)
             with torch.no_grad():
                 expected = variant(*inputs)
                 code = variant.code
@@ -156,17 +115,17 @@ class _KeepsSum(_PostNorm):
 
     def forward(self, y, residual):
         s = torch.ops.tpcomm.custom_all_reduce(y, self.group)
-        h = residual + _norm(self.kind, s, self.w1)
-        return (_norm(self.kind, h, self.w2), h, s) if self.then_norm else (h, s)
+        h = residual + norm(self.kind, s, self.w1)
+        return (norm(self.kind, h, self.w2), h, s) if self.then_norm else (h, s)
 
 
 class _KeepsNormed(_PostNorm):
     """The sandwich that also returns the first norm's output (before the add)."""
 
     def forward(self, y, residual):
-        n = _norm(self.kind, torch.ops.tpcomm.custom_all_reduce(y, self.group), self.w1)
+        n = norm(self.kind, torch.ops.tpcomm.custom_all_reduce(y, self.group), self.w1)
         h = residual + n
-        return (_norm(self.kind, h, self.w2), h, n) if self.then_norm else (h, n)
+        return (norm(self.kind, h, self.w2), h, n) if self.then_norm else (h, n)
 
 
 class _KeepsSquare(_PreNorm):

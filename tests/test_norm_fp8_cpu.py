@@ -27,22 +27,10 @@ from tpcomm.norm_patterns import Pattern
 from tpcomm.reference import reference_all_reduce_norm
 
 from multiproc import run_ranks
+from norm_helpers import pattern_inputs, pattern_shared, seeded
 from routing_only import meta, routing_comm
 
 EPS, NEXT_EPS = 1e-5, 1e-6
-
-
-def _inputs(rank, shape, dtype, seed):
-    """Multiples of 1/8 below 8: sums exact in fp32 in any order (gloo's
-    order is not the reference's rank order)."""
-    g = torch.Generator().manual_seed(100 * seed + rank)
-    return (torch.randint(-64, 65, shape, generator=g) / 8).to(dtype)
-
-
-def _shared(shape, dtype, seed):
-    g = torch.Generator().manual_seed(7919 * seed)
-    return (torch.randn(shape, generator=g).to(dtype), (torch.rand(shape[-1:], generator=g) - 0.5).to(dtype),
-            (torch.rand(shape[-1:], generator=g) + 0.5).to(dtype))
 
 
 def _bits(t):
@@ -89,58 +77,51 @@ def _call(entry, comm, pattern, quant, x, residual, weight, nw, offset, scale, f
 def _body_patterns(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     expected = dict.fromkeys(STATS_KEY.values(), 0)
-    seed = 0
-    for pattern in Pattern:
-        for offset in (0.0, 1.0):
-            for quant in Quant:
-                for column_major in (False, True):
-                    for dtype, shape in ((torch.bfloat16, (3, 256)), (torch.float16, (2, 2, 384)),
-                                         (torch.float32, (4, 128))):
-                        seed += 1
-                        if column_major and len(shape) != 2:
-                            continue
-                        every = [_inputs(r, shape, dtype, seed) for r in range(world_size)]
-                        residual, weight, next_weight = _shared(shape, dtype, seed)
-                        if seed % 3 == 0:  # a NaN in rank 1's row 0, an all-zero row 1 (residual too)
-                            every[1].view(-1, shape[-1])[0, 5] = float("nan")
-                            for t in (residual, *every):
-                                t.view(-1, shape[-1])[1] = 0.0
-                        x = every[rank].clone()
-                        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                        scale = torch.tensor([0.0625 + 0.01 * seed]) if quant == Quant.PER_TENSOR else None
-                        floor = None if quant == Quant.PER_TENSOR else (None, 1e-3)[seed % 2]
-                        what = (f"{pattern.name} offset {offset} {quant.name} column-major {column_major} {dtype} "
-                                f"{shape} on {world_size} ranks")
-                        if column_major and quant == Quant.PER_TENSOR:
-                            with pytest.raises(ValueError, match="per_tensor has one scale"):
-                                _call("private", comm, pattern, quant, x, residual, weight, nw, offset, scale, floor,
-                                      True, False)
-                            continue
-                        entry = ("public" if pattern == Pattern.ADD_NORM and not offset and seed % 2 else
-                                 "method" if pattern == Pattern.ADD_NORM and not offset else "private")
-                        return_normed = entry != "public" and seed % 4 < 2
-                        codes, scales, stream, normed = _call(entry, comm, pattern, quant, x, residual, weight, nw,
-                                                              offset, scale, floor, column_major, return_normed)
-                        expected[STATS_KEY[pattern]] += 1
-                        ref_normed, ref_stream = reference_all_reduce_norm(every, residual, weight, EPS, pattern,
-                                                                           offset, nw, NEXT_EPS)
-                        want_codes, want_scales = fp8.quantize(ref_normed, quant, scale, floor, column_major)
-                        assert_same_bits(codes, want_codes, f"codes {what}")
-                        assert_same_bits(scales, want_scales, f"scales {what}")
-                        assert_same_bits(stream, ref_stream, f"stream {what}")
-                        assert stream.is_contiguous() and codes.is_contiguous()
-                        if return_normed:
-                            assert_same_bits(normed, ref_normed, f"normed {what}")
-                        if seed % 3 == 0:  # the NaN row only; the zero row at the floor (its codes 0)
-                            rows = codes.view(-1, shape[-1]).float()
-                            assert torch.isnan(rows[0]).any() and not torch.isnan(rows[1:]).any(), what
-                            if quant != Quant.PER_TENSOR:
-                                z = scales.reshape(-1, scales.shape[-1])[1]
-                                f = fp8.DEFAULT_FLOOR[quant] if floor is None else floor
-                                assert bool((z == torch.tensor(f, dtype=torch.float32)).all()), what
-                            assert bool((codes.view(-1, shape[-1])[1].float() == 0).all()), what  # +-0
-                        for t in (codes, scales, stream):
-                            _same_on_every_rank(t, world_size, what)
+    cases = seeded(Pattern, (0.0, 1.0), Quant, (False, True),
+                   ((torch.bfloat16, (3, 256)), (torch.float16, (2, 2, 384)), (torch.float32, (4, 128))))
+    for seed, pattern, offset, quant, column_major, (dtype, shape) in cases:
+        if column_major and len(shape) != 2:
+            continue
+        every = [pattern_inputs(r, shape, dtype, seed) for r in range(world_size)]
+        residual, weight, next_weight = pattern_shared(shape, dtype, seed)
+        if seed % 3 == 0:  # a NaN in rank 1's row 0, an all-zero row 1 (residual too)
+            every[1].view(-1, shape[-1])[0, 5] = float("nan")
+            for t in (residual, *every):
+                t.view(-1, shape[-1])[1] = 0.0
+        x = every[rank].clone()
+        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
+        scale = torch.tensor([0.0625 + 0.01 * seed]) if quant == Quant.PER_TENSOR else None
+        floor = None if quant == Quant.PER_TENSOR else (None, 1e-3)[seed % 2]
+        what = (f"{pattern.name} offset {offset} {quant.name} column-major {column_major} {dtype} {shape} "
+                f"on {world_size} ranks")
+        if column_major and quant == Quant.PER_TENSOR:
+            with pytest.raises(ValueError, match="per_tensor has one scale"):
+                _call("private", comm, pattern, quant, x, residual, weight, nw, offset, scale, floor, True, False)
+            continue
+        entry = ("public" if pattern == Pattern.ADD_NORM and not offset and seed % 2 else
+                 "method" if pattern == Pattern.ADD_NORM and not offset else "private")
+        return_normed = entry != "public" and seed % 4 < 2
+        codes, scales, stream, normed = _call(entry, comm, pattern, quant, x, residual, weight, nw, offset, scale,
+                                              floor, column_major, return_normed)
+        expected[STATS_KEY[pattern]] += 1
+        ref_normed, ref_stream = reference_all_reduce_norm(every, residual, weight, EPS, pattern, offset, nw, NEXT_EPS)
+        want_codes, want_scales = fp8.quantize(ref_normed, quant, scale, floor, column_major)
+        assert_same_bits(codes, want_codes, f"codes {what}")
+        assert_same_bits(scales, want_scales, f"scales {what}")
+        assert_same_bits(stream, ref_stream, f"stream {what}")
+        assert stream.is_contiguous() and codes.is_contiguous()
+        if return_normed:
+            assert_same_bits(normed, ref_normed, f"normed {what}")
+        if seed % 3 == 0:  # the NaN row only; the zero row at the floor (its codes 0)
+            rows = codes.view(-1, shape[-1]).float()
+            assert torch.isnan(rows[0]).any() and not torch.isnan(rows[1:]).any(), what
+            if quant != Quant.PER_TENSOR:
+                z = scales.reshape(-1, scales.shape[-1])[1]
+                f = fp8.DEFAULT_FLOOR[quant] if floor is None else floor
+                assert bool((z == torch.tensor(f, dtype=torch.float32)).all()), what
+            assert bool((codes.view(-1, shape[-1])[1].float() == 0).all()), what  # +-0
+        for t in (codes, scales, stream):
+            _same_on_every_rank(t, world_size, what)
     got = {op: v["calls"] for (op, route), v in comm.stats().items()}
     assert got == {k: n for k, n in expected.items() if n}, comm.stats()
     assert {route for _, route in comm.stats()} == {"unfused"}, comm.stats()

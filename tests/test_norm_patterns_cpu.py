@@ -19,50 +19,32 @@ from tpcomm.norm_patterns import STATS_KEY, Pattern
 from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 from multiproc import run_ranks
+from norm_helpers import pattern_inputs, pattern_shared, seeded
 from routing_only import meta, routing_comm
 
 SHAPES = [(1, 64), (3, 128), (2, 2, 256)]
 
 
-def _inputs(rank, shape, dtype, seed, world_size):
-    """Multiples of 1/8 below 8: sums exact in fp32 in any order (gloo's
-    order is not the reference's rank order)."""
-    g = torch.Generator().manual_seed(100 * seed + rank)
-    return (torch.randint(-64, 65, shape, generator=g) / 8).to(dtype)
-
-
-def _shared(shape, dtype, seed):
-    g = torch.Generator().manual_seed(7919 * seed)
-    return (torch.randn(shape, generator=g).to(dtype), (torch.rand(shape[-1:], generator=g) - 0.5).to(dtype),
-            (torch.rand(shape[-1:], generator=g) + 0.5).to(dtype))
-
-
 def _body_patterns(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     expected = dict.fromkeys(STATS_KEY.values(), 0)
-    seed = 0
-    for pattern in Pattern:
-        for offset in (0.0, 1.0):
-            for shape in SHAPES:
-                for dtype in (torch.bfloat16, torch.float32):
-                    seed += 1
-                    x = _inputs(rank, shape, dtype, seed, world_size)
-                    residual, weight, next_weight = _shared(shape, dtype, seed)
-                    nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                    normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset,
-                                                                       int(pattern), comm.group_name)
-                    expected[STATS_KEY[pattern]] += 1
-                    ref = reference_all_reduce_norm([_inputs(r, shape, dtype, seed, world_size)
-                                                     for r in range(world_size)], residual, weight, 1e-5, pattern,
-                                                    offset, nw, 1e-6)
-                    what = f"{pattern.name} offset {offset} {dtype} {shape} on {world_size} ranks"
-                    assert int(ulp_distance(normed, ref[0]).max()) == 0, f"normed {what}"
-                    assert int(ulp_distance(stream, ref[1]).max()) == 0, f"stream {what}"
-                    assert normed.data_ptr() != stream.data_ptr()
-                    for t in (normed, stream):
-                        gathered = [torch.empty_like(t) for _ in range(world_size)]
-                        dist.all_gather(gathered, t)
-                        assert all(torch.equal(g, gathered[0]) for g in gathered), f"ranks differ: {what}"
+    for seed, pattern, offset, shape, dtype in seeded(Pattern, (0.0, 1.0), SHAPES, (torch.bfloat16, torch.float32)):
+        x = pattern_inputs(rank, shape, dtype, seed)
+        residual, weight, next_weight = pattern_shared(shape, dtype, seed)
+        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
+        normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset, int(pattern),
+                                                           comm.group_name)
+        expected[STATS_KEY[pattern]] += 1
+        ref = reference_all_reduce_norm([pattern_inputs(r, shape, dtype, seed) for r in range(world_size)], residual,
+                                        weight, 1e-5, pattern, offset, nw, 1e-6)
+        what = f"{pattern.name} offset {offset} {dtype} {shape} on {world_size} ranks"
+        assert int(ulp_distance(normed, ref[0]).max()) == 0, f"normed {what}"
+        assert int(ulp_distance(stream, ref[1]).max()) == 0, f"stream {what}"
+        assert normed.data_ptr() != stream.data_ptr()
+        for t in (normed, stream):
+            gathered = [torch.empty_like(t) for _ in range(world_size)]
+            dist.all_gather(gathered, t)
+            assert all(torch.equal(g, gathered[0]) for g in gathered), f"ranks differ: {what}"
     stats = comm.stats()
     # each call once, under its pattern's key; ADD_NORM with weight w is all_reduce_add_rms_norm itself
     assert {op: v["calls"] for (op, _), v in stats.items()} == {k: n for k, n in expected.items() if n}, stats

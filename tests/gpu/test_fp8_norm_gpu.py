@@ -26,49 +26,19 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import multiproc
-import tpcomm
-from gpu_checks import delay_random_rank, overwrite, shared_rng
+from fused_norm_cases import EPS, NEXT_EPS, bits, cases, check_counts_and_close, check_reference, fused_comm, late, \
+    same_on_every_rank, shared
+from gpu_checks import delay_random_rank, shared_rng
 from tpcomm import fp8, norm_fp8
-from tpcomm.config import Config
 from tpcomm.fp8 import Quant
 from tpcomm.norm_fp8 import STATS_KEY
 from tpcomm.norm_patterns import Pattern
-from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1024 * 1024
-EPS, NEXT_EPS = 1e-5, 1e-6
-MAX_HIDDEN = tpcomm._lib.NORM_MAX_ROW_BYTES // 2  # 16-bit values in the kernel's longest row
-SHAPES = [(1, 2048), (3, 2048), (8, 2048), (1, MAX_HIDDEN)]
 NAMES = {Quant.PER_TENSOR: "per_tensor", Quant.PER_TOKEN: "per_token", Quant.PER_TOKEN_GROUP: "per_token_group"}
-
-
-def _comm():
-    comm = tpcomm.Communicator(packet_max_bytes=1 * MiB, config=Config.from_env().replace(fused_kernel=True))
-    assert comm.enabled, comm.disabled_reason
-    return comm
-
-
-def _gathered(x):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return parts
-
-
-def _shared(shape, dtype, seed):
-    """Residual, weight and next weight, the same on every rank (weights in [-0.5, 0.5))."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    residual = torch.randn(shape, generator=g, device="cuda").to(dtype)
-    weight, next_weight = ((torch.rand(shape[-1:], generator=g, device="cuda") - 0.5).to(dtype) for _ in range(2))
-    return residual, weight, next_weight
-
-
-def _bits(t):
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def assert_same_bits(got, want, what):
@@ -77,13 +47,7 @@ def assert_same_bits(got, want, what):
         (what, got.shape, got.stride(), got.dtype, want.shape, want.stride(), want.dtype)
     nan = torch.isnan(want.float())
     assert torch.equal(torch.isnan(got.float()), nan), f"NaN positions differ: {what}"
-    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan]), f"bits differ: {what}"
-
-
-def _same_on_every_rank(t, what):
-    mine = _bits(t).to(torch.int32)  # gloo (ranks sharing a GPU) gathers no 8- or 16-bit integers
-    parts = _gathered(mine)
-    assert all(torch.equal(p, parts[0]) for p in parts), f"differs across ranks: {what}"
+    assert torch.equal(bits(got)[~nan], bits(want)[~nan]), f"bits differ: {what}"
 
 
 def _static_scale(quant, value):
@@ -100,62 +64,38 @@ def _fp8_call(comm, pattern, quant, x, residual, weight, nw, offset, scale, floo
 
 
 def body_epilogues(rank, world):
-    comm = _comm()
+    comm = fused_comm()
     rng = shared_rng(13)
     expected = collections.Counter()
-    seed = 0
-    for pattern in Pattern:
-        for offset in (0.0, 1.0):
-            for dtype in (torch.bfloat16, torch.float16):
-                for shape in SHAPES:
-                    for quant in Quant:
-                        seed += 1
-                        g = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
-                        x = torch.randint(-2, 3, shape, generator=g, device="cuda").to(dtype)
-                        residual, weight, next_weight = _shared(shape, dtype, seed)
-                        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                        scale = _static_scale(quant, 0.0125)
-                        what = (f"{pattern.name} weight {'1 + w' if offset else 'w'} {quant.name} {dtype} {shape} "
-                                f"at {world} ranks")
-                        assert norm_fp8.route(comm, pattern, x, weight, nw, offset) == "fused", what
-                        kept_x, kept_r = x.clone(), residual.clone()
-                        delay_random_rank(rank, world, rng)
-                        codes, scales, stream, normed = _fp8_call(comm, pattern, quant, x, residual, weight, nw,
-                                                                  offset, scale, None, False, True)
-                        overwrite(x)
-                        overwrite(residual)
-                        expected[(STATS_KEY[pattern], "fused")] += 1
-                        ref_normed, ref_stream = reference_all_reduce_norm(_gathered(kept_x), kept_r, weight, EPS,
-                                                                           pattern, offset, nw, NEXT_EPS)
-                        assert int(ulp_distance(stream, ref_stream).max()) == 0, f"stream {what}"
-                        normed_ulps = 0 if pattern == Pattern.NORM_ADD else 1
-                        assert int(ulp_distance(normed, ref_normed).max()) <= normed_ulps, f"normed {what}"
-                        want_codes, want_scales = fp8.quantize(normed, quant, scale)
-                        assert_same_bits(codes, want_codes, f"codes {what}")
-                        assert_same_bits(scales, want_scales, f"scales {what}")
-                        for t, name in ((codes, "codes"), (scales, "scales"), (stream, "stream"), (normed, "normed")):
-                            _same_on_every_rank(t, f"{name} {what}")
-                        # without the normed output, the scales column-major (but per tensor's one scale)
-                        column_major = quant != Quant.PER_TENSOR
-                        x, residual = kept_x.clone(), kept_r.clone()
-                        delay_random_rank(rank, world, rng)
-                        if pattern == Pattern.ADD_NORM and not offset:
-                            codes2, scales2, stream2 = torch.ops.tpcomm.custom_all_reduce_add_rms_norm_fp8(
-                                x, residual, weight, EPS, NAMES[quant], scale, None, column_major, comm.group_name)
-                        else:
-                            codes2, scales2, stream2, _ = _fp8_call(comm, pattern, quant, x, residual, weight, nw,
-                                                                    offset, scale, None, column_major, False)
-                        overwrite(x)
-                        overwrite(residual)
-                        expected[(STATS_KEY[pattern], "fused")] += 1
-                        want_codes, want_scales = fp8.quantize(normed, quant, scale, None, column_major)
-                        assert_same_bits(codes2, want_codes, f"codes without normed {what}")
-                        assert_same_bits(scales2, want_scales, f"column-major scales {what}")
-                        assert torch.equal(_bits(stream2), _bits(stream)), f"stream without normed {what}"
-    torch.cuda.synchronize()
-    comm.check()
-    assert {k: v["calls"] for k, v in comm.stats().items()} == dict(expected), comm.stats()
-    comm.close()
+    for case in cases(comm, rank, world, norm_fp8.route, inner=Quant):
+        pattern, offset, quant, x, residual, weight, nw, what = case
+        scale = _static_scale(quant, 0.0125)
+        kept_x, kept_r = x.clone(), residual.clone()
+        codes, scales, stream, normed = late(rank, world, rng, x, residual, lambda: _fp8_call(
+            comm, pattern, quant, x, residual, weight, nw, offset, scale, None, False, True))
+        expected[(STATS_KEY[pattern], "fused")] += 1
+        check_reference(case, kept_x, kept_r, normed, stream)
+        want_codes, want_scales = fp8.quantize(normed, quant, scale)
+        assert_same_bits(codes, want_codes, f"codes {what}")
+        assert_same_bits(scales, want_scales, f"scales {what}")
+        for t, name in ((codes, "codes"), (scales, "scales"), (stream, "stream"), (normed, "normed")):
+            same_on_every_rank(t, f"{name} {what}")
+        # without the normed output, the scales column-major (but per tensor's one scale)
+        column_major = quant != Quant.PER_TENSOR
+        x, residual = kept_x.clone(), kept_r.clone()
+        if pattern == Pattern.ADD_NORM and not offset:
+            codes2, scales2, stream2 = late(rank, world, rng, x, residual, lambda: (
+                torch.ops.tpcomm.custom_all_reduce_add_rms_norm_fp8(
+                    x, residual, weight, EPS, NAMES[quant], scale, None, column_major, comm.group_name)))
+        else:
+            codes2, scales2, stream2, _ = late(rank, world, rng, x, residual, lambda: _fp8_call(
+                comm, pattern, quant, x, residual, weight, nw, offset, scale, None, column_major, False))
+        expected[(STATS_KEY[pattern], "fused")] += 1
+        want_codes, want_scales = fp8.quantize(normed, quant, scale, None, column_major)
+        assert_same_bits(codes2, want_codes, f"codes without normed {what}")
+        assert_same_bits(scales2, want_scales, f"column-major scales {what}")
+        assert torch.equal(bits(stream2), bits(stream)), f"stream without normed {what}"
+    check_counts_and_close(comm, expected)
 
 
 def test_fp8_epilogues_on_the_fused_kernel():
@@ -166,7 +106,7 @@ def body_rows(rank, world):
     """Rows on their own: row 0 has a NaN in the last rank's input, row 1 is
     all zero (every input and the residual), row 2 is large against a small
     static scale (saturates), the rest plain."""
-    comm = _comm()
+    comm = fused_comm()
     rng = shared_rng(17)
     calls = collections.Counter()
     for pattern in Pattern:
@@ -176,7 +116,7 @@ def body_rows(rank, world):
                 seed = 100 * int(pattern) + 10 * int(quant) + (dtype == torch.float16)
                 g = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
                 x = torch.randint(-2, 3, shape, generator=g, device="cuda").to(dtype)
-                residual, weight, next_weight = _shared(shape, dtype, seed)
+                residual, weight, next_weight = shared(shape, dtype, seed)
                 weight.add_(1.0)  # weights in [0.5, 1.5): no -0.0 in the zero row's normed output
                 next_weight.add_(1.0)
                 nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
@@ -198,7 +138,7 @@ def body_rows(rank, world):
                 q = codes.float()
                 assert torch.isnan(q[0]).all() and not torch.isnan(q[1:]).any(), f"NaN row {what}"
                 assert torch.isnan(normed[0]).all() and not torch.isnan(normed[1:]).any(), f"NaN normed {what}"
-                assert not _bits(codes[1]).any(), f"zero row codes {what}"
+                assert not bits(codes[1]).any(), f"zero row codes {what}"
                 if quant == Quant.PER_TENSOR:
                     assert (q[2:].abs() == 448).any(), f"no saturated code {what}"
                     assert bool((q[2:].abs() <= 448).all()), what
@@ -208,11 +148,8 @@ def body_rows(rank, world):
                     assert bool((rows[1] == floor).all()), f"zero row's scale {what}"
                     assert bool((q[2:].abs().amax(-1) == 448).all()), f"each row's amax code {what}"
                 for t, name in ((codes, "codes"), (scales, "scales")):
-                    _same_on_every_rank(t, f"{name} {what}")
-    torch.cuda.synchronize()
-    comm.check()
-    assert {k: v["calls"] for k, v in comm.stats().items()} == dict(calls), comm.stats()
-    comm.close()
+                    same_on_every_rank(t, f"{name} {what}")
+    check_counts_and_close(comm, calls)
 
 
 def test_fp8_rows_nan_zero_and_saturated():

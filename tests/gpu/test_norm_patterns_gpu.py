@@ -21,91 +21,37 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import multiproc
-import tpcomm
-from gpu_checks import delay_random_rank, overwrite, shared_rng
+from fused_norm_cases import EPS, NEXT_EPS, cases, check_counts_and_close, check_reference, fused_comm, late, \
+    same_on_every_rank
+from gpu_checks import delay_random_rank, shared_rng
 from tpcomm import norm_patterns
-from tpcomm.config import Config
-from tpcomm.norm_patterns import STATS_KEY, Pattern
-from tpcomm.reference import reference_all_reduce_norm, ulp_distance
+from tpcomm.norm_patterns import STATS_KEY
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1024 * 1024
-EPS, NEXT_EPS = 1e-5, 1e-6
-MAX_HIDDEN = tpcomm._lib.NORM_MAX_ROW_BYTES // 2  # 16-bit values in the kernel's longest row
-SHAPES = [(1, 2048), (3, 2048), (8, 2048), (1, MAX_HIDDEN)]
-
-
-def _comm():
-    comm = tpcomm.Communicator(packet_max_bytes=1 * MiB, config=Config.from_env().replace(fused_kernel=True))
-    assert comm.enabled, comm.disabled_reason
-    return comm
-
-
-def _gathered(x):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return parts
-
-
-def _shared(shape, dtype, seed):
-    """Residual, weight and next weight, the same on every rank; weights in
-    [-0.5, 0.5), so that 1 + w (Gemma's) is a plausible scale too."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    residual = torch.randn(shape, generator=g, device="cuda").to(dtype)
-    weight, next_weight = ((torch.rand(shape[-1:], generator=g, device="cuda") - 0.5).to(dtype) for _ in range(2))
-    return residual, weight, next_weight
-
-
-def _same_on_every_rank(t, what):
-    parts = _gathered(t)
-    assert all(torch.equal(p.view(torch.int16), parts[0].view(torch.int16)) for p in parts), \
-        f"differs across ranks: {what}"
-
 
 def body_patterns(rank, world):
-    comm = _comm()
+    comm = fused_comm()
     rng = shared_rng(11)
     expected = collections.Counter()
-    seed = 0
-    for pattern in Pattern:
-        for offset in (0.0, 1.0):
-            for dtype in (torch.bfloat16, torch.float16):
-                for shape in SHAPES:
-                    seed += 1
-                    g = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
-                    x = torch.randint(-2, 3, shape, generator=g, device="cuda").to(dtype)
-                    residual, weight, next_weight = _shared(shape, dtype, seed)
-                    nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                    what = f"{pattern.name} weight {'1 + w' if offset else 'w'} {dtype} {shape} at {world} ranks"
-                    assert norm_patterns.route(comm, pattern, x, weight, nw, offset) == "fused", what
-                    kept_x, kept_r = x.clone(), residual.clone()
-                    delay_random_rank(rank, world, rng)
-                    normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, EPS, NEXT_EPS, offset,
-                                                                       int(pattern), comm.group_name)
-                    overwrite(x)
-                    overwrite(residual)
-                    expected[(STATS_KEY[pattern], "fused")] += 1
-                    ref_normed, ref_stream = reference_all_reduce_norm(_gathered(kept_x), kept_r, weight, EPS,
-                                                                       pattern, offset, nw, NEXT_EPS)
-                    assert int(ulp_distance(stream, ref_stream).max()) == 0, f"stream {what}"
-                    normed_ulps = 0 if pattern == Pattern.NORM_ADD else 1
-                    assert int(ulp_distance(normed, ref_normed).max()) <= normed_ulps, f"normed {what}"
-                    _same_on_every_rank(normed, f"normed {what}")
-                    _same_on_every_rank(stream, f"stream {what}")
-                    # in place: normed into the input, the stream output into the residual (no "spread")
-                    xi, ri = kept_x.clone(), kept_r.clone()
-                    delay_random_rank(rank, world, rng)
-                    comm.kernels.all_reduce_norm(pattern, xi, ri, weight, nw, EPS, NEXT_EPS, offset, xi, ri)
-                    assert torch.equal(xi.view(torch.int16), normed.view(torch.int16)), f"in place normed {what}"
-                    assert torch.equal(ri.view(torch.int16), stream.view(torch.int16)), f"in place stream {what}"
-    torch.cuda.synchronize()
-    comm.check()
-    assert {k: v["calls"] for k, v in comm.stats().items()} == dict(expected), comm.stats()
-    comm.close()
+    for case in cases(comm, rank, world, norm_patterns.route):
+        pattern, offset, _, x, residual, weight, nw, what = case
+        kept_x, kept_r = x.clone(), residual.clone()
+        normed, stream = late(rank, world, rng, x, residual, lambda: torch.ops._tpcomm.all_reduce_norm(
+            x, residual, weight, nw, EPS, NEXT_EPS, offset, int(pattern), comm.group_name))
+        expected[(STATS_KEY[pattern], "fused")] += 1
+        check_reference(case, kept_x, kept_r, normed, stream)
+        same_on_every_rank(normed, f"normed {what}")
+        same_on_every_rank(stream, f"stream {what}")
+        # in place: normed into the input, the stream output into the residual (no "spread")
+        xi, ri = kept_x.clone(), kept_r.clone()
+        delay_random_rank(rank, world, rng)
+        comm.kernels.all_reduce_norm(pattern, xi, ri, weight, nw, EPS, NEXT_EPS, offset, xi, ri)
+        assert torch.equal(xi.view(torch.int16), normed.view(torch.int16)), f"in place normed {what}"
+        assert torch.equal(ri.view(torch.int16), stream.view(torch.int16)), f"in place stream {what}"
+    check_counts_and_close(comm, expected)
 
 
 def test_norm_patterns_on_the_fused_kernel():
