@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
-
-import graph_timing  # noqa: E402 - beside this file
+import graph_timing  # noqa: E402 - beside this file; it imports the checkout's tpcomm (the line above)
 
 SHAPES = [(1, 4096), (32, 4096), (128, 4096), (512, 4096), (1024, 4096), (2048, 4096)]
 EPS = 1e-5
@@ -61,12 +59,8 @@ def _rank(rank, world, init_method, out):
             for name, fn in timed.items():
                 row["us"][name] = graph_timing.slowest_rank_us(fn)
         rows.append(row)
-        if rank == 0:
-            print(f"{tokens:5d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
-    if rank == 0 and out:
-        graph_timing.write(out, rows, world)
-    comm.close()
-    dist.destroy_process_group()
+        graph_timing.print_row(rank, f"{tokens:5d} x {hidden}", row)
+    graph_timing.finish(comm, rank, world, rows, out)
 
 
 def main():
@@ -77,10 +71,7 @@ def main():
     if world < 2:
         print("needs 2 GPUs")
         return
-    with _ranks.rendezvous() as (init_method, _):
-        outcome = _ranks.wait(_ranks.start(world, _rank, init_method, args.out), 600)
-    if outcome.failed or outcome.hung:
-        sys.exit(f"add_rms_norm_routes: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
+    graph_timing.spawn("add_rms_norm_routes", world, _rank, args.out, 600)
 
 
 if __name__ == "__main__":

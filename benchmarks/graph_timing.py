@@ -49,3 +49,27 @@ def write(out, rows, world):
            "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
     with open(out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+def print_row(rank, label, row):
+    """Rank 0 prints a row's times as it has them."""
+    if rank == 0:
+        print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
+
+
+def finish(comm, rank, world, rows, out):
+    """Rank 0 writes the rows to out (if given); every rank closes comm and leaves the group."""
+    if rank == 0 and out:
+        write(out, rows, world)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def spawn(name, world, target, out, timeout_s):
+    """target(rank, world, init_method, out) in `world` processes; exits naming the ranks that failed or hung."""
+    import sys
+
+    with _ranks.rendezvous() as (init_method, _):
+        outcome = _ranks.wait(_ranks.start(world, target, init_method, out), timeout_s)
+    if outcome.failed or outcome.hung:
+        sys.exit(f"{name}: ranks {outcome.failed + outcome.hung} failed or hung (output above)")

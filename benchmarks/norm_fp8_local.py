@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from tpcomm import _ranks  # noqa: E402 - the checkout's tpcomm, from the line above
-
-import graph_timing  # noqa: E402 - beside this file
+import graph_timing  # noqa: E402 - beside this file; it imports the checkout's tpcomm (the line above)
 
 SHAPES = [(8, 4096), (32, 4096), (256, 4096), (8, 8192), (32, 8192), (256, 8192)]
 QUANTS = ("per_tensor", "per_token", "per_token_group")
@@ -73,12 +71,8 @@ def _rank(rank, world, init_method, out):
         for name, fn in timed.items():
             row["us"][name] = graph_timing.slowest_rank_us(fn, warmup=3)
         rows.append(row)
-        if rank == 0:
-            print(f"{tokens:4d} x {hidden}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)
-    if rank == 0 and out:
-        graph_timing.write(out, rows, world)
-    comm.close()
-    dist.destroy_process_group()
+        graph_timing.print_row(rank, f"{tokens:4d} x {hidden}", row)
+    graph_timing.finish(comm, rank, world, rows, out)
 
 
 def main():
@@ -90,10 +84,7 @@ def main():
     if gpus < args.world:
         print(f"needs {args.world} GPUs ({gpus} visible): see the module's doc")
         return
-    with _ranks.rendezvous() as (init_method, _):
-        outcome = _ranks.wait(_ranks.start(args.world, _rank, init_method, args.out), 900)
-    if outcome.failed or outcome.hung:
-        sys.exit(f"norm_fp8_local: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
+    graph_timing.spawn("norm_fp8_local", args.world, _rank, args.out, 900)
 
 
 if __name__ == "__main__":
