@@ -110,7 +110,7 @@ typedef void (*tpc_kernel)(const tpc_kernel_args);
  * kernel may begin while the previous one finishes and waits for it in
  * tpc_grid_wait (see portability.cuh). */
 static int tpc_launch(tpc_kernel kernel, tpc_geometry g, const tpc_kernel_args *args, void *stream) {
-#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__) || defined(TPC_NO_PDL)
+#if defined(USE_ROCM) || defined(__HIP_PLATFORM_AMD__)
   kernel<<<g.blocks, g.threads, 0, (tpc_stream)stream>>>(*args);
   return TPC_LAUNCH_ERROR();
 #else

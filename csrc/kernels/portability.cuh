@@ -318,18 +318,6 @@ TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {
 #endif
 }
 
-/* 0, computed from v in a way the compiler cannot see through: an operation
- * using it cannot issue before v has been loaded. */
-TPC_DEVICE uint32_t tpc_zero_after(uint32_t v) {
-  uint32_t z;
-#ifdef TPC_HIP
-  asm volatile("v_and_b32 %0, %1, 0" : "=v"(z) : "v"(v));
-#else
-  asm volatile("and.b32 %0, %1, 0;" : "=r"(z) : "r"(v));
-#endif
-  return z;
-}
-
 TPC_DEVICE uint64_t tpc_clock_ns(void) {
 #ifdef TPC_HIP
 #if defined(__HIP_DEVICE_COMPILE__)
