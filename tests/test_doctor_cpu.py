@@ -10,6 +10,9 @@ import torch
 
 import tpcomm
 from tpcomm import _lib, cli, doctor
+from tpcomm.doctor import facts, self_test
+from tpcomm.doctor.report import Report
+from tpcomm.doctor.routing_bands import routed_bands
 
 import source_tree
 
@@ -97,9 +100,9 @@ def test_routed_bands_follow_routing_route():
 
     routes = {"all_reduce": {"*": [(1 << 10, "packet"), (1 << 30, "bulk")]}}
     caps = routing.Caps(4, 1 << 20, 512, True)
-    assert doctor.routed_bands(routes, caps, "all_reduce", torch.float32) == [(512, "packet"), (1 << 20, "bulk")]
-    assert doctor.routed_bands(routes, caps, "all_reduce", torch.int32) == []  # no kernel reduces int32
-    for limit, backend in doctor.routed_bands(routes, caps, "all_reduce", torch.float32):
+    assert routed_bands(routes, caps, "all_reduce", torch.float32) == [(512, "packet"), (1 << 20, "bulk")]
+    assert routed_bands(routes, caps, "all_reduce", torch.int32) == []  # no kernel reduces int32
+    for limit, backend in routed_bands(routes, caps, "all_reduce", torch.float32):
         assert routing.route(routes, caps, "all_reduce", torch.float32, limit) == backend
 
 
@@ -154,36 +157,36 @@ def test_cli_help_lists_every_command():
 def test_linked_runtime_is_read_from_the_library(tmp_path):
     lib = tmp_path / "fake.so"
     lib.write_bytes(b"\x7fELF...\0libc10.so\0libcudart.so.12\0libc.so.6\0")
-    assert doctor._linked_runtime(str(lib)) == "libcudart.so.12"
+    assert facts._linked_runtime(str(lib)) == "libcudart.so.12"
     lib.write_bytes(b"\x7fELF\0libamdhip64.so.6\0")
-    assert doctor._linked_runtime(str(lib)) == "libamdhip64.so.6"
+    assert facts._linked_runtime(str(lib)) == "libamdhip64.so.6"
     lib.write_bytes(b"\x7fELF\0libc.so.6\0")
-    assert doctor._linked_runtime(str(lib)) is None
-    assert doctor._linked_runtime(str(tmp_path / "absent.so")) is None
+    assert facts._linked_runtime(str(lib)) is None
+    assert facts._linked_runtime(str(tmp_path / "absent.so")) is None
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("nbytes", doctor.SELF_TEST_BYTES)
+@pytest.mark.parametrize("nbytes", self_test.SELF_TEST_BYTES)
 def test_self_test_inputs_have_exact_sums(world, nbytes):
     """The self-test's bit-for-bit comparison rests on this: small integers,
     whose bf16 sums over 8 ranks are exact in any order, in a length every
     kernel and reduce_scatter's split by rank take, the same on every run."""
-    x = doctor._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world)
+    x = self_test._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world)
     assert x.dtype == torch.bfloat16 and x.numel() % (8 * world) == 0
     assert x.numel() * 2 <= nbytes and x.numel() * 2 > nbytes - 16 * world
     assert torch.equal(x, x.round()) and int(x.abs().max()) <= 8
-    assert torch.equal(x, doctor._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world))
-    assert not torch.equal(x, doctor._rank_inputs(2, "all_reduce", nbytes, torch.bfloat16, world))
-    total = sum(doctor._rank_inputs(r, "all_reduce", nbytes, torch.bfloat16, world).float() for r in range(8))
+    assert torch.equal(x, self_test._rank_inputs(1, "all_reduce", nbytes, torch.bfloat16, world))
+    assert not torch.equal(x, self_test._rank_inputs(2, "all_reduce", nbytes, torch.bfloat16, world))
+    total = sum(self_test._rank_inputs(r, "all_reduce", nbytes, torch.bfloat16, world).float() for r in range(8))
     assert torch.equal(total.to(torch.bfloat16).float(), total)  # |sum| <= 64: exact in bf16
 
 
 def test_a_failed_self_test_row_is_a_problem():
-    report = doctor.Report(out=open(os.devnull, "w"))
-    doctor._report_row(report, {"op": "all_reduce", "bytes": 8192, "route": "packet", "ok": True,
+    report = Report(out=open(os.devnull, "w"))
+    self_test._report_row(report, {"op": "all_reduce", "bytes": 8192, "route": "packet", "ok": True,
                                 "tpcomm_s": 5e-6, "torch_s": 2e-5})
     assert report.problems == []
-    doctor._report_row(report, {"op": "all_gather", "bytes": 8192, "route": "packet", "ok": False})
+    self_test._report_row(report, {"op": "all_gather", "bytes": 8192, "route": "packet", "ok": False})
     assert report.problems == ["all_gather 8 KiB/rank: via packet, DIFFERS from torch.distributed"]
 
 
@@ -192,8 +195,8 @@ def test_self_test_runs_every_collective_over_spawned_ranks(capsys):
     every rank, per-rank results, the report) on the CPU over gloo, where the
     Communicator falls back to torch.distributed: every op matches, and the
     custom path being off is reported as the problem it would be on GPUs."""
-    report = doctor.Report()
-    doctor._self_test(report, 0, False, 2, 1, 240, on_cpu=True, sizes=(8 * 1024,))
+    report = Report()
+    self_test.run_self_test(report, 0, False, 2, 1, 240, on_cpu=True, sizes=(8 * 1024,))
     text = capsys.readouterr().out
     assert "== self-test (2 ranks on cpu, tpcomm against torch.distributed/gloo)" in text
     for op in ("all_reduce", "all_gather", "reduce_scatter"):

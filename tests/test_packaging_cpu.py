@@ -135,7 +135,7 @@ def test_package_data_installs_without_layout_warnings(tmp_path):
     built = tmp_path / "lib" / "tpcomm"
     tables = sorted(os.listdir(os.path.join(ROOT, "python", "tpcomm", "tables")))
     assert tables and sorted(os.listdir(built / "tables")) == tables
-    assert (built / "py.typed").exists() and (built / "doctor.py").exists() and (built / "_version.py").exists()
+    assert (built / "py.typed").exists() and (built / "doctor" / "__init__.py").exists() and (built / "_version.py").exists()
 
 
 @pytest.mark.skipif(not HAS_CUDA_HEADERS or shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")),

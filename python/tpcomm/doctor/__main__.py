@@ -1,0 +1,6 @@
+"""python -m tpcomm.doctor"""
+import sys
+
+from . import main
+
+sys.exit(main())
