@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tpcomm import _ranks
-from tpcomm.bench.measure import environment, rotated
+from tpcomm.bench.environment import environment
+from tpcomm.bench.timing import rotated
 
 
 def parse_args(argv=None):

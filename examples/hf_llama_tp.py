@@ -160,7 +160,7 @@ def main(argv=None):
         results[str(batch)] = entry
     results["tpcomm_calls"] = {f"{op}/{b}": v["calls"] for (op, b), v in comm.stats().items()}
     if rank == 0:
-        from tpcomm.bench.measure import environment
+        from tpcomm.bench.environment import environment
 
         env = environment(world)
         data = {"env": env, "model": dict(shape, layers=args.layers, dtype=str(dtype).split(".")[-1], ranks=world),

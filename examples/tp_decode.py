@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from tpcomm import _ranks  # the ranks of one group on this host
-from tpcomm.bench.measure import environment, rotated  # the benchmark's: GPU, driver, torch, NCCL, date
+from tpcomm.bench.environment import environment  # the benchmark's: GPU, driver, torch, NCCL, date
+from tpcomm.bench.timing import rotated
 
 LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
 RUN_TIMEOUT_S = 3600  # a set of ranks still running after this is stopped

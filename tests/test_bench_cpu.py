@@ -14,7 +14,7 @@ import torch
 
 from multiproc import run_ranks
 import source_tree
-from tpcomm.bench import measure, report
+from tpcomm.bench import report, timing, worker
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -288,11 +288,11 @@ def test_time_graphs_interleaves_rounds(monkeypatch):
             raise RuntimeError("capture refused")
         return FakeGraph(name)
 
-    monkeypatch.setattr(measure, "capture_graph", capture)
-    monkeypatch.setattr(measure.torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(measure, "_barrier", lambda: None)
+    monkeypatch.setattr(timing, "capture_graph", capture)
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing, "barrier", lambda: None)
     names = ["a", "broken", "b", "c"]
-    out = measure.time_graphs([lambda n=n: n for n in names], ops_per_graph=10, replays=4, settle=1)
+    out = timing.time_graphs([lambda n=n: n for n in names], ops_per_graph=10, replays=4, settle=1)
     assert out[1][0] != out[1][0] and "capture refused" in out[1][1]  # nan, and why
     assert [o for i, o in enumerate(out) if i != 1] == [(100.0, None)] * 3  # 1 ms (one replay) / 10 ops
     rounds = replayed[9:]  # after 3 warm-up rounds of the three
@@ -301,7 +301,7 @@ def test_time_graphs_interleaves_rounds(monkeypatch):
         ["c", "c", "a", "a", "b", "b"], ["a", "a", "b", "b", "c", "c"]]
     # one graph: its replays in a row, none untimed
     replayed.clear()
-    assert measure.time_graphs([lambda: "a"], ops_per_graph=10, replays=5) == [(100.0, None)]
+    assert timing.time_graphs([lambda: "a"], ops_per_graph=10, replays=5) == [(100.0, None)]
     assert replayed == ["a"] * 8
 
 
@@ -329,15 +329,15 @@ def _sim_rank(rank, world, out_path, merge_path=None):
                 call()
         return [(fake_t["graph"] + rank, None) for _ in calls]
 
-    measure.time_graphs = fake_graphs
-    measure.time_eager = fake_time("eager")
+    worker.time_graphs = fake_graphs
+    worker.time_eager = fake_time("eager")
     args = cli.parse_args(["--max-bytes", str(4 * MiB), "--sizes-step", "16", "--dtypes", "bf16,fp32",
                            "--out", out_path, "--no-progress"]
                           # the merging run times its graphs interleaved (the default), the other one
                           # after the other
                           + (["--merge-from", merge_path] if merge_path else ["--sequential"]))
     assert isinstance(args, argparse.Namespace)
-    measure._run(rank, world, torch.device("cpu"), args, None)
+    worker._run(rank, world, torch.device("cpu"), args, None)
 
 
 def _run_sim(out_path, merge_path=None):
@@ -407,7 +407,7 @@ def test_fake_rows_through_every_output_path(tmp_path, capsys):
 
 # ------------------------------- the spawner's handling of failing ranks
 def _fake_rank(rank, world, port, args, queue):
-    """Stands in for measure.spawned_worker; args.ops_per_graph picks the behaviour."""
+    """Stands in for worker.spawned_worker; args.ops_per_graph picks the behaviour."""
     import time
 
     kind = {1: "ok", 2: "raise", 3: "hang", 4: "crash_after", 5: "sigterm"}[args.ops_per_graph]

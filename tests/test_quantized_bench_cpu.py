@@ -12,7 +12,8 @@ import torch
 
 from multiproc import run_ranks
 from tpcomm import quantized_reference, routing, routing_table, tune
-from tpcomm.bench import cases, measure, report
+from tpcomm.bench import cases, report
+from tpcomm.bench.inputs import make_input
 
 KiB, MiB = 1024, 1024 * 1024
 QB = ("tpcomm_quantized_fp8", "tpcomm_quantized_int8", "tpcomm_quantized_int4")
@@ -131,7 +132,7 @@ class _FakeResources:
 
 
 def _body_cases(rank, world):
-    x0 = measure.make_input(rank, "all_reduce", torch.bfloat16, 4096, "cpu")
+    x0 = make_input(rank, "all_reduce", torch.bfloat16, 4096, "cpu")
     for broken in (False, True):
         res = _FakeResources(world, broken)
         for backend in QB:

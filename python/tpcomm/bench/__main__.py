@@ -94,11 +94,11 @@ def main(argv=None):
     topology.force_multicast_off()
     import torch
 
-    from . import measure
+    from . import environment, worker
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank = int(os.environ["RANK"])
-        path = measure.worker(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ["WORLD_SIZE"]), None, args)
+        path = worker.worker(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ["WORLD_SIZE"]), None, args)
         if rank == 0 and path and not args.no_plots:
             make_plots(path)
         return 0
@@ -107,7 +107,7 @@ def main(argv=None):
     except Exception:  # noqa: BLE001 - a broken driver counts as no GPU
         n = 0
     if n < 2:
-        print(measure.environment_text(n))
+        print(environment.environment_text(n))
         print(f"tpcomm.bench needs at least 2 CUDA GPUs on this machine; found {n}. Nothing to measure.")
         print(f"not run: {', '.join(report.BACKENDS)}: needs at least 2 CUDA GPUs (found {n})")
         return 0
@@ -121,9 +121,9 @@ def spawn_with_nomix(n, args):
     import copy
     import tempfile
 
-    from . import measure
+    from .worker import plan
 
-    backends = measure.plan(args)[3]
+    backends = plan(args)[3]
     nomix = [b for b in backends if b in report.NOMIX_BACKENDS]
     if not nomix or "graph" not in report.parse_choices(args.modes, report.MODES, "mode"):
         return spawn(n, args)
@@ -152,14 +152,14 @@ def spawn_with_nomix(n, args):
 
 def spawn(n, args, target=None):
     """Runs one rank per GPU (target(rank, n, init_method, args, queue), default
-    measure.spawned_worker) under --deadline-s; then draws the figures.
+    worker.spawned_worker) under --deadline-s; then draws the figures.
     Returns 0 when the results file is complete, else 1."""
     import torch.multiprocessing as mp
 
     from .. import _ranks
-    from . import measure
+    from .worker import spawned_worker
 
-    target = target or measure.spawned_worker
+    target = target or spawned_worker
     queue = mp.get_context("spawn").SimpleQueue()
     start = time.monotonic()
     failure = None

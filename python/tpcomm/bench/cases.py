@@ -22,7 +22,7 @@ skipped):
   processes whose NCCL was started with NCCL_GRAPH_MIXING_SUPPORT=0 (NCCL's
   fastest setting under CUDA graphs, read once per process): python -m
   tpcomm.bench runs them in a second set of processes, graph mode only, and
-  merges their rows (measure.py, --merge-from). In any other process they
+  merges their rows (worker.py, --merge-from). In any other process they
   are off, with that reason.
 * symm_one_shot, symm_two_shot: tpcomm.bench.symm_mem.SymmMem on views
   at offset 0 of its buffer, the input placed there before timing. All-reduce

@@ -8,260 +8,31 @@ median. A backend that cannot run a case, fails its check or fails to run is
 listed under "not_run" with the reason (or recorded with "correct": false),
 and the run goes on. Rank 0 writes the results file after every op/dtype
 block (so that a run cut short keeps what it measured) and at the end.
+
+The parts it runs: timing.py (graph and eager timing), inputs.py (the
+inputs, their reference and the bit-for-bit check), environment.py and
+peer_copy.py (what the results file records about the machine),
+kernel_probe.py (NCCL's kernel names).
 """
 import datetime
-import math
 import os
-import platform
-import statistics
-import subprocess
 import time
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from .. import _ranks, topology
+from .. import topology
 from . import report
-from .cases import Resources, Unavailable, agree, describe, make_case
+from .cases import Resources, agree, describe, make_case
+from .environment import environment, format_env
+from .inputs import bit_equal, make_input, reference
+from .kernel_probe import probe_nccl_kernels
+from .peer_copy import measure_peer_copy
 from .progress import Progress
-from .report import BACKENDS, OPS, human_bytes  # noqa: F401 - re-exported
-
-PEER_COPY_BYTES = 256 << 20
-
-
-# ------------------------------------------------------------------- timing
-def _barrier():
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.synchronize()
+from .report import BACKENDS, OPS, human_bytes
+from .timing import barrier, time_eager, time_graphs
 
 
-def rotated(items, r):
-    """items in round r's order: starting r places further on, so that over
-    len(items) rounds each goes first once."""
-    k = r % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
-def capture_graph(call, ops_per_graph):
-    """A CUDA graph of `ops_per_graph` back-to-back calls (warmed up eagerly
-    on a side stream first, as torch's graph capture asks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops_per_graph):
-            call()
-    return graph
-
-
-def time_graphs(calls, ops_per_graph, replays, settle=0):
-    """[(median us per op, None) or (nan, error text)] for each call, each
-    captured in a graph of `ops_per_graph` ops, after 3 untimed replays of
-    each. With one call: `replays` timed replays in a row. With several
-    (the benchmark's default; --sequential times one call at a time):
-    rounds, each replaying every graph in an order rotated by one, so the
-    backends compared at one size are timed over the same seconds; `settle`
-    untimed replays of a graph come before its timed one,
-    since a graph replayed right after another backend's ran up to 1.6x
-    slower (seen on 2xH200: a graph that always followed an NCCL graph)."""
-    out = [None] * len(calls)
-    graphs = {}
-    for i, call in enumerate(calls):
-        try:
-            graphs[i] = capture_graph(call, ops_per_graph)
-        except Exception as e:  # noqa: BLE001 - that backend's row becomes a reason
-            out[i] = (float("nan"), describe(e))
-    live = list(graphs)
-    times = {i: [] for i in live}
-    try:
-        for _ in range(3):
-            for i in live:
-                graphs[i].replay()
-        _barrier()
-        for r in range(replays):
-            for i in rotated(live, r):
-                for _ in range(settle):
-                    graphs[i].replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graphs[i].replay()
-                end.record()
-                end.synchronize()
-                times[i].append(start.elapsed_time(end) * 1000.0 / ops_per_graph)
-    except Exception as e:  # noqa: BLE001 - a replay failed: no row of this size is trusted
-        for i in live:
-            out[i] = (float("nan"), f"replays failed: {describe(e)}")
-        return out
-    finally:
-        graphs.clear()
-    for i in live:
-        out[i] = (statistics.median(times[i]), None)
-    return out
-
-
-def time_eager(call, ops, reps):
-    """Median us per op over `reps` runs of `ops` back-to-back calls."""
-    for _ in range(3):
-        call()
-    _barrier()
-    device = torch.device("cuda", torch.cuda.current_device())
-    return statistics.median(_ranks.seconds_per_call(call, ops, device) * 1e6 for _ in range(reps))
-
-
-def make_input(rank, op, dtype, numel, device):
-    """Integer values in [-4, 4] of torch dtype `dtype`, different on every
-    rank: sums are exact."""
-    g = torch.Generator(device=device)
-    g.manual_seed(zlib.crc32(f"{op}/{dtype}/{numel}".encode()) * 8 + rank)
-    return torch.randint(-4, 5, (numel,), generator=g, device=device, dtype=torch.int32).to(dtype)
-
-
-def reference(op, x0, world):
-    """NCCL's all-gather of the inputs (a bit copy); for all_reduce, their sum
-    in float64 rounded to the dtype (exact on these integers); for
-    reduce_scatter, this rank's part of that sum."""
-    gathered = torch.empty((world * x0.numel(),), dtype=x0.dtype, device=x0.device)
-    dist.all_gather_into_tensor(gathered, x0)
-    if op == "all_gather":
-        return gathered
-    total = gathered.view(world, -1).double().sum(0).to(x0.dtype)
-    if op == "reduce_scatter":
-        return total.view(world, -1)[dist.get_rank()].clone()
-    return total
-
-
-def bit_equal(y, ref):
-    if not isinstance(y, torch.Tensor) or y.numel() != ref.numel() or y.dtype != ref.dtype:
-        return False
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ref.element_size()]
-    return torch.equal(y.contiguous().view(-1).view(as_int), ref.contiguous().view(-1).view(as_int))
-
-
-# -------------------------------------------------------------- environment
-def environment(world):
-    env = {"date": datetime.date.today().isoformat(), "world_size": world, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "host": platform.node(), "python": platform.python_version()}
-    try:
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception as e:  # noqa: BLE001 - report, do not fail
-        env["nccl"] = f"unknown ({e})"
-    try:
-        if torch.cuda.is_available() and torch.cuda.device_count():
-            env["gpu"] = torch.cuda.get_device_name(0)
-    except Exception as e:  # noqa: BLE001
-        env["gpu_error"] = str(e)
-    try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip()
-    except Exception as e:  # noqa: BLE001
-        env["driver"] = f"unknown ({e})"
-    env["multicast"] = "off (" + ", ".join(f"{k}={os.environ.get(k)}" for k in topology.MULTICAST_OFF) + ")"
-    return env
-
-
-def format_env(env):
-    lines = []
-    for k, v in env.items():
-        if isinstance(v, dict):
-            lines.append(f"{k:>16}:")
-            lines.extend(f"{'':>18}{kk}: {vv}" for kk, vv in v.items())
-        else:
-            lines.append(f"{k:>16}: {v}")
-    return "\n".join(lines)
-
-
-def environment_text(world):
-    return format_env(environment(world))
-
-
-def default_out_path(env):
-    return report.default_out_path(env)
-
-
-def measure_peer_copy(nbytes=PEER_COPY_BYTES, reps=5):
-    """Rank 0: GB/s of Tensor.copy_ from cuda:0 into cuda:1 (median of reps)."""
-    try:
-        if torch.cuda.device_count() < 2:
-            return {"peer_copy_gbps": None, "peer_copy": "not measured: rank 0 sees one GPU"}
-        if not torch.cuda.can_device_access_peer(0, 1):
-            return {"peer_copy_gbps": None, "peer_copy": "not measured: cuda:0 cannot access cuda:1 as a peer"}
-        src = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-        times = []
-        with torch.cuda.device(0):
-            for _ in range(2):
-                dst.copy_(src)
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            torch.cuda.synchronize(1)
-        ms = statistics.median(times)
-        del src, dst
-        torch.cuda.empty_cache()
-        return {"peer_copy_gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
-                "peer_copy": f"rank 0, Tensor.copy_ of {human_bytes(nbytes)} cuda:0 -> cuda:1, "
-                             f"median of {reps} after 2 warm-ups ({ms:.3f} ms)"}
-    except Exception as e:  # noqa: BLE001
-        return {"peer_copy_gbps": None, "peer_copy": f"failed: {describe(e)}"}
-
-
-def probe_kernels(cases, world):
-    """Names of the GPU kernels each case launches (torch.profiler), to tell
-    NCCL's symmetric kernels (ncclSymk...) from its ring/tree ones. Collective;
-    returns {key: [names] or "error: ..."} (rank 0's view)."""
-    out = {}
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-    except Exception as e:  # noqa: BLE001
-        return {"error": describe(e)}
-    for key, case in cases:
-        prof, err = None, None
-        try:
-            case.prepare()
-            case.call()
-            torch.cuda.synchronize()
-            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            prof.__enter__()
-        except Exception as e:  # noqa: BLE001
-            err = describe(e)
-        err = agree(err, world)
-        if err:
-            out[key] = f"error: {err}"
-            continue
-        try:
-            for _ in range(2):
-                case.call()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            err = describe(e)
-        try:
-            prof.__exit__(None, None, None)
-            names = sorted({e.name for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA})
-            names = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
-            out[key] = [n[:120] for n in names[:8]] or "no GPU kernel recorded"
-        except Exception as e:  # noqa: BLE001
-            out[key] = f"error: {describe(e)}"
-        err = agree(err, world)
-        if err:
-            out[key] = f"error: {err}"
-    return out
-
-
-# ------------------------------------------------------------------- worker
 def plan(args):
     """(ops, dtypes, modes, backends, sizes) of a run, from the parsed arguments."""
     ops = report.parse_choices(args.ops, OPS, "op")
@@ -332,7 +103,7 @@ def _run(rank, world, device, args, queue):
     if rank == 0:
         env.update(measure_peer_copy())
         say(f"peer copy: {env.get('peer_copy_gbps')} GB/s ({env.get('peer_copy')})", flush=True)
-    _barrier()
+    barrier()
     res = Resources(rank, world, device, size_list[-1], backends, log=say)
     env.update(res.info)
     for b, why in res.reasons.items():
@@ -448,7 +219,7 @@ def _run(rank, world, device, args, queue):
     progress.close()
 
     if not args.no_kernel_probe:
-        env["nccl_kernels"] = _probe(ops, dtypes, backends, size_list, res, rank, world, device)
+        env["nccl_kernels"] = probe_nccl_kernels(ops, dtypes, backends, size_list, res, rank, world, device)
     data = _write(path, env, rows, not_run, world, complete=True, t0=t0, log=say) if rank == 0 else None
     if rank == 0 and not quiet:
         print("\n" + format_env(data["env"]))
@@ -492,29 +263,3 @@ def _write(path, env, rows, not_run, world, complete, t0, log=print):
     except Exception as e:  # noqa: BLE001
         log(f"could not write {path}: {describe(e)}")
     return data
-
-
-def _probe(ops, dtypes, backends, size_list, res, rank, world, device):
-    """Kernel names of nccl and nccl_window at a small and a large size."""
-    dname = "bfloat16" if "bfloat16" in dtypes else dtypes[0]
-    dtype = getattr(torch, dname)
-    small = min(size_list, key=lambda s: abs(math.log2(s) - 16))            # near 64 KiB
-    large = max([s for s in size_list if s <= (16 << 20)] or size_list[:1])  # up to 16 MiB
-    cases = []
-    for op in ops:
-        for backend in ("nccl", "nccl_window"):
-            if backend not in backends or backend in res.reasons:
-                continue
-            for req in sorted({small, large}):
-                numel = max(1, req // dtype.itemsize)
-                x0 = make_input(rank, op, dtype, numel, device)
-                try:
-                    case = make_case(backend, op, x0, res)
-                except Unavailable:
-                    case = None
-                if agree(None if case else "unavailable", world) is None:
-                    cases.append((f"{op} {backend} {dname} {human_bytes(numel * dtype.itemsize)}", case))
-    try:
-        return probe_kernels(cases, world)
-    except Exception as e:  # noqa: BLE001
-        return {"error": describe(e)}
