@@ -327,9 +327,9 @@ def _body_stats(rank, world_size):
                             ("all_gather", "gloo"): {"calls": 1, "bytes": 24}}, comm.stats()
     # Routes are memoised per (dtype, size) / (shape, dim) with their stats cell;
     # past the memo's bound it starts over and the counts stay right.
-    from tpcomm import communicator
+    from tpcomm import _route_memo
 
-    communicator._ROUTE_MEMO_MAX = 2
+    _route_memo._ROUTE_MEMO_MAX = 2
     for n in (8, 16, 24, 8, 32, 16):
         comm.all_reduce(torch.ones(n))
     comm.reduce_scatter(torch.ones(4 * world_size))

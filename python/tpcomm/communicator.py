@@ -1,7 +1,8 @@
 """Communicator: tpcomm's resources for one torch.distributed group on one GPU,
-and the per-call choice between tpcomm's kernels and NCCL."""
+its construction and its ops. Its bases hold the rest: the route memo and
+stats (tpcomm._route_memo), the kernel-or-None calls (tpcomm._kernel_only)
+and check, capture, close and abort (tpcomm._lifecycle)."""
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -9,23 +10,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _agreement, _autograd, _group_setup, _lib, _registry, add_rms_norm, norm_fp8, routing, routing_table
+from . import _agreement, _autograd, _group_setup, _registry, add_rms_norm, norm_fp8, routing, routing_table
 from ._kernel_only import KernelOnly
+from ._lifecycle import Lifecycle
 from ._log import log_once
+from ._route_memo import SINGLE_RANK, RouteMemo
 from ._shapes import check_int_dim, check_tensor, checked_dim
-from . import _one_rank
 from .backends import aiter
 from .backends.kernels import Kernels
 from .backends.nccl import Nccl
 from .config import Config
-from .errors import CollectiveTimeout, CommunicatorClosed
-
-_ROUTE_MEMO_MAX = 4096  # routes remembered per op before the memo starts over
-SINGLE_RANK = "single rank"  # disabled_reason, and the backend (route, stats) of a group of one
-_KERNEL_ROUTES = frozenset(routing.KERNELS + routing.QUANTIZED)  # what the kernel-or-None methods run
 
 
-class Communicator(KernelOnly):
+class Communicator(KernelOnly, RouteMemo, Lifecycle):
     """tpcomm collectives for the ranks of `group` (default: the world group).
 
     Every rank of the group constructs it, in the same order relative to other
@@ -231,191 +228,11 @@ class Communicator(KernelOnly):
         return norm_fp8.run(self, norm_fp8.Pattern.ADD_NORM, quant, x, residual, weight, None, eps, 0.0, 0.0, scale,
                             scale_floor, column_major_scales, return_normed)
 
-    # -------------------------------------------------------------- routing
-    # The fallback is named as stats() counts it: by the group's backend
-    # ("nccl" on GPUs, "gloo" on CPU), tpcomm.routing's "nccl" translated in _route.
-    def route_all_reduce(self, x: torch.Tensor) -> str:
-        """The backend all_reduce(x) uses: "packet", "line", "two_shot", "bulk", the fallback
-        ("nccl", "gloo"), or "quantized_<mode>" where Config.quantize is on (tpcomm.routing.quantized)."""
-        return self._route_of("all_reduce", x)
-
-    def route_all_gather(self, x: torch.Tensor, dim: int = 0) -> str:
-        """The backend all_gather(x, dim) uses: "packet", "line", "bulk" or the fallback."""
-        check_tensor(x, "input")
-        return self._route_of("all_gather", x, checked_dim(x, dim, "route_all_gather"))
-
-    def route_reduce_scatter(self, x: torch.Tensor) -> str:
-        """The backend reduce_scatter(x, dim) uses: "packet", "line", "bulk" or the fallback."""
-        return self._route_of("reduce_scatter", x)
-
-    def _route_of(self, op, x, dim=0):
-        """The route of `op` of x along a checked dim (the route_* methods' answer)."""
-        row = routing.row_bytes(x.shape, dim, x.element_size()) if op == "all_gather" else 0
-        return self._route(routing.route, op, x.dtype, x.numel() * x.element_size(), row)
-
-    def route_all_reduce_add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> str:
-        """How all_reduce_add_rms_norm(x, residual, weight) runs: "fused" (one
-        kernel), "split" (reduce-scatter in fp32, the norm on this rank's rows,
-        all-gather) or "unfused" (all_reduce in fp32, then torch)."""
-        return self._route(routing.add_rms_norm, self.config.fused_kernel, x.dtype, weight.dtype,
-                           x.numel() * x.element_size(), x.shape[-1] * x.element_size() if x.dim() else 0)
-
-    def _route(self, how, *args):
-        """routing's answer `how(routes, caps, *args)`; a group of one has one
-        route for every call (add_rms_norm.run takes it the unfused way, whose
-        all_reduce is a copy)."""
-        if self.world_size == 1:
-            return SINGLE_RANK
-        got = how(self._routes, self._caps, *args)
-        return self._fallback if got == "nccl" else got
-
-    def _run(self, op, x, dim, kernel_only, *args, entry=None):
-        """op on the memoised route of a call like x (`entry`, where looked up
-        already), counted in stats(), with run's arguments `args`; None
-        instead where kernel_only and the route is not one of tpcomm's kernels."""
-        cell, run, kernel = entry or self._entry(op, x, dim)
-        if kernel_only and not kernel:
-            return None
-        y = _autograd.without_backward(run, op, x, *args) if x.requires_grad and _autograd.needs_grad(x) \
-            else run(x, *args)
-        cell[0] += 1  # as in all_reduce
-        cell[1] += x.numel() * x.element_size()
-        return y
-
-    def _entry(self, op, x, dim=0):
-        """The memo's (stats cell, run, kernel) for a call of op like x: one
-        lookup; routing is walked (_remember) only on a miss."""
-        nbytes = x.numel() * x.element_size()
-        key = ((x.shape, dim, x.element_size()) if op == "all_gather" else (x.dtype, nbytes, dim)
-               if op == "reduce_scatter" else (x.dtype, nbytes))
-        return self._memo[op].get(key) or self._remember(op, key, x, nbytes, dim)
-
-    def _remember(self, op, key, x, nbytes, dim=0):
-        """Routes a call like x and memoises it (a few thousand shapes at
-        most: a serving engine sees a handful per batch size) as (stats cell,
-        run, whether the route is tpcomm's kernel). AITER, where it is open,
-        routing offers it the call and it takes it, is tried first; what it
-        declines runs on the route and is counted there."""
-        memo = self._memo[op]
-        if len(memo) >= _ROUTE_MEMO_MAX:
-            memo.clear()
-        backend = self._route_of(op, x, dim)
-        cell, run = self._cell(op, backend), self._runner(op, x.dtype, backend)
-        run = _agreement.checked(self._agreement, op, run, dim) if backend == self._fallback else run
-        if (self._aiter is not None
-                and routing.aiter_first(op, self.world_size, self.max_bytes, x.numel() * x.element_size(), dim)
-                and self._aiter.takes(op, x)):
-            aiter_cell = self._cell(op, "aiter")
-            cell, run = aiter_cell, aiter.or_else(getattr(self._aiter, op), run, aiter_cell, cell, nbytes)
-        entry = memo[key] = (cell, run, backend in _KERNEL_ROUTES)
-        return entry
-
-    def _runner(self, op, dtype, backend):
-        """The callable that runs `op` on `backend`, with the op's arguments:
-        all_reduce(x, out), all_gather(x, dim), reduce_scatter(parts)."""
-        if backend == self._fallback:
-            return getattr(self._nccl, op)
-        if backend == SINGLE_RANK:
-            return getattr(_one_rank, op)
-        if op == "all_reduce":
-            return self._kernels.all_reduce_runner(dtype, backend)
-        return functools.partial(getattr(self._kernels, op), algo=backend)
-
-    def _cell(self, op, backend):
-        return self._stat_cells.setdefault((op, backend), [0, 0])
-
-    def stats(self) -> dict:
-        """Calls and input bytes per rank so far, per (op, backend) that ran them:
-        {("all_reduce", "packet"): {"calls": 12, "bytes": 49152}, ...}. The
-        fallback is named by the group's torch.distributed backend ("nccl",
-        "gloo"); a group of one counts under "single rank"."""
-        return {key: {"calls": c[0], "bytes": c[1]} for key, c in self._stat_cells.items() if c[0]}
-
-    # ------------------------------------------------------------ life cycle
-    def check(self) -> None:
-        """Raises the recorded error if an op failed on the device: a peer that did not arrive within
-        timeout_s (CollectiveTimeout), peers that called different ops (CollectiveMismatch), or, after
-        close(), a CUDA graph captured on this communicator that was replayed (CommunicatorClosed).
-        Reads host-mapped memory: no synchronisation."""
-        if self._comm is not None:
-            code = self._lib.tpc_comm_async_error(self._comm, ctypes.byref(_lib.AsyncError()))
-            _lib.check(self._lib, self._comm, code, "device error")
-        elif self._last_comm_id:  # closed: the record outlives the communicator
-            record = _lib.AsyncError()
-            code = self._lib.tpc_id_async_error(self._last_comm_id, ctypes.byref(record))
-            if record.code != _lib.OK:
-                _lib.check(self._lib, None, code, "device error")
-
-    @contextlib.contextmanager
-    def capture(self):
-        """Context for CUDA graph capture of this communicator's ops.
-
-        The kernels read only their input and buffers registered at init, and take their sequence number
-        from a counter on the device, so captured ops need no registration afterwards and replay
-        correctly in any order and interleaved with eager calls. A graph replayed after close() finds
-        the communicator closed on the device, writes NaN into its outputs and nothing else, and check()
-        reports it. The context only checks, on entry, that the communicator is open and no earlier op
-        failed on the device (an error found inside a capture would abort it)."""
-        self._check_open()
-        self.check()
-        with self._aiter.capture() if self._aiter is not None else contextlib.nullcontext():
-            yield self  # AITER registers the graph's buffers when its context exits
-
-    def close(self, timeout_s: "float | None" = None) -> None:
-        """Frees the registered buffers and lets go of the group (so that dist.destroy_process_group()
-        ends it). Collective: every rank calls it. Waits at most `timeout_s` (default: this
-        communicator's timeout_s + 5 s) for the peers to arrive; if one does not (it died, or never
-        calls close), the communicator is aborted instead (see abort()) and CollectiveTimeout names the
-        missing ranks."""
-        if (group := self._mark_closed()) is None or self._comm is None:
-            return
-        timeout_s = self.timeout_s + 5.0 if timeout_s is None else float(timeout_s)
-        torch.cuda.synchronize(self.device)  # our own kernels end within timeout_s: every wait is bounded
-        missing = _group_setup.meet_peers(group, self.rank, f"tpcomm/close/{self._group_key}/{self.serial}",
-                                          timeout_s)
-        if missing:
-            self._release(self._lib.tpc_comm_abort, "abort")
-            raise CollectiveTimeout(
-                f"tpcomm: close: ranks {missing} did not arrive within {timeout_s:.1f} s; the communicator "
-                "was aborted (its GPU memory is released when the process exits)")
-        self._release(self._lib.tpc_comm_destroy, "destroy")
-
-    def abort(self) -> None:
-        """Stops this communicator now, on this rank only: never blocks, needs no peer. Ops queued on
-        the GPU and graph replays exit (outputs NaN), peers' waits for this rank end at once with an
-        error, and the id is retired. The registered GPU memory stays allocated until the process exits
-        (a kernel may still run on it). Use it when a peer died; close() is the orderly, collective way."""
-        if self._mark_closed() is not None and self._comm is not None:
-            self._release(self._lib.tpc_comm_abort, "abort")
-
-    def _mark_closed(self):
-        """None when it already was; else closes it to callers, to the group-name ops and to AITER, and
-        lets go of the process group (docs/design.md, Teardown), which it returns."""
-        if self._closed:
-            return None
-        self._closed = True
-        _registry.unregister(self)
-        group, self.group, self._nccl, self._agreement = self.group, None, None, None
-        for memo in self._memo.values():  # its runs are bound to the fallback, which holds the group
-            memo.clear()
-        aiter_backend, self._aiter = self._aiter, None
-        if aiter_backend is not None:
-            aiter_backend.close()
-        return group
-
-    def _release(self, fn, what):
-        comm, self._comm, self.comm_id, self._caps = self._comm, None, 0, None
-        _lib.check(self._lib, comm, fn(comm), what)
-
     def __repr__(self):
         state = ("closed" if self._closed else "custom" if self.enabled else SINGLE_RANK if self.world_size == 1
                  else f"{self._fallback} only ({self.disabled_reason})")
         return (f"tpcomm.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_bytes={self.max_bytes}, packet_max_bytes={self.packet_max_bytes}, {state})")
-
-    def _check_open(self):
-        if self._closed:
-            raise CommunicatorClosed(f"tpcomm: the communicator (comm_id {self._last_comm_id}) is closed")
 
     def _check_input(self, x, what):
         # The common case in cheap tests, without making a torch.device.
