@@ -14,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 
 import tpcomm
 from tpcomm import _cache_key
-from tpcomm.compile_pass import COUNTED
+from tpcomm.graph_pass import COUNTED
 from bitexact import exact_values, expected_sum
 from multiproc import run_ranks
 
@@ -299,7 +299,7 @@ def _body_inductor_pass(rank, world_size):
 
     for fn, taken in ((allocation_between, 1), (work_between, 0)):
         gm = torch.fx.symbolic_trace(fn)
-        assert tpcomm.compile_pass.rewrite_collectives(gm.graph)["all_reduce"] == taken, fn.__name__
+        assert tpcomm.graph_pass.rewrite_collectives(gm.graph)["all_reduce"] == taken, fn.__name__
         gm.recompile()
         assert torch.equal(gm(x)[0], expected_sum(world_size, (4, 8), torch.float32, seed=8)), fn.__name__
     comm.close()

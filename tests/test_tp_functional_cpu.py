@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
-from tpcomm.compile_pass import COUNTED
+from tpcomm.graph_pass import COUNTED
 from multiproc import run_ranks
 import source_tree
 

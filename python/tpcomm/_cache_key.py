@@ -15,11 +15,11 @@ import os
 
 from . import _version, ops
 
-# The modules whose code shapes a compiled graph: the pass and its fusion,
+# The modules whose code shapes a compiled graph: the backend, the pass and its fusion,
 # the patterns' numbering, the inductor pass, the ops' definitions, fake
 # shapes and autograd, and this key itself.
-GRAPH_SOURCES = ("compile_pass.py", "fusion.py", "norm_patterns.py", "inductor_pass.py", "ops.py", "_fake.py",
-                 "_shapes.py", "_autograd.py", "_cache_key.py", "aten_norms.py", "unfused_report.py",
+GRAPH_SOURCES = ("compile_pass.py", "graph_pass.py", "fusion.py", "norm_patterns.py", "inductor_pass.py", "ops.py",
+                 "_fake.py", "_shapes.py", "_autograd.py", "_cache_key.py", "aten_norms.py", "unfused_report.py",
                  "fp8.py", "norm_fp8.py", "fusion_fp8.py")
 
 

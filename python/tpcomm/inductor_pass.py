@@ -3,24 +3,24 @@ inductor's cache keys on it and vLLM's pass manager takes it):
 
     torch._inductor.config.post_grad_custom_post_pass = tpcomm.inductor_pass.TpcommPass()
 
-It runs tpcomm.compile_pass.apply: torch's functional collectives on groups
+It runs tpcomm.graph_pass.apply: torch's functional collectives on groups
 with an open Communicator become tpcomm's ops, and (fuse=True) each
 all-reduce with the add + RMSNorm around it, in the aten form AOT autograd
-gives the norm (tpcomm.aten_norms), becomes the fused op. A separate module
-from compile_pass because importing inductor takes seconds, which `import
-tpcomm` does not pay."""
+gives the norm (tpcomm.aten_norms), becomes the fused op. A module of its
+own because importing inductor takes seconds, which `import tpcomm` does
+not pay: tpcomm.compile_pass imports it only when it compiles with inductor."""
 import hashlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _cache_key, _registry, compile_pass
+from . import _cache_key, _registry, graph_pass
 
 
 class TpcommPass(CustomGraphPass):
-    """compile_pass.apply on a graph (fuse=False: the collectives alone),
+    """graph_pass.apply on a graph (fuse=False: the collectives alone),
     then `then` (another custom pass) if given. `counts` (a dict given, or
-    its own) holds what it rewrote so far (compile_pass.COUNTED)."""
+    its own) holds what it rewrote so far (graph_pass.COUNTED)."""
 
     def __init__(self, then=None, counts=None, fuse=True):
         if then is not None and not isinstance(then, CustomGraphPass):
@@ -28,10 +28,10 @@ class TpcommPass(CustomGraphPass):
                             f"got {type(then).__name__}")
         self.then = then
         self.fuse = fuse
-        self.counts = counts if counts is not None else dict.fromkeys(compile_pass.COUNTED, 0)
+        self.counts = counts if counts is not None else dict.fromkeys(graph_pass.COUNTED, 0)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        compile_pass.apply(graph, self.counts, self.fuse)
+        graph_pass.apply(graph, self.counts, self.fuse)
         if self.then is not None:
             self.then(graph)
 

@@ -1,7 +1,7 @@
 """Says once, on logging.getLogger("tpcomm") (a warning), that a compiled
 graph leaves an all-reduce unfused next to a residual add + RMSNorm, and
 why, so that a user sees it without reading stats(). It reads the graph
-tpcomm saw last (compile_pass.apply with report=True: after the fusion, on
+tpcomm saw last (graph_pass.apply with report=True: after the fusion, on
 the graph it last rewrites), from each tpcomm.custom_all_reduce left in it:
 
 * graph break: the all-reduce's sum, or the add of it to another tensor,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import multiproc
 from multiproc import run_gpu
 import tpcomm
-from tpcomm.compile_pass import COUNTED
+from tpcomm.graph_pass import COUNTED
 from gpu_checks import KERNELS, no_compile_caches
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
