@@ -296,7 +296,7 @@ def _capture(model, *args):
     seen = {}
 
     def spy(gm, example_inputs):
-        seen["fused"] = tpcomm.fusion.fuse_all_reduce_add_rms_norm(gm)
+        seen["fused"] = sum(tpcomm.fusion.fuse(gm).values())
         seen["targets"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         return gm.forward
 

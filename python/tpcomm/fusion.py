@@ -4,7 +4,7 @@ all-reduce, so models need no edit to use the fused op:
     compiled = torch.compile(model, backend=tpcomm.compile_backend())            # inductor after the pass
     compiled = torch.compile(model, backend=tpcomm.compile_backend("aot_eager"))
 
-(tpcomm.compile_pass runs this fusion after it has put the collectives on
+(tpcomm.graph_pass runs this fusion after it has put the collectives on
 tpcomm; this module does not import it: the pass depends on the fusion, not
 the other way round.)
 
@@ -14,7 +14,7 @@ compiler) is matched the same way, its norm in aten ops
 as DTensor's redistribute (transformers 4.x's row-parallel layers).
 
 In the graph Dynamo captures, every (torch's own all_reduce included, which
-tpcomm.compile_pass first puts on tpcomm)
+tpcomm.graph_pass first puts on tpcomm)
 
     z = residual + torch.ops.tpcomm.custom_all_reduce(y, group_name)      (either order of the add)
     h = torch.nn.functional.rms_norm(z, (hidden,), weight, eps)      (torch.nn.RMSNorm calls it)
@@ -380,8 +380,3 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
         graph.lint()
         gm.recompile()
     return fused
-
-
-def fuse_all_reduce_add_rms_norm(gm: torch.fx.GraphModule) -> int:
-    """fuse(gm); how many all_reduce -> add / norm patterns it fused in all."""
-    return sum(fuse(gm).values())
