@@ -256,10 +256,16 @@ def summary(results):
     return rows
 
 
-def main(rank, world, args):
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+def rank_device(rank, cpu):
+    """This rank's device: the CPU, or its GPU (LOCAL_RANK under torchrun), made current."""
+    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    return device
+
+
+def main(rank, world, args):
+    device = rank_device(rank, args.cpu)
     dtype = getattr(torch, args.dtype)
     group = dist.group.WORLD
     comm = tpcomm.Communicator(group, device=device)
@@ -276,47 +282,64 @@ def main(rank, world, args):
     comm.close()
 
 
-def _spawned(rank, world, init_method, args):
+def _spawned(rank, world, init_method, body, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        main(rank, world, args)
+        body(rank, world, args)
     finally:
         dist.destroy_process_group()
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu", action="store_true", help="spawn --ranks gloo processes on the CPU")
-    p.add_argument("--ranks", type=int, default=2, help="with --cpu: how many processes")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
-    p.add_argument("--inner", default="aot_eager", help="the backend after tpcomm's pass: aot_eager or inductor")
-    p.add_argument("--all-reduce-only", action="store_true",
-                   help="every collective an all-reduce: the tail's sum in place, the LM head split over the hidden "
-                        "size (default: a sequence-parallel tail and a vocabulary-parallel head)")
-    args = p.parse_args(argv)
-    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
-    return args
-
-
-if __name__ == "__main__":
+def run_cli(body, args, name):
+    """body(rank, world, args) on every rank: --cpu, args.ranks gloo
+    processes spawned here; else this process, one of torchrun's (NCCL).
+    NVLink multicast stays off (spawned ranks inherit it)."""
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[key] = value  # NVLink multicast stays off (spawned ranks inherit it)
-    args = parse()
+        os.environ[key] = value
     if args.cpu:
         from tpcomm import _ranks
 
         with _ranks.rendezvous() as (init_method, _):
-            outcome = _ranks.wait(_ranks.start(args.ranks, _spawned, init_method, args), timeout_s=600)
+            outcome = _ranks.wait(_ranks.start(args.ranks, _spawned, init_method, body, args), timeout_s=600)
         if outcome.failed or outcome.hung:
-            sys.exit(f"tp_functional: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
+            sys.exit(f"{name}: ranks {outcome.failed + outcome.hung} failed or hung (output above)")
     else:
         if "RANK" not in os.environ:
             sys.exit("run it with torchrun (one process per GPU), or with --cpu")
         dist.init_process_group("nccl")
         try:
-            main(dist.get_rank(), dist.get_world_size(), args)
+            body(dist.get_rank(), dist.get_world_size(), args)
         finally:
             dist.destroy_process_group()
+
+
+def parser(description):
+    """The options of run_cli's examples: --cpu, --ranks, --dtype, --inner
+    (parsed(), once every option is added, fills in --dtype's default)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--cpu", action="store_true", help="spawn --ranks gloo processes on the CPU")
+    p.add_argument("--ranks", type=int, default=2, help="with --cpu: how many processes")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--inner", default="aot_eager", help="the backend after tpcomm's pass: aot_eager or inductor")
+    return p
+
+
+def parsed(p, argv=None):
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    return args
+
+
+def parse(argv=None):
+    p = parser(__doc__.split("\n")[0])
+    p.add_argument("--all-reduce-only", action="store_true",
+                   help="every collective an all-reduce: the tail's sum in place, the LM head split over the hidden "
+                        "size (default: a sequence-parallel tail and a vocabulary-parallel head)")
+    return parsed(p, argv)
+
+
+if __name__ == "__main__":
+    run_cli(main, parse(), "tp_functional")

@@ -2,12 +2,15 @@
 tests/test_fusion_fp8_negative_cpu.py): layers of all-reduce + residual add +
 RMSNorm (every pattern tpcomm.fusion knows, every spelling of the norm) whose
 normed output is quantized to FP8 e4m3 by model code, in each form
-tpcomm.fusion_fp8 matches (QUANTS) and in forms it must leave alone. A helper
+tpcomm.fusion_fp8 matches (QUANTS) and in forms it must leave alone; and
+check_tp_fp8, the check of examples/tp_fp8.py's compiled runs that
+tests/test_tp_fp8_cpu.py and tests/gpu/test_fp8_model_gpu.py share. A helper
 module, not a test module."""
 import torch
 
 import tpcomm
-from tpcomm.norm_patterns import Pattern
+from tpcomm.fusion_fp8 import COUNT_KEY
+from tpcomm.norm_patterns import STATS_KEY, Pattern
 
 from norm_helpers import norm
 
@@ -166,3 +169,25 @@ NORM_OPS = (torch.ops._tpcomm.all_reduce_norm.default, torch.ops.tpcomm.custom_a
 def targets(gm):
     """The call targets of gm's graph, methods by name."""
     return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+TP_FP8_KEY = COUNT_KEY[Pattern.ADD_NORM]  # tp_fp8: residual + all_reduce(y), then the norm
+
+
+def check_tp_fp8(result, issued, what, fp8_route, all_reduce_routes):
+    """One compiled_fused run of examples/tp_fp8.py (tp_functional.run_modes'
+    result): the compile pass fused every all-reduce + add + norm +
+    quantization, all under the _fp8 key (none left a fused norm without its
+    quantization, no other pattern), the head's all-reduce the only
+    collective left (issued: tp_fp8.collectives()); stats() counted each FP8
+    call on `fp8_route` and each all-reduce left on one of `all_reduce_routes`."""
+    counts, calls = result["rewrites"], result["calls"]
+    norm_key = STATS_KEY[Pattern.ADD_NORM]
+    assert counts[TP_FP8_KEY] == issued["fused_fp8"], (what, counts)
+    assert counts[norm_key] == 0 and counts["all_reduce"] == issued["all_reduce"], (what, counts)
+    assert not [k for k, n in counts.items() if n and k not in (TP_FP8_KEY, norm_key, "all_reduce")], (what, counts)
+    assert calls.get(f"{TP_FP8_KEY}/{fp8_route}") == issued["fused_fp8"], (what, calls)
+    left = {k: n for k, n in calls.items() if k.split("/")[0] == "all_reduce"}
+    assert sum(left.values()) == issued["all_reduce"] - issued["fused_fp8"], (what, calls)
+    assert all(k.split("/")[1] in all_reduce_routes for k in left), (what, calls)
+    assert set(calls) == {f"{TP_FP8_KEY}/{fp8_route}", *left}, (what, calls)
