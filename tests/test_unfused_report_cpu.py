@@ -70,6 +70,17 @@ def test_each_kind_is_said_once(caplog, monkeypatch):
     assert "pattern not matched" in said[1]
 
 
+def test_a_sum_the_graph_returns_without_a_break_is_not_said(caplog, monkeypatch):
+    """An all-reduce ending a graph Dynamo did not break (an LM head's) is the model's output: no warning."""
+    monkeypatch.setattr(unfused_report, "_said", set())
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    monkeypatch.setitem(torch._dynamo.utils.counters, "graph_break", type(breaks)())
+    with caplog.at_level(logging.WARNING, logger="tpcomm"):
+        found = unfused_report.report(torch.fx.symbolic_trace(_ends_with_sum).graph)
+    assert found["graph break"] == 1
+    assert not [r for r in caplog.records if r.name == "tpcomm"]
+
+
 class _Hooked(torch.nn.Module):
     """A norm holding a full backward hook (transformers 5.3 to 5.21's q_norm)."""
 

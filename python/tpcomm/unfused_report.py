@@ -7,7 +7,8 @@ the graph it last rewrites), from each tpcomm.custom_all_reduce left in it:
 * graph break: the all-reduce's sum, or the add of it to another tensor,
   is returned by the graph (through views and clones) and no norm follows
   in it: the rest is in another graph (a graph break lies between them,
-  Dynamo's reasons quoted), where nothing can fuse with it;
+  Dynamo's reasons quoted), where nothing can fuse with it; said only when
+  Dynamo has counted a graph break (else the sum is the model's output);
 * pattern not matched: the sum's add to another tensor reaches a norm
   (rsqrt, rms_norm), or the sum reaches a norm whose result reaches such an
   add (a sandwich norm), yet tpcomm.fusion left it.
@@ -118,10 +119,14 @@ def message(kind, breaks=()):
 
 
 def report(graph: torch.fx.Graph) -> dict:
-    """Logs each kind kinds(graph) finds, once per process; returns kinds(graph)."""
+    """Logs each kind kinds(graph) finds, once per process; returns kinds(graph).
+    "graph break" is said only where Dynamo counted one: without a break, a
+    sum the graph returns is the model's own output (an LM head's
+    all-reduce), with no norm to fuse."""
     found = kinds(graph)
     for kind, n in found.items():
-        if n and kind not in _said:
+        breaks = _graph_breaks() if kind == "graph break" else ()
+        if n and kind not in _said and (breaks or kind != "graph break"):
             _said.add(kind)
-            logger.log(logging.WARNING, message(kind, _graph_breaks() if kind == "graph break" else ()))
+            logger.log(logging.WARNING, message(kind, breaks))
     return found
