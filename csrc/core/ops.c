@@ -179,12 +179,13 @@ static int overlap(const void *a, size_t an, const void *b, size_t bn) {
   return a && b && x < y + bn && y < x + an;
 }
 
-/* The fused norm family, with the FP8 epilogue or without (quant NONE). */
-static tpc_result norm_op(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant, const void *in,
-                          const void *residual, const void *weight, const void *next_weight, void *normed,
-                          void *stream_out, void *codes, float *scales, size_t scale_row_stride,
-                          size_t scale_group_stride, float scale_floor, size_t nbytes, size_t row_bytes,
-                          tpc_dtype dtype, float eps, float next_eps, float weight_offset, void *stream) {
+/* The fused norm family, with the FP8 epilogue or without (quant NONE: tpc_all_reduce_norm). */
+tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant,
+                                     const void *in, const void *residual, const void *weight,
+                                     const void *next_weight, void *normed, void *stream_out, void *codes,
+                                     float *scales, size_t scale_row_stride, size_t scale_group_stride,
+                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps,
+                                     float next_eps, float weight_offset, void *stream) {
   const int quantizing = quant != TPC_QUANT_NONE;
   /* the first output: the codes when quantizing (normed may then be NULL) */
   void *out = quantizing ? codes : normed;
@@ -256,19 +257,9 @@ tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const v
                                const void *weight, const void *next_weight, void *normed, void *stream_out,
                                size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
                                float weight_offset, void *stream) {
-  return norm_op(comm, pattern, TPC_QUANT_NONE, in, residual, weight, next_weight, normed, stream_out, NULL, NULL, 0,
-                 0, 0.0f, nbytes, row_bytes, dtype, eps, next_eps, weight_offset, stream);
-}
-
-tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant,
-                                     const void *in, const void *residual, const void *weight,
-                                     const void *next_weight, void *normed, void *stream_out, void *codes,
-                                     float *scales, size_t scale_row_stride, size_t scale_group_stride,
-                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps,
-                                     float next_eps, float weight_offset, void *stream) {
-  return norm_op(comm, pattern, quant, in, residual, weight, next_weight, normed, stream_out, codes, scales,
-                 scale_row_stride, scale_group_stride, scale_floor, nbytes, row_bytes, dtype, eps, next_eps,
-                 weight_offset, stream);
+  return tpc_all_reduce_norm_quant(comm, pattern, TPC_QUANT_NONE, in, residual, weight, next_weight, normed,
+                                   stream_out, NULL, NULL, 0, 0, 0.0f, nbytes, row_bytes, dtype, eps, next_eps,
+                                   weight_offset, stream);
 }
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,

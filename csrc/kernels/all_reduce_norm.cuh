@@ -102,6 +102,12 @@ TPC_DEVICE void tpc_norm_load(const void *row, uint64_t u, int dtype, float add,
  * register file is split over 4 schedulers, so 98 registers a thread, what
  * the compiler picks unbounded, allow only 16 warps (launch error 701;
  * tests/test_kernel_resources.py checks every kernel against its block). */
+/* The stream output's poison: the dtype's NaN (poison is e4m3's under an epilogue). */
+template <int QUANT>
+TPC_DEVICE uint2 tpc_norm_poison2(const tpc_kernel_args &a) {
+  return QUANT == TPC_QUANT_NONE ? tpc_poison8(&a) : make_uint2((uint32_t)a.poison2, (uint32_t)(a.poison2 >> 32));
+}
+
 /* The normed words n of unit u: written to out (no epilogue), or to out3
  * where asked and kept in x for the FP8 epilogue (QUANT). */
 template <int QUANT>
@@ -111,16 +117,8 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
     ((uint2 *)a.out)[unit] = broken ? tpc_poison8(&a) : make_uint2(n[0], n[1]);
     return;
   }
-  if (a.out3)
-    ((uint2 *)a.out3)[unit] = broken ? make_uint2((uint32_t)a.poison2, (uint32_t)(a.poison2 >> 32))
-                                     : make_uint2(n[0], n[1]);
+  if (a.out3) ((uint2 *)a.out3)[unit] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(n[0], n[1]);
   tpc_fp8_keep(n, a.dtype, x, amax);
-}
-
-/* The stream output's poison: the dtype's NaN (poison is e4m3's under an epilogue). */
-template <int QUANT>
-TPC_DEVICE uint2 tpc_norm_poison2(const tpc_kernel_args &a) {
-  return QUANT == TPC_QUANT_NONE ? tpc_poison8(&a) : make_uint2((uint32_t)a.poison2, (uint32_t)(a.poison2 >> 32));
 }
 
 template <int PATTERN, int QUANT>

@@ -121,5 +121,12 @@ class RouteMemo:
             return self._kernels.all_reduce_runner(dtype, backend)
         return functools.partial(getattr(self._kernels, op), algo=backend)
 
+    def _count(self, op, backend, x):
+        """One call of op on backend, of x's bytes, into stats() (once it ran:
+        the fallback's agreement check may stop it)."""
+        cell = self._cell(op, backend)
+        cell[0] += 1
+        cell[1] += x.numel() * x.element_size()
+
     def _cell(self, op, backend):
         return self._stat_cells.setdefault((op, backend), [0, 0])

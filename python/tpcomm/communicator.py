@@ -213,9 +213,7 @@ class Communicator(KernelOnly, RouteMemo, Lifecycle):
                                                           in_place)
         else:
             out = add_rms_norm.run(self, how, x, residual, weight, eps, in_place)
-        cell = self._cell("all_reduce_add_rms_norm", how)
-        cell[0] += 1  # as in all_reduce
-        cell[1] += x.numel() * x.element_size()
+        self._count("all_reduce_add_rms_norm", how, x)
         return out
 
     def all_reduce_add_rms_norm_fp8(self, x, residual, weight, eps, quant, *, scale=None, scale_floor=None,

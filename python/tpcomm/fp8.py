@@ -20,26 +20,17 @@ import torch
 
 from . import _constants as C
 
-# csrc/tpcomm.h's tpc_norm_quant and TPC_FP8_GROUP, where scripts/gen_constants.py has not put them into
-# tpcomm._constants yet (tests/test_fp8_cpu.py holds these to _constants once it has them).
-_HEADER = {"TPC_QUANT_NONE": 0, "TPC_QUANT_PER_TENSOR": 1, "TPC_QUANT_PER_TOKEN": 2,
-           "TPC_QUANT_PER_TOKEN_GROUP": 3, "TPC_FP8_GROUP": 128}
-
-
-def _c(name):
-    return getattr(C, name, _HEADER[name])
-
-
 class Quant(enum.IntEnum):
-    PER_TENSOR = _c("TPC_QUANT_PER_TENSOR")
-    PER_TOKEN = _c("TPC_QUANT_PER_TOKEN")
-    PER_TOKEN_GROUP = _c("TPC_QUANT_PER_TOKEN_GROUP")
+    """csrc/tpcomm.h's tpc_norm_quant but NONE."""
+    PER_TENSOR = C.TPC_QUANT_PER_TENSOR
+    PER_TOKEN = C.TPC_QUANT_PER_TOKEN
+    PER_TOKEN_GROUP = C.TPC_QUANT_PER_TOKEN_GROUP
 
 
 NAMES = {"per_tensor": Quant.PER_TENSOR, "per_token": Quant.PER_TOKEN, "per_token_group": Quant.PER_TOKEN_GROUP}
 DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GROUP = _c("TPC_FP8_GROUP")
+GROUP = C.TPC_FP8_GROUP
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

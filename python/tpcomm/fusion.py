@@ -318,14 +318,15 @@ def _match(ar, order):
         erased + chain
 
 
-def _self_contained(ar, replaced, erased):
+def _self_contained(replaced, erased):
     """Whether the nodes the rewrite removes are used only inside the
-    pattern: each one erased (ar, the nodes between it and its consumer, a
-    norm's inner nodes and casts) has users only among the removed nodes; a
-    node replaced hands its users the fused op's output instead. A value
-    that a node outside the pattern reads has no output of the fused op to
-    come from, so such a pattern is left as it is."""
-    removed = set(erased) | set(replaced) | {ar}
+    pattern: each one erased (the all-reduce, the nodes between it and its
+    consumer, a norm's inner nodes and casts; tpcomm.fusion_fp8's
+    quantization) has users only among the removed nodes; a node replaced
+    hands its users the fused op's output instead. A value that a node
+    outside the pattern reads has no output of the fused op to come from,
+    so such a pattern is left as it is."""
+    removed = set(erased) | set(replaced)
     return all(user in removed for node in removed - set(replaced) for user in node.users)
 
 
@@ -352,7 +353,7 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             continue
         order = {node: i for i, node in enumerate(graph.nodes)}
         found = _match(ar, order)
-        if found is None or not _self_contained(ar, found[4], found[5]):
+        if found is None or not _self_contained(found[4], list(found[5]) + [ar]):
             continue  # matched in full before anything changes: never a half-rewritten graph
         pattern, (y, residual, weight, next_weight, eps, next_eps, offset), group, anchor, replaced, erased = found
         chain = [n for n in erased if n in _through_identities(ar)[1]]

@@ -53,6 +53,7 @@ import torch
 from . import ops  # noqa: F401 - ops registers the fused ops
 from .fp8 import DTYPE, FP8_MAX, GROUP, Quant
 from .fusion import _erase, _example, _only_user  # the norm fusion's graph helpers: the same rules
+from .fusion import _self_contained as _fusion_self_contained
 from .norm_patterns import STATS_KEY, Pattern
 
 COUNT_KEY = {pattern: f"{key}_fp8" for pattern, key in STATS_KEY.items()}
@@ -370,11 +371,11 @@ def _take(node, replacement):
 
 
 def _self_contained(q, cast):
-    """Whether every node the rewrite erases is used only by nodes it
-    removes: a value read elsewhere has no output of the op to come from."""
-    erased = set(q.erased) | ({cast} if cast is not None else set())
-    removed = erased | {q.codes} | ({q.scales} if q.scales is not None else set())
-    return all(user in removed for node in erased for user in node.users)
+    """tpcomm.fusion's rule: every node the rewrite erases (the quantization,
+    the cast) is used only by nodes it removes; codes and scales hand their
+    users the op's outputs."""
+    return _fusion_self_contained([n for n in (q.codes, q.scales) if n is not None],
+                                  q.erased + ([cast] if cast is not None else []))
 
 
 def fuse(gm: torch.fx.GraphModule) -> dict:

@@ -60,9 +60,7 @@ def run(comm, pattern, quant, x, residual, weight, next_weight, eps, next_eps, w
         out = _autograd.without_backward(_run, STATS_KEY[pattern], *args)
     else:
         out = _run(*args)
-    cell = comm._cell(STATS_KEY[pattern], how)
-    cell[0] += 1  # counted once it ran (the fallback's agreement check may stop it)
-    cell[1] += x.numel() * x.element_size()
+    comm._count(STATS_KEY[pattern], how, x)
     return Fp8Norm(*out)
 
 

@@ -108,7 +108,5 @@ def run(comm, pattern, x, residual, weight, next_weight, eps, next_eps, weight_o
         sums = add_rms_norm.uncounted(comm, "all_reduce", x.float(), call=(STATS_KEY[pattern], x))
         normed, stream = from_sums(pattern, sums, residual, weight, next_weight, eps, next_eps, weight_offset,
                                    x.dtype)
-    cell = comm._cell(STATS_KEY[pattern], how)
-    cell[0] += 1  # counted once it ran (the fallback's agreement check may stop it)
-    cell[1] += x.numel() * x.element_size()
+    comm._count(STATS_KEY[pattern], how, x)
     return normed, stream
