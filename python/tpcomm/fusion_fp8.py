@@ -35,8 +35,9 @@ Every intermediate (the cast, the group view, |f|, the amax, the division,
 the clamp, the unfloored scale) must have no user outside the pattern, the
 floor must be > 0, and the dtypes must be as above (f fp32, n fp16 / bf16 /
 fp32): otherwise the graph stays as it is. Left unfused: a multiplication by
-a reciprocal (f * (1 / s), torchao's `448 / amax` scale multiplied in):
-other bits than the division, which is what the op computes; a quantization
+a reciprocal (f * (1 / s), f * (448 / amax)): other bits than the division,
+which is what the op computes; torchao's float8 activations (a subclass:
+aten only, with a scale rounded to the activation's dtype); a quantization
 to another dtype (e5m2) or other bounds; a per-tensor scale computed in the
 graph (a dynamic per-tensor amax); the aten form of these (the graph AOT
 autograd makes, where DTensor's all-reduces first appear).
