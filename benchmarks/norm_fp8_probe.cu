@@ -9,7 +9,8 @@
  * (csrc/core/limits.c, linked in) take two ranks or more, so the default is
  * two ranks on GPU 0: a time is both ranks' kernels side by side on the one
  * GPU, each grid capped at a quarter of the multiprocessors (probe_ranks.h:
- * both ranks' kernels and the next ones resident at once), their pushes
+ * 1 / (2 x ranks sharing a GPU), so that every rank's kernel and the next
+ * one, started early, are resident at once), their pushes
  * landing in the same GPU's memory. It is the local work of a pair, not the
  * time of a rank with a GPU of its own.
  *
@@ -23,6 +24,8 @@
  * software encoder). Any mismatch exits 1.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c -o build/norm_fp8_probe
+ *   (the same with -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY -o build/libnorm_fp8_probe.so:
+ *   the library benchmarks/norm_fp8_probe.py drives)
  *   build/norm_fp8_probe [ranks]    (default 2, every rank on GPU 0 where there is one GPU)
  *   build/norm_fp8_probe list       the rows, without a GPU
  *
@@ -34,8 +37,6 @@
 
 #include "probe_ranks.h"
 
-static const int SHAPE_TOKENS[] = {8, 32, 256};
-static const int SHAPE_HIDDEN[] = {4096, 8192};
 static const int QUANTS[] = {TPC_QUANT_NONE, TPC_QUANT_PER_TENSOR, TPC_QUANT_PER_TOKEN, TPC_QUANT_PER_TOKEN_GROUP};
 static const char *const QUANT_NAMES[] = {"none", "per_tensor", "per_token", "per_token_group"};
 static const float EPS = 1e-5f;
@@ -164,6 +165,7 @@ static void check_rules(int tokens, int hidden, int quant) {
 template <typename T>
 static std::vector<T> fetch(int r, const void *dev, size_t count) {
   std::vector<T> host(count);
+  if (!count) return host;
   CHECK(cudaSetDevice(device_of(r)));
   CHECK(cudaMemcpy(host.data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost));
   return host;
@@ -260,18 +262,83 @@ static void check_epilogue(int tokens, int hidden, int quant, const std::vector<
   }
 }
 
+static void launch_rank(int r) {
+  CHECK((cudaError_t)tpc_launch_all_reduce_norm(&ranks[r].args, ranks[r].stream));
+}
+
+/* One shape's kernels, the one without an epilogue first (the others'
+ * normed output is checked against its), each on every rank, then checked;
+ * timed: by time_us, the µs into us[quant]; else once, by run_untimed. */
+static void run_shape(int tokens, int hidden, bool timed, double *us) {
+  std::vector<uint16_t> plain_normed;
+  for (int quant : QUANTS) {
+    check_rules(tokens, hidden, quant);
+    for (int r = 0; r < world; ++r) set_norm(r, tokens, hidden, quant, false);
+    if (timed) us[quant] = time_us(launch_rank);
+    else run_untimed(launch_rank);
+    if (quant == TPC_QUANT_NONE) plain_normed = check_plain(tokens, hidden);
+    else check_epilogue(tokens, hidden, quant, plain_normed, launch_rank);
+  }
+}
+
+/* Whether the kernel's rules (limits.c) take n ranks at all. */
+static bool rules_take(int n) {
+  tpc_kernel_limits limits;
+  return tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, n, MAX_BYTES, MAX_BYTES, TPC_PLATFORM_CUDA,
+                              &limits) == TPC_OK &&
+         limits.refused == TPC_KERNEL_TAKES;
+}
+
+#ifdef NORM_FP8_PROBE_LIBRARY
+/* The same ranks and kernels for benchmarks/norm_fp8_probe.py (ctypes),
+ * which times them in one CUDA graph with torch's quantization kernel. Built
+ * with -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY; a failed CUDA call
+ * exits the process (probe_check.h). */
+
+/* Opens n ranks on the GPUs present (GPU 0 alone: every rank on it); 2 where the rules refuse n. */
+extern "C" int nfp_open(int n) {
+  if (!rules_take(n)) return 2;
+  timing_shared = true;
+  open_ranks(n, MAX_BYTES, false);
+  open_norm_buffers();
+  return 0;
+}
+
+/* Every rank's arguments for the shape and epilogue (checked against the
+ * rules, as the probe's rows are); normed[r]: rank r's normed output where
+ * quant is NONE (the caller's tensor, which its quantization kernel reads),
+ * or NULL for the probe's own buffer. */
+extern "C" void nfp_set(int tokens, int hidden, int quant, void *const *normed) {
+  check_rules(tokens, hidden, quant);
+  for (int r = 0; r < world; ++r) {
+    set_norm(r, tokens, hidden, quant, false);
+    if (normed && quant == TPC_QUANT_NONE) ranks[r].args.out = normed[r];
+  }
+}
+
+/* run_shape untimed: every check of the probe's rows at this shape (exits on a mismatch). */
+extern "C" void nfp_check_shape(int tokens, int hidden) { run_shape(tokens, hidden, false, nullptr); }
+
+/* Rank r's kernel on `stream` (a cudaStream_t of the caller's): the launch's result, 0 or a cudaError_t. */
+extern "C" int nfp_launch(int r, void *stream) { return tpc_launch_all_reduce_norm(&ranks[r].args, stream); }
+
+/* 0, or exits naming the first rank whose kernels recorded an error (call outside a capture). */
+extern "C" int nfp_check_errors(void) {
+  for (int r = 0; r < world; ++r) exit_on_recorded_error(r);
+  return 0;
+}
+#else
 int main(int argc, char **argv) {
+  const int shape_tokens[] = {8, 32, 256}, shape_hidden[] = {4096, 8192};
   listing = argc > 1 && !strcmp(argv[1], "list");
   const int n = !listing && argc > 1 ? atoi(argv[1]) : 2;
   if (listing) {
-    for (int tokens : SHAPE_TOKENS)
-      for (int hidden : SHAPE_HIDDEN)
+    for (int tokens : shape_tokens)
+      for (int hidden : shape_hidden)
         for (int quant : QUANTS) printf("%d %d %s\n", tokens, hidden, QUANT_NAMES[quant]);
     return 0;
   }
-  tpc_kernel_limits limits;
-  if (tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, n, MAX_BYTES, MAX_BYTES, TPC_PLATFORM_CUDA,
-                           &limits) != TPC_OK || limits.refused != TPC_KERNEL_TAKES) {
+  if (!rules_take(n)) {
     fprintf(stderr, "usage: norm_fp8_probe [list | ranks]: the fused norm kernel takes 2..%d ranks (limits.c), not %d\n",
             TPC_MAX_RANKS, n);
     return 2;
@@ -283,22 +350,14 @@ int main(int argc, char **argv) {
   printf("tokens hidden epilogue us\n");
   fflush(stdout);
   open_norm_buffers();
-  const Launcher launch = [](int r) {
-    CHECK((cudaError_t)tpc_launch_all_reduce_norm(&ranks[r].args, ranks[r].stream));
-  };
-  for (int tokens : SHAPE_TOKENS)
-    for (int hidden : SHAPE_HIDDEN) {
-      std::vector<uint16_t> plain_normed;
-      for (int quant : QUANTS) {
-        check_rules(tokens, hidden, quant);
-        for (int r = 0; r < world; ++r) set_norm(r, tokens, hidden, quant, false);
-        const double us = time_us(launch);
-        if (quant == TPC_QUANT_NONE) plain_normed = check_plain(tokens, hidden);
-        else check_epilogue(tokens, hidden, quant, plain_normed, launch);
-        printf("%d %d %s %.3f\n", tokens, hidden, QUANT_NAMES[quant], us);
-        fflush(stdout);
-      }
+  for (int tokens : shape_tokens)
+    for (int hidden : shape_hidden) {
+      double us[4];
+      run_shape(tokens, hidden, true, us);
+      for (int quant : QUANTS) printf("%d %d %s %.3f\n", tokens, hidden, QUANT_NAMES[quant], us[quant]);
+      fflush(stdout);
     }
   printf("check: every output as computed on the host\n");
   return 0;
 }
+#endif /* NORM_FP8_PROBE_LIBRARY */

@@ -4,21 +4,30 @@ kernel without it followed by the separate quantization kernel a torch model
 runs.
 
     nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c -o build/norm_fp8_probe
-    python benchmarks/norm_fp8_probe.py --probe build/norm_fp8_probe [--out results.json]
+    nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY \
+        benchmarks/norm_fp8_probe.cu csrc/core/limits.c -o build/libnorm_fp8_probe.so
+    python benchmarks/norm_fp8_probe.py --probe build/norm_fp8_probe --library build/libnorm_fp8_probe.so \
+        [--out results.json]
 
-(`bash scripts/device_run.sh fp8_probe` does both.) The kernel's times are
-benchmarks/norm_fp8_probe.cu's (its doc says what they hold: two ranks side
-by side on the GPU, results checked). The quantization kernel is
-tpcomm.fp8.quantize_checked compiled by inductor (dynamic shapes), as
-benchmarks/norm_fp8_local.py runs it, on a bf16 RMSNorm output of each shape,
-its codes and scales compared with eager torch's; one copy per rank of the
-probe, each on its own stream, all in one CUDA graph of CALLS back-to-back
-calls a stream, the median over REPLAYS replays, µs per call. The two-kernel
-path's time is then the probe's kernel without an epilogue plus that time:
-a sum of two measurements, not one graph of both kernels.
+(`bash scripts/device_run.sh fp8_probe` does all three.) First the probe
+runs alone (benchmarks/norm_fp8_probe.cu: its doc says what its times hold,
+two ranks side by side on the GPU, and what it checks). The quantization
+kernel is tpcomm.fp8.quantize_checked compiled by inductor (dynamic shapes),
+as benchmarks/norm_fp8_local.py runs it; on a bf16 RMSNorm output of each
+shape its codes and scales are compared with eager torch's and it is timed
+alone. Then, through the probe's library (the same ranks, kernels and
+checks), every path is timed the same way, in one CUDA graph: each rank's
+calls on a stream of its own, the streams forked together, CALLS calls a
+stream, the median over REPLAYS replays, µs per call:
+  fused                   the kernel without an epilogue
+  fused + <mode> epilogue the kernel with it
+  fused, then <mode>      the kernel without it, then the quantization kernel
+                          on its normed output, both in the graph
 """
 import argparse
+import ctypes
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -89,6 +98,16 @@ def graph_us(fns):
     return round(statistics.median(times), 3)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_quantize():
+    """tpcomm.fp8.quantize_checked under inductor, one compiled function for
+    every timing: quant_rows compiles it, so no later warm-up compiles while a
+    rank's kernel waits for its peer (probe_ranks.h's waits give up after 2 s)."""
+    from tpcomm import fp8
+
+    return torch.compile(fp8.quantize_checked, dynamic=True)
+
+
 def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -97,7 +116,7 @@ def quant_rows(shapes, ranks):
     """{(tokens, hidden): row} of the quantization kernel's times and checks."""
     from tpcomm import fp8
 
-    quantize = torch.compile(fp8.quantize_checked, dynamic=True)
+    quantize = compiled_quantize()
     out = {}
     for tokens, hidden in shapes:
         xs = [normed(tokens, hidden, seed) for seed in range(ranks)]
@@ -119,6 +138,56 @@ def quant_rows(shapes, ranks):
     return out
 
 
+def open_library(path, ranks):
+    """The probe's library with its ranks open; exits where the rules refuse them."""
+    lib = ctypes.CDLL(path)
+    lib.nfp_open.argtypes = [ctypes.c_int]
+    lib.nfp_set.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+    lib.nfp_set.restype = None
+    lib.nfp_check_shape.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.nfp_check_shape.restype = None
+    lib.nfp_launch.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    if lib.nfp_open(ranks):
+        sys.exit(f"norm_fp8_probe: the fused norm kernel's rules do not take {ranks} ranks")
+    return lib
+
+
+def one_graph_rows(lib, shapes, ranks):
+    """{(tokens, hidden): {path: µs}}, every path timed by graph_us over the probe's ranks."""
+    from tpcomm import fp8
+
+    quantize = compiled_quantize()
+    codes = {"none": 0, **{name: int(fp8.parse_quant(name)) for name in MODES}}
+
+    def launch(r):
+        err = lib.nfp_launch(r, torch.cuda.current_stream().cuda_stream)
+        if err:
+            raise RuntimeError(f"norm_fp8_probe: rank {r}'s launch failed (cudaError_t {err})")
+
+    out = {}
+    for tokens, hidden in shapes:
+        lib.nfp_check_shape(tokens, hidden)
+        normed_out = [torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(ranks)]
+        ptrs = (ctypes.c_void_p * ranks)(*[t.data_ptr() for t in normed_out])
+        plain = [lambda r=r: launch(r) for r in range(ranks)]
+        lib.nfp_set(tokens, hidden, codes["none"], ptrs)
+        us = {"fused": graph_us(plain)}
+        for name in MODES:
+            quant = fp8.parse_quant(name)
+            scale = torch.tensor([PER_TENSOR_SCALE], device="cuda") if quant == fp8.Quant.PER_TENSOR else None
+            floor = None if scale is not None else fp8.DEFAULT_FLOOR[quant]
+            lib.nfp_set(tokens, hidden, codes[name], None)
+            us[f"fused + {name} epilogue"] = graph_us(plain)
+            lib.nfp_set(tokens, hidden, codes["none"], ptrs)
+            us[f"fused, then {name} kernel"] = graph_us(
+                [lambda r=r: (launch(r), quantize(normed_out[r], quant, scale, floor, False)) for r in range(ranks)])
+        torch.cuda.synchronize()
+        lib.nfp_check_errors()
+        out[(tokens, hidden)] = us
+        print(f"{tokens} x {hidden}, one graph: " + ", ".join(f"{k} {v:.2f}" for k, v in us.items()), flush=True)
+    return out
+
+
 def nvcc_version():
     try:
         text = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -130,6 +199,7 @@ def nvcc_version():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", required=True, help="the built benchmarks/norm_fp8_probe.cu")
+    parser.add_argument("--library", required=True, help="the probe built with -DNORM_FP8_PROBE_LIBRARY")
     parser.add_argument("--ranks", type=int, default=2, help="the probe's ranks (every one on GPU 0 on one GPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -137,27 +207,21 @@ def main():
         sys.exit("norm_fp8_probe: needs a GPU")
     header, probe = run_probe(args.probe, args.ranks)
     shapes = sorted({(t, h) for t, h, _ in probe})
-    quant = quant_rows(shapes, args.ranks)
+    alone = quant_rows(shapes, args.ranks)
+    graphed = one_graph_rows(open_library(args.library, args.ranks), shapes, args.ranks)
     rows = []
     for tokens, hidden in shapes:
-        fused = probe[(tokens, hidden, "none")]
-        us = {"fused": fused}
-        for name in MODES:
-            kernel = quant[(tokens, hidden)]["us"][f"{name} quant kernel"]
-            us[f"fused + {name} epilogue"] = probe[(tokens, hidden, name)]
-            us[f"{name} quant kernel"] = kernel
-            us[f"{name} quant kernel, one stream"] = quant[(tokens, hidden)]["us"][f"{name} quant kernel, one stream"]
-            us[f"fused, then {name} kernel"] = round(fused + kernel, 3)
+        us = dict(graphed[(tokens, hidden)])
+        us.update(alone[(tokens, hidden)]["us"])
         rows.append({"tokens": tokens, "hidden": hidden, "us": us,
-                     "quant_matches_eager": quant[(tokens, hidden)]["matches_eager"]})
+                     "probe_us": {name: probe[(tokens, hidden, name)] for name in ("none",) + MODES},
+                     "quant_matches_eager": alone[(tokens, hidden)]["matches_eager"]})
     env = {"gpu": torch.cuda.get_device_name(), "driver": graph_timing.driver(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "nvcc": nvcc_version(), "ranks": args.ranks,
            "gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(), "probe": header,
-           "method": f"fused kernel: benchmarks/norm_fp8_probe.cu, {args.ranks} ranks side by side on GPU 0, "
-                     "graphs of 50 launches a rank replayed together, median of 40 replays, slowest rank; "
-                     "quant kernel: tpcomm.fp8.quantize_checked compiled by inductor, one stream a rank, "
-                     f"a graph of {CALLS} calls a stream, median of {REPLAYS} replays; "
-                     "'fused, then' = fused + quant kernel (a sum)"}
+           "method": f"{args.ranks} ranks side by side on GPU 0 (benchmarks/norm_fp8_probe.cu), each rank's calls "
+                     f"on its own stream in one CUDA graph, {CALLS} calls a stream, median of {REPLAYS} replays; "
+                     "the quantization kernel is tpcomm.fp8.quantize_checked compiled by inductor"}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)

@@ -28,7 +28,8 @@
 #     benchmarks/norm_fp8_probe.cu (two ranks side by side on GPU 0: the
 #     fused norm with each FP8 epilogue and without, results checked), then
 #     benchmarks/norm_fp8_probe.py: the separate quantization kernel on the
-#     same GPU (norm_fp8_probe_<gpu>x1.json, <gpu> the card the run had)
+#     same GPU, alone and after the kernel in one graph through the probe's
+#     library (norm_fp8_probe_<gpu>x1.json, <gpu> the card the run had)
 #   bash scripts/device_run.sh quant_local
 #     benchmarks/quant_identity.cu on the GPU (the codecs' conversion
 #     instructions give their software definition's bits), then
@@ -87,10 +88,11 @@ if [ "$what" = fp8_local ]; then
 fi
 if [ "$what" = fp8_probe ]; then
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE 'h[0-9]+' | head -1 | tr 'A-Z' 'a-z')x1
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c -o build/norm_fp8_probe \
-    || exit 1
+  probe="nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c"
+  $probe -o build/norm_fp8_probe && $probe -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY \
+    -o build/libnorm_fp8_probe.so || exit 1
   CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/norm_fp8_probe.py --probe build/norm_fp8_probe \
-    --out "$results/norm_fp8_probe_$card.json" 2>&1 | grep -v Warning | tail -40
+    --library build/libnorm_fp8_probe.so --out "$results/norm_fp8_probe_$card.json" 2>&1 | grep -v Warning | tail -45
 fi
 if [ "$what" = quant_local ]; then
   # first the codecs' instructions against their software definition (benchmarks/quant_identity.cu)
