@@ -154,10 +154,10 @@ def open_library(path, ranks):
 
 def one_graph_rows(lib, shapes, ranks):
     """{(tokens, hidden): {path: µs}}, every path timed by graph_us over the probe's ranks."""
-    from tpcomm import fp8
+    from tpcomm import _constants, fp8
 
     quantize = compiled_quantize()
-    codes = {"none": 0, **{name: int(fp8.parse_quant(name)) for name in MODES}}
+    quant_of = {"none": _constants.TPC_QUANT_NONE, **{name: int(fp8.parse_quant(name)) for name in MODES}}
 
     def launch(r):
         err = lib.nfp_launch(r, torch.cuda.current_stream().cuda_stream)
@@ -170,15 +170,15 @@ def one_graph_rows(lib, shapes, ranks):
         normed_out = [torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(ranks)]
         ptrs = (ctypes.c_void_p * ranks)(*[t.data_ptr() for t in normed_out])
         plain = [lambda r=r: launch(r) for r in range(ranks)]
-        lib.nfp_set(tokens, hidden, codes["none"], ptrs)
+        lib.nfp_set(tokens, hidden, quant_of["none"], ptrs)
         us = {"fused": graph_us(plain)}
         for name in MODES:
             quant = fp8.parse_quant(name)
             scale = torch.tensor([PER_TENSOR_SCALE], device="cuda") if quant == fp8.Quant.PER_TENSOR else None
             floor = None if scale is not None else fp8.DEFAULT_FLOOR[quant]
-            lib.nfp_set(tokens, hidden, codes[name], None)
+            lib.nfp_set(tokens, hidden, quant_of[name], None)
             us[f"fused + {name} epilogue"] = graph_us(plain)
-            lib.nfp_set(tokens, hidden, codes["none"], ptrs)
+            lib.nfp_set(tokens, hidden, quant_of["none"], ptrs)
             us[f"fused, then {name} kernel"] = graph_us(
                 [lambda r=r: (launch(r), quantize(normed_out[r], quant, scale, floor, False)) for r in range(ranks)])
         torch.cuda.synchronize()
