@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tpcomm import _ranks
 
 
-def _driver():
+def driver():
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=30).stdout.split()[0]
@@ -43,7 +43,7 @@ def slowest_rank_us(fn, calls=10, replays=20, warmup=1):
 
 def write(out, rows, world):
     """rows, with the GPU, driver, torch, NCCL, world size, date and method, as JSON in out."""
-    env = {"gpu": torch.cuda.get_device_name(), "driver": _driver(), "torch": torch.__version__,
+    env = {"gpu": torch.cuda.get_device_name(), "driver": driver(), "torch": torch.__version__,
            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
            "date": datetime.date.today().isoformat(),
            "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}

@@ -9,7 +9,8 @@ calls, median over 20 replays, slowest rank, µs per call.
 
 Needs a GPU a rank: ranks sharing one GPU over gloo replay their graphs
 milliseconds apart, and each kernel waits out that skew (2.2 ms a call on
-one H100, whatever the epilogue), which hides the kernels' own work."""
+one H100, whatever the epilogue), which hides the kernels' own work; on one
+GPU, benchmarks/norm_fp8_probe.py measures it with every rank in one process."""
 import argparse
 import os
 import sys

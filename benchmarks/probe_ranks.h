@@ -62,6 +62,9 @@ typedef std::function<void(int rank)> Launcher;
 
 /* `list` mode: rows are named, nothing is launched or checked. */
 static bool listing = false;
+/* Set by a probe that times ranks sharing a GPU on purpose (norm_fp8_probe.cu):
+ * its times are every rank's kernels side by side on the GPU. */
+static bool timing_shared = false;
 
 /* `n` ranks over the GPUs present, inputs of max_bytes a rank (outputs of
  * n times that). With require_gpus, one GPU a rank is needed. */
@@ -125,9 +128,11 @@ static void open_ranks(int n, size_t max_bytes, bool require_gpus) {
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
+  const char *shared = !probe_ranks_share_gpus() ? ""
+                       : timing_shared          ? " (shared: times are every rank's kernels side by side)"
+                                                : " (shared: results checked, times meaningless)";
   printf("%s, %d ranks on %d GPUs%s, %d graph nodes per replay, median of %d replays, slowest rank, us per op\n",
-         prop.name, world, gpus, probe_ranks_share_gpus() ? " (shared: results checked, times meaningless)" : "",
-         PROBE_OPS, PROBE_REPLAYS);
+         prop.name, world, gpus, shared, PROBE_OPS, PROBE_REPLAYS);
 }
 
 static void launch_pdl(tpc_kernel k, tpc_geometry g, int r, int pdl) {

@@ -253,6 +253,50 @@ def add_rms_norm_routes():
     return "\n".join(lines)
 
 
+NORM_FP8_MODES = ("per_tensor", "per_token", "per_token_group")
+NORM_FP8_TARGET_PCT = 10.0  # issue 48's target: the epilogue adds at most this much to the fused kernel
+
+
+def norm_fp8_probe():
+    """benchmarks/norm_fp8_probe.cu and .py (`bash scripts/device_run.sh
+    fp8_probe`), one table per result file norm_fp8_probe_<card>.json: the
+    fused norm with each FP8 epilogue against the kernel without it, then
+    torch's quantization kernel in the same graph; the quantization kernel
+    alone beside, and how far the probe's own times of the kernels lie."""
+    out = []
+    for name in sorted(f for f in os.listdir(RESULTS) if re.fullmatch(r"norm_fp8_probe_\w+\.json", f)):
+        data = _read(name)
+        env = data["env"]
+        lines = [f"{env['gpu'].replace('NVIDIA ', '')}, driver {env['driver']}, torch {env['torch']}, "
+                 f"CUDA {env['cuda']}, {env['date']} ([`{name}`](../benchmarks/results/{name})): {env['method']}.",
+                 "", "| tokens | hidden | epilogue | fused | fused + epilogue | epilogue adds | quant kernel alone | "
+                     "fused, then quant kernel | the epilogue saves |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        adds, saves, differ, probe_off = [], [], [], []
+        for r in data["rows"]:
+            us = r["us"]
+            probe_off.append(abs(r["probe_us"]["none"] / us["fused"] - 1))
+            for mode in NORM_FP8_MODES:
+                fused, epilogue = us["fused"], us[f"fused + {mode} epilogue"]
+                two = us[f"fused, then {mode} kernel"]
+                adds.append(100 * (epilogue / fused - 1))
+                saves.append(100 * (1 - epilogue / two))
+                lines.append(f"| {r['tokens']} | {r['hidden']} | {mode} | {fused:.2f} | {epilogue:.2f} | "
+                             f"{adds[-1]:.1f} % | {us[f'{mode} quant kernel']:.2f} | {two:.2f} | {saves[-1]:.1f} % |")
+                probe_off.append(abs(r["probe_us"][mode] / epilogue - 1))
+                if not r["quant_matches_eager"][mode]:
+                    differ.append(f"{r['tokens']} x {r['hidden']} {mode}")
+        met = sum(a <= NORM_FP8_TARGET_PCT for a in adds)
+        lines += ["", f"µs per call. The epilogue adds {_span(adds, '{:.1f}')} % to the fused kernel (at most "
+                      f"{NORM_FP8_TARGET_PCT:.0f} % in {met} of {len(adds)} rows) and the fused path takes "
+                      f"{_span(saves, '{:.1f}')} % less time than the two kernels "
+                      f"(less in {sum(s > 0 for s in saves)} of {len(saves)} rows). Inductor's codes and scales "
+                      + (f"differ from eager torch's at {', '.join(differ)}." if differ else
+                         "are eager torch's bit for bit at every shape.")
+                  + f" The probe's own graphs time the same kernels within {100 * max(probe_off):.0f} % of these."]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 ASSUMED_HOP_US = 1.0  # two_shot's second crossing: not measured yet (benchmarks/scale_probe.cu will)
 
 
@@ -317,7 +361,7 @@ def transformers_versions():
 
 BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline,
           "tp-decode": tp_decode, "add-rms-norm-routes": add_rms_norm_routes,
-          "transformers-versions": transformers_versions}
+          "transformers-versions": transformers_versions, "norm-fp8-probe": norm_fp8_probe}
 for _w in WORLDS:
     BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
     BLOCKS[f"backends-h200x{_w}"] = lambda w=_w: backends(w)

@@ -24,6 +24,12 @@
 #     benchmarks/norm_fp8_local.py (2 GPUs): the fused norm with each FP8
 #     epilogue beside the kernel without it then a separate quantization
 #     kernel (norm_fp8_local_<gpu>.json)
+#   bash scripts/device_run.sh fp8_probe
+#     benchmarks/norm_fp8_probe.cu (two ranks side by side on GPU 0: the
+#     fused norm with each FP8 epilogue and without, results checked), then
+#     benchmarks/norm_fp8_probe.py: the separate quantization kernel on the
+#     same GPU, alone and after the kernel in one graph through the probe's
+#     library (norm_fp8_probe_<gpu>x1.json, <gpu> the card the run had)
 #   bash scripts/device_run.sh quant_local
 #     benchmarks/quant_identity.cu on the GPU (the codecs' conversion
 #     instructions give their software definition's bits), then
@@ -79,6 +85,14 @@ shared_file() {
 if [ "$what" = fp8_local ]; then
   timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
     | tail -20
+fi
+if [ "$what" = fp8_probe ]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE 'h[0-9]+' | head -1 | tr 'A-Z' 'a-z')x1
+  probe="nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c"
+  $probe -o build/norm_fp8_probe && $probe -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY \
+    -o build/libnorm_fp8_probe.so || exit 1
+  CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/norm_fp8_probe.py --probe build/norm_fp8_probe \
+    --library build/libnorm_fp8_probe.so --out "$results/norm_fp8_probe_$card.json" 2>&1 | grep -v Warning | tail -45
 fi
 if [ "$what" = quant_local ]; then
   # first the codecs' instructions against their software definition (benchmarks/quant_identity.cu)

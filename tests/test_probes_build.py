@@ -5,7 +5,9 @@ they cannot drift from the code they measure, and their `list` modes (no
 GPU needed) must name every row the device run times;
 bandwidth_probe.cu (the NVLink transfer rates behind the bulk kernels'
 design) and racecheck_stream_start.cu (compute-sanitizer's reports on the
-streamed kernels' start) must compile warning-free. Timing needs 2 GPUs."""
+streamed kernels' start) must compile warning-free; norm_fp8_probe.cu (the
+FP8 epilogue's local cost) too, as a probe and as its driver's library.
+Timing needs 2 GPUs (norm_fp8_probe: one)."""
 import os
 import re
 import shutil
@@ -37,9 +39,10 @@ FLOOR_ROWS = ("empty kernel", "empty kernel, PDL", "+ device epoch, header sent"
               "+ its input loaded, output stored", "epoch by atomic add")
 
 
-def _compile(probe, exe):
+def _compile(probe, exe, *extra):
+    """nvcc as scripts/device_run.sh builds the probes, warnings as errors; extra: more sources and flags."""
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-I",
-                           os.path.join(ROOT, "csrc"), os.path.join(ROOT, "benchmarks", probe), "-o", str(exe)],
+                           os.path.join(ROOT, "csrc"), os.path.join(ROOT, "benchmarks", probe), *extra, "-o", str(exe)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -144,3 +147,34 @@ def test_racecheck_stream_start_builds_from_the_kernels_start(tmp_path):
     _compile("racecheck_stream_start.cu", exe)
     bad = subprocess.run([str(exe), "neither"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "control|data" in bad.stderr
+
+
+@needs_nvcc
+def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path, monkeypatch):
+    """norm_fp8_probe.cu (issue 48 item 5) builds warning-free as the probe
+    and as the library benchmarks/norm_fp8_probe.py loads; its rows are every
+    shape of the issue with no epilogue and each of the driver's modes, in
+    the form the driver parses; limits.c, linked in, refuses 1 and 9 ranks
+    before any GPU call."""
+    import ctypes
+    import importlib.util
+
+    limits = os.path.join(ROOT, "csrc", "core", "limits.c")
+    exe, lib = tmp_path / "norm_fp8_probe", tmp_path / "libnorm_fp8_probe.so"
+    _compile("norm_fp8_probe.cu", exe, limits)
+    _compile("norm_fp8_probe.cu", lib, limits, "-shared", "-Xcompiler", "-fPIC", "-DNORM_FP8_PROBE_LIBRARY")
+    spec = importlib.util.spec_from_file_location("norm_fp8_probe", os.path.join(ROOT, "benchmarks", "norm_fp8_probe.py"))
+    driver = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its graph_timing, beside it
+    spec.loader.exec_module(driver)
+    listed = subprocess.run([str(exe), "list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows == [[str(t), str(h), q] for t in (8, 32, 256) for h in (4096, 8192) for q in ("none",) + driver.MODES]
+    for n in ("1", "9"):
+        bad = subprocess.run([str(exe), n], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "takes 2..8 ranks (limits.c), not " + n in bad.stderr
+    library = ctypes.CDLL(str(lib))
+    assert library.nfp_open(1) == 2  # refused by the rules, before any CUDA call
+    for name in ("nfp_set", "nfp_check_shape", "nfp_launch", "nfp_check_errors"):
+        assert hasattr(library, name), name
