@@ -45,7 +45,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="tpcomm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
-                   help="comma-separated ops (default: all three; reduce_scatter's size is its input per rank)")
+                   help="comma-separated ops (default: the three collectives; reduce_scatter's size is its input "
+                        "per rank); also " + ",".join(report.NORM_OPS) + ": the fused all-reduce + add + RMSNorm "
+                        "and its FP8 epilogues, on backends tpcomm, tpcomm_fused, tpcomm_past_cap")
+    p.add_argument("--hidden", default=report.NORM_HIDDEN,
+                   help="the norm ops' hidden sizes, comma-separated (default %(default)s); inputs (tokens, hidden), "
+                        "tokens = size per rank // row bytes")
     p.add_argument("--dtypes", default="bfloat16,float16,float32",
                    help="comma-separated: bfloat16,float16,float32 (or bf16,fp16,fp32)")
     p.add_argument("--min-bytes", type=int, default=64, help="smallest size per rank (default 64)")
@@ -77,7 +82,8 @@ def parse_args(argv=None):
                         "tables and figures drawn from them); keep it under any outer time limit")
     args = p.parse_args(argv)
     try:
-        report.parse_choices(args.ops, report.OPS, "op")
+        report.parse_choices(args.ops, report.ALL_OPS, "op")
+        report.parse_hidden(args.hidden)
         report.parse_dtypes(args.dtypes)
         report.parse_choices(args.modes, report.MODES, "mode")
         report.parse_choices(args.backends or ",".join(report.BACKENDS), report.BACKENDS, "backend")
