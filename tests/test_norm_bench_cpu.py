@@ -312,3 +312,17 @@ def test_measurement_loop_runs_the_norm_cases(tmp_path):
     assert all("hidden" in e and e["why"] for e in nr)
     assert "all_reduce_add_rms_norm_h512 bfloat16 graph" in report.format_tables(data)
     assert tune.fused_norm_maximum(data["rows"]) == UNLIMITED  # equal fake times: ties go to the fused kernel
+
+
+def test_ranks_share_a_gpu_over_gloo_only_when_asked(monkeypatch):
+    from tpcomm import _testing
+    from tpcomm.bench import worker
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("TPCOMM_SHARE_GPU", raising=False)
+    assert worker.placement(1, 2) == (torch.device("cuda", 1), "nccl")  # set_device then says why
+    monkeypatch.setattr(_testing, "_shared_gpu", False)
+    monkeypatch.setenv("TPCOMM_SHARE_GPU", "1")
+    assert worker.placement(1, 2) == (torch.device("cuda", 0), "gloo") and _testing.shared_gpu_allowed()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert worker.placement(1, 2) == (torch.device("cuda", 1), "nccl")  # enough GPUs: one each, NCCL

@@ -107,10 +107,9 @@ def make_norm_case(backend, op, x0, res, case_type):
 def _check(x0, residual, weight, world, quant, scale, call):
     """check(result) of a case (see the module doc); collective: gathers the
     ranks' inputs now and, with an epilogue, calls the op once more."""
-    gathered = torch.empty((world * x0.numel(),), dtype=x0.dtype, device=x0.device)
-    dist.all_gather_into_tensor(gathered, x0.contiguous().view(-1))
-    ref_normed, ref_stream = reference.reference_add_rms_norm(list(gathered.view(world, *x0.shape)), residual,
-                                                              weight, EPS)
+    every = [torch.empty_like(x0) for _ in range(world)]
+    dist.all_gather(every, x0.contiguous())  # a list: gloo (ranks sharing a GPU) takes it for CUDA tensors too
+    ref_normed, ref_stream = reference.reference_add_rms_norm(every, residual, weight, EPS)
 
     def close(normed, stream):
         return (bit_equal(stream, ref_stream) and isinstance(normed, torch.Tensor) and normed.shape == ref_normed.shape

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import topology
+from ..config import env_flag
 from . import report
 from .cases import Resources, agree, describe, make_case
 from .environment import environment, format_env
@@ -43,18 +44,34 @@ def plan(args):
     return ops, dtypes, modes, backends, report.size_list(args.min_bytes, args.max_bytes, step)
 
 
+def placement(rank, world):
+    """(device, process-group backend) of a rank: GPU `rank` over NCCL; with
+    TPCOMM_SHARE_GPU=1 and more ranks than GPUs, GPU rank % count over gloo
+    (NCCL refuses two ranks on one GPU), the custom path kept on there
+    (tpcomm._testing): a check of the cases' results on one GPU, whose times
+    mean nothing (the ranks' kernels time-slice)."""
+    count = torch.cuda.device_count()
+    if world <= count or not env_flag("TPCOMM_SHARE_GPU"):
+        return torch.device("cuda", rank), "nccl"
+    from .. import _testing
+
+    _testing.allow_shared_gpu(True)
+    return torch.device("cuda", rank % count), "gloo"
+
+
 def worker(rank, world, init_method, args, queue=None, destroy=True):
     """One rank. Returns the results path (rank 0) or None. With destroy
     False the process group is left for the process's exit to end."""
     topology.force_multicast_off()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    device, backend = placement(rank, world)
+    torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    extra = {"device_id": device} if backend == "nccl" else {}
     if init_method is None:
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **extra)
     else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
-                                device_id=device, timeout=timeout)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout,
+                                **extra)
     if not destroy:
         return _run(rank, world, device, args, queue)
     try:
@@ -109,6 +126,9 @@ def _run(rank, world, device, args, queue):
     for b, why in res.reasons.items():
         say(f"{b}: off: {why}", flush=True)
     env["backends"] = {b: report.BACKEND_HELP[b] for b in backends}
+    if device.type == "cuda" and dist.get_backend() == "gloo":  # placement()'s shared GPUs
+        env["shared_gpu"] = "ranks share GPUs (TPCOMM_SHARE_GPU=1): the results are checked, the times mean nothing"
+        say(f"note: {env['shared_gpu']}", flush=True)
     env["bench"] = {"sizes_step": 8 if args.quick else args.sizes_step, "ops_per_graph": args.ops_per_graph,
                     "ops_per_graph_large": args.ops_per_graph_large, "large_bytes": args.large_bytes,
                     "replays": _replays(args), "eager_reps": _eager_reps(args), "timeout_s": args.timeout_s,
