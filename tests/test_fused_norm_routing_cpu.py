@@ -58,16 +58,17 @@ def test_the_checker_is_the_one_of_quantized_min_bytes():
 def test_cost_model_default_per_world_size():
     unlimited = routing_table.FUSED_NORM_UNLIMITED
     assert unlimited >= tpcomm._constants.TPC_MAX_BYTES_LIMIT  # no input is larger
+    # 1.5 MiB * n / ((n - 1) (n - 3)) from 4 ranks on
     assert [routing_table.fused_norm_default(n) for n in range(2, 9)] == [
-        unlimited, unlimited, 2 * MiB, 1 * MiB, 2 * MiB // 3, 2 * MiB // 4, 2 * MiB // 5]
-    assert routing_table.FUSED_NORM_BREAK_EVEN == 2 * MiB
+        unlimited, unlimited, 2 * MiB, 983040, 629145, 458752, 359511]
+    assert routing_table.FUSED_NORM_FIXED_BYTES == 3 * MiB // 2
 
 
 def test_the_tables_entry_for_the_world_size_then_star_then_the_model():
     table = routing_table.load_table(_table(fused_norm_max_bytes={"4": 1 * MiB, "*": 256 * KiB}))
     assert routing_table.fused_norm_max_bytes(table, 4) == (1 * MiB, True)
     assert routing_table.fused_norm_max_bytes(table, 8) == (256 * KiB, True)
-    assert routing_table.fused_norm_max_bytes(routing_table.load_table(_table()), 8) == (2 * MiB // 5, False)
+    assert routing_table.fused_norm_max_bytes(routing_table.load_table(_table()), 8) == (359511, False)
     assert routing_table.fused_norm_max_bytes(routing_table.load_table(_table()), 2) == \
         (routing_table.FUSED_NORM_UNLIMITED, False)
 
@@ -83,10 +84,10 @@ def _routes_of(comm, rows, hidden=4096, dtype=torch.bfloat16):
 
 
 def test_past_the_default_cap_add_norm_splits_and_the_rest_run_unfused():
-    comm = _comm(8)  # cap 2 MiB / 5 = 419430 B; packet cap 4 MiB
-    assert _routes_of(comm, 48) == ("fused",) * 5                       # 384 KiB
-    assert _routes_of(comm, 56) == ("split",) + ("unfused",) * 4        # 448 KiB, 7 rows a rank
-    assert _routes_of(comm, 52) == ("unfused",) * 5                     # 52 rows do not divide among 8
+    comm = _comm(8)  # cap 359511 B; packet cap 4 MiB
+    assert _routes_of(comm, 40) == ("fused",) * 5                       # 320 KiB
+    assert _routes_of(comm, 48) == ("split",) + ("unfused",) * 4        # 384 KiB, 6 rows a rank
+    assert _routes_of(comm, 44) == ("unfused",) * 5                     # 44 rows do not divide among 8
     assert _routes_of(_comm(4), 256) == ("fused",) * 5                  # 2 MiB: the cap itself
     assert _routes_of(_comm(4), 264) == ("split",) + ("unfused",) * 4
     # up to 3 ranks the packet cap alone bounds the kernel
@@ -104,8 +105,8 @@ def test_the_tables_cap_routes_and_a_rocm_build_keeps_fp8_unfused():
 
 def test_effective_routes_and_flatten_carry_the_cap():
     modelled = routing_table.effective_routes(routing_table.load_table(_table()), 8)
-    assert modelled["all_reduce"]["fused_norm"] == [(2 * MiB // 5, routing.FUSED_NORM_MODELLED)]
-    assert routing.fused_norm_max(modelled) == 2 * MiB // 5
+    assert modelled["all_reduce"]["fused_norm"] == [(359511, routing.FUSED_NORM_MODELLED)]
+    assert routing.fused_norm_max(modelled) == 359511
     measured = routing_table.effective_routes(routing_table.load_table(_table(fused_norm_max_bytes={"8": MiB})), 8)
     assert routing_table.flatten(measured)["all_reduce/fused_norm/0"] == f"{MiB} fused"
     # ranks whose tables cap the kernel differently disagree on exactly that key
@@ -120,7 +121,7 @@ def test_effective_routes_and_flatten_carry_the_cap():
 def test_summary_labels_the_cap_as_a_cost_model_default_or_the_tables():
     caps = routing.Caps(8, 16 * MiB, 1 * MiB, True)
     modelled = routing_table.effective_routes(routing_table.load_table(_table()), 8)
-    assert f"fused norm kernels up to {2 * MiB // 5} B per rank within the packet cap (cost-model default)" in \
+    assert f"fused norm kernels up to 359511 B per rank within the packet cap (cost-model default)" in \
         routing.summary(modelled, caps)
     measured = routing_table.effective_routes(routing_table.load_table(_table(fused_norm_max_bytes={"*": MiB})), 8)
     text = routing.summary(measured, caps)

@@ -21,7 +21,6 @@ from tpcomm.reference import rank_order_sum, reference_all_reduce_norm
 
 KiB, MiB = 1024, 1024 * 1024
 NORM_OPS = report.NORM_OPS
-UNLIMITED = routing_table.FUSED_NORM_UNLIMITED
 
 
 # ------------------------------------------------------------- the report
@@ -86,8 +85,9 @@ SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 
 
 def test_fused_norm_maximum():
-    assert tune.fused_norm_maximum(_pairs(SIZES, (1, 2, 3, 4), (2, 3, 4, 5))) == UNLIMITED  # never lost
-    assert tune.fused_norm_maximum(_pairs(SIZES, (1, 2, 3, 4), (1, 2, 3, 4))) == UNLIMITED  # ties go to fused
+    # never lost: the largest size measured, no further
+    assert tune.fused_norm_maximum(_pairs(SIZES, (1, 2, 3, 4), (2, 3, 4, 5))) == 4 * MiB
+    assert tune.fused_norm_maximum(_pairs(SIZES, (1, 2, 3, 4), (1, 2, 3, 4))) == 4 * MiB  # ties go to fused
     assert tune.fused_norm_maximum(_pairs(SIZES, (1, 2, 5, 4), (2, 3, 4, 5))) == 256 * KiB  # lost at 1 MiB
     assert tune.fused_norm_maximum(_pairs(SIZES, (3, 2, 3, 4), (2, 3, 4, 5))) == tune.FUSED_NORM_NEVER
     # every op and hidden size counts: an FP8 epilogue losing at 256 KiB at hidden 8192 caps them all
@@ -98,7 +98,7 @@ def test_fused_norm_maximum():
     rows = (_pairs(SIZES[:2], (1, 2), (2, 3)) + [_row(1 * MiB, "tpcomm_fused", 9.0)]
             + _pairs((4 * MiB,), (9,), (1,), correct=False) + _pairs((4 * MiB,), (9,), (1,), mode="eager")
             + _pairs((4 * MiB,), (9,), (1,), dtype="float16"))
-    assert tune.fused_norm_maximum(rows) == UNLIMITED
+    assert tune.fused_norm_maximum(rows) == 256 * KiB
     assert tune.fused_norm_maximum([_row(64, "tpcomm_fused", 1.0)]) is None
     assert tune.fused_norm_maximum([]) is None
 
@@ -311,7 +311,7 @@ def test_measurement_loop_runs_the_norm_cases(tmp_path):
     assert {e["backend"] for e in nr if e["dtype"] == "bfloat16"} == {"nccl"}
     assert all("hidden" in e and e["why"] for e in nr)
     assert "all_reduce_add_rms_norm_h512 bfloat16 graph" in report.format_tables(data)
-    assert tune.fused_norm_maximum(data["rows"]) == UNLIMITED  # equal fake times: ties go to the fused kernel
+    assert tune.fused_norm_maximum(data["rows"]) == 64 * KiB  # equal fake times: the fused kernel, to the largest size
 
 
 def test_ranks_share_a_gpu_over_gloo_only_when_asked(monkeypatch):

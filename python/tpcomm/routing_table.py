@@ -33,11 +33,10 @@ QUANTIZED_MIN_BYTES = 1 << 20
 # The largest input (bytes per rank) the fused norm kernel family takes where
 # the table has no "fused_norm_max_bytes" for the world size, the cost model
 # of docs/design.md ("Routing of the fused norm"): the fused kernel sends
-# (n - 1) B per rank, the split and unfused routes about 2 B and pay a fixed
-# delta more (launches, barriers), so the fused kernel wins up to
-# B* = delta * W / (n - 3): at every size up to 3 ranks, FUSED_NORM_BREAK_EVEN
-# / (n - 3) bytes above.
-FUSED_NORM_BREAK_EVEN = 2 << 20  # delta * W: delta about 6.8 us at W = 310 GB/s
+# (n - 1) B per rank, the split route 3 (n - 1) / n B and pays a fixed delta
+# more (launches, barriers), so the fused kernel wins up to
+# B* = delta * W * n / ((n - 1) (n - 3)): at every size up to 3 ranks.
+FUSED_NORM_FIXED_BYTES = 3 << 19  # delta * W, 1.5 MiB: B* = 2 MiB at 4 ranks (delta about 5 us at W = 310 GB/s)
 FUSED_NORM_UNLIMITED = C.TPC_MAX_BYTES_LIMIT  # no input is larger: the packet cap alone bounds the kernel
 TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
 DEFAULT_TABLE = os.path.join(TABLES, "h200.json")  # for GPU models without a table of their own
@@ -127,8 +126,9 @@ def quantized_min_bytes(table, world_size):
 
 def fused_norm_default(world_size):
     """The cost model's largest input for the fused norm kernel family
-    (FUSED_NORM_BREAK_EVEN)."""
-    return FUSED_NORM_UNLIMITED if world_size <= 3 else FUSED_NORM_BREAK_EVEN // (world_size - 3)
+    (FUSED_NORM_FIXED_BYTES)."""
+    n = world_size
+    return FUSED_NORM_UNLIMITED if n <= 3 else FUSED_NORM_FIXED_BYTES * n // ((n - 1) * (n - 3))
 
 
 def fused_norm_max_bytes(table, world_size):

@@ -77,12 +77,12 @@ def quantized_minimum(rows, dtype="bfloat16"):
 
 
 def fused_norm_maximum(rows, dtype="bfloat16"):
-    """The largest input (bytes per rank) up to which the fused norm kernel
-    (tpcomm_fused) is at least as fast as the route past its cap
-    (tpcomm_past_cap) at every size measured with both, over every norm op
-    and hidden size: routing_table.FUSED_NORM_UNLIMITED where it never lost,
-    FUSED_NORM_NEVER where it lost at the smallest size; None when the two
-    were not measured side by side."""
+    """The largest size (bytes per rank) measured with both up to which the
+    fused norm kernel (tpcomm_fused) is at least as fast as the route past
+    its cap (tpcomm_past_cap) at every size measured, over every norm op and
+    hidden size (where it never lost, the largest measured: the cap goes no
+    further than the measurements); FUSED_NORM_NEVER where it lost at the
+    smallest size; None when the two were not measured side by side."""
     times = {}
     for op in report.NORM_OPS:
         for r in _graph_rows(rows, op, dtype):
@@ -91,10 +91,8 @@ def fused_norm_maximum(rows, dtype="bfloat16"):
     won = sorted((size, by[FUSED_NORM[0]] <= by[FUSED_NORM[1]]) for (_, _, size), by in times.items() if len(by) == 2)
     if not won:
         return None
-    lost = [size for size, ok in won if not ok]
-    if not lost:
-        return routing_table.FUSED_NORM_UNLIMITED
-    return max((size for size, _ in won if size < min(lost)), default=FUSED_NORM_NEVER)
+    first_loss = min((size for size, ok in won if not ok), default=float("inf"))
+    return max((size for size, _ in won if size < first_loss), default=FUSED_NORM_NEVER)
 
 
 def winners(rows, op, dtype):
@@ -213,8 +211,8 @@ def main(argv=None):
     for world, minimum in sorted(table.get("quantized_min_bytes", {}).items()):
         print(f"quantized  world {world:2s} from {minimum} B" + (" (never won)" if minimum == QUANTIZED_NEVER else ""))
     for world, largest in sorted(table.get("fused_norm_max_bytes", {}).items()):
-        note = {routing_table.FUSED_NORM_UNLIMITED: " (never lost)", FUSED_NORM_NEVER: " (never won)"}.get(largest, "")
-        print(f"fused norm world {world:2s} up to {largest} B{note}")
+        never = " (never won)" if largest == FUSED_NORM_NEVER else ""
+        print(f"fused norm world {world:2s} up to {largest} B{never}")
     print(f"{'extended' if extended else 'wrote'} {out} (world size {env.get('world_size')}): "
           f"use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
     return 0

@@ -25,6 +25,14 @@ tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk (kernels forced). A bac
 is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.
 
+--ops may also name the fused all-reduce + add + RMSNorm and its FP8
+epilogues (all_reduce_add_rms_norm, all_reduce_add_rms_norm_fp8_per_tensor,
+..._per_token, ..._per_token_group; bench/norm_cases.py): inputs (tokens,
+hidden) for every --hidden, on tpcomm, tpcomm_fused (the fused kernel forced)
+and tpcomm_past_cap (the route past the routing table's fused_norm_max_bytes),
+checked against tpcomm.reference. Under torchrun with TPCOMM_SHARE_GPU=1,
+ranks past the GPUs share them over gloo: results checked, times meaningless.
+
 Writes tables to the terminal (bandwidth for sizes >= 1 MiB under each),
 JSON to results/<gpu>x<n>.json under the working directory (or --out) and PNG figures next to
 it (<stem>_<op>_<mode>.png, <stem>_speedup.png; python -m tpcomm.bench.plots
