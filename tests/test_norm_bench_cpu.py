@@ -94,10 +94,15 @@ def test_fused_norm_maximum():
     rows = _pairs(SIZES, (1, 2, 3, 4), (2, 3, 4, 5)) + _pairs(SIZES, (1, 4, 3, 4), (2, 3, 4, 5), op=NORM_OPS[3],
                                                                hidden=8192)
     assert tune.fused_norm_maximum(rows) == 64 * KiB
-    # incorrect, eager and float16 rows do not count, nor sizes measured on one backend only
+    # eager and float16 rows do not count, nor sizes measured on one backend only, nor a past-cap row
+    # that failed its check
     rows = (_pairs(SIZES[:2], (1, 2), (2, 3)) + [_row(1 * MiB, "tpcomm_fused", 9.0)]
-            + _pairs((4 * MiB,), (9,), (1,), correct=False) + _pairs((4 * MiB,), (9,), (1,), mode="eager")
-            + _pairs((4 * MiB,), (9,), (1,), dtype="float16"))
+            + _pairs((4 * MiB,), (9,), (1,), mode="eager") + _pairs((4 * MiB,), (9,), (1,), dtype="float16")
+            + [_row(4 * MiB, "tpcomm_fused", 9.0), _row(4 * MiB, "tpcomm_past_cap", 1.0, correct=False)])
+    assert tune.fused_norm_maximum(rows) == 256 * KiB
+    # a fused row that failed its check lost, however fast
+    rows = _pairs(SIZES, (1, 2, 3, 4), (2, 3, 4, 5))
+    rows[2]["correct"] = False
     assert tune.fused_norm_maximum(rows) == 256 * KiB
     assert tune.fused_norm_maximum([_row(64, "tpcomm_fused", 1.0)]) is None
     assert tune.fused_norm_maximum([]) is None

@@ -81,13 +81,16 @@ def fused_norm_maximum(rows, dtype="bfloat16"):
     fused norm kernel (tpcomm_fused) is at least as fast as the route past
     its cap (tpcomm_past_cap) at every size measured, over every norm op and
     hidden size (where it never lost, the largest measured: the cap goes no
-    further than the measurements); FUSED_NORM_NEVER where it lost at the
-    smallest size; None when the two were not measured side by side."""
+    further than the measurements; a fused row that failed its check lost);
+    FUSED_NORM_NEVER where it lost at the smallest size; None when the two
+    were not measured side by side."""
     times = {}
-    for op in report.NORM_OPS:
-        for r in _graph_rows(rows, op, dtype):
-            if r.get("backend") in FUSED_NORM:
-                times.setdefault((op, r.get("hidden"), int(r["bytes_per_rank"])), {})[r["backend"]] = r["median_us"]
+    for r in rows:
+        if (r.get("op") in report.NORM_OPS and r.get("dtype") == dtype and r.get("mode") == "graph"
+                and r.get("backend") in FUSED_NORM and isinstance(r.get("median_us"), (int, float))):
+            us = r["median_us"] if r.get("correct") else (float("inf") if r["backend"] == FUSED_NORM[0] else None)
+            if us is not None:
+                times.setdefault((r["op"], r.get("hidden"), int(r["bytes_per_rank"])), {})[r["backend"]] = us
     won = sorted((size, by[FUSED_NORM[0]] <= by[FUSED_NORM[1]]) for (_, _, size), by in times.items() if len(by) == 2)
     if not won:
         return None
