@@ -354,7 +354,8 @@ def test_policy_lookup_falls_back_to_star():
 def test_policy_effective_routes_and_flatten():
     routes = routing_table.effective_routes(SHIPPED, 2, {"all_gather": "nccl"}, ("bulk",))
     assert set(routes) == set(routing.OPS)
-    assert set(routes["all_reduce"]) == {"*", "float32", "float16", "bfloat16"}
+    assert set(routes["all_reduce"]) == {"*", "float32", "float16", "bfloat16", "fused_norm"}
+    assert routes["all_reduce"]["fused_norm"] == [(routing_table.FUSED_NORM_UNLIMITED, routing.FUSED_NORM_MODELLED)]
     assert routes["all_gather"]["*"] == [(1 << 62, "nccl")]
     assert all(b != "bulk" for bands in routes["all_reduce"].values() for _, b in bands)
     flat = routing_table.flatten(routes)

@@ -8,7 +8,8 @@ Three routes, chosen from what every rank shares (shape, dtype, config) by
 tpcomm.routing.add_rms_norm:
   "fused"   one launch of tpcomm's fused kernel family
             (csrc/kernels/all_reduce_norm.cuh) on pattern ADD_NORM:
-            fp16/bf16, the input within the packet cap, a row of at most
+            fp16/bf16, the input within the packet cap and the routing
+            table's fused_norm_max_bytes, a row of at most
             TPC_NORM_MAX_ROW_BYTES. The other fusion patterns
             (tpcomm.norm_patterns) run on the same family where this route
             is "fused".

@@ -52,6 +52,10 @@ OP_CODES = {"all_reduce": C.TPC_OP_ALL_REDUCE, "all_gather": C.TPC_OP_ALL_GATHER
 # streamed two-shot from three on (limits.c says which takes which).
 VARIANTS = {"bulk": (C.TPC_ALGO_BULK_ONE_SHOT, C.TPC_ALGO_BULK)}
 
+# The backend of all_reduce's "fused_norm" row (routing_table.effective_routes)
+# where its limit is the cost model's default, not the table's.
+FUSED_NORM_MODELLED = "fused_cost_model"
+
 # Where a band's kernel cannot take a call, the next of these that can does;
 # NCCL when none can.
 FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),
@@ -222,17 +226,26 @@ def aiter_first(op, world_size, max_bytes, nbytes, dim=0):
 
 def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
     """How all_reduce_add_rms_norm runs (row: bytes of the last dimension):
-    "fused" (one kernel: fp16/bf16, the input within the packet cap, a row of
-    at most TPC_NORM_MAX_ROW_BYTES), "split" (reduce-scatter kernels when the
-    rows divide among the ranks), else "unfused"."""
+    "fused" (one kernel: fp16/bf16, the input within the packet cap and
+    fused_norm_max(routes), a row of at most TPC_NORM_MAX_ROW_BYTES), "split"
+    (reduce-scatter kernels when the rows divide among the ranks), else
+    "unfused"."""
     if not (caps is not None and fused_kernel and dtype in _dtypes.NORM_KERNEL and weight_dtype == dtype
             and nbytes > 0 and row > 0 and row % 16 == 0):
         return "unfused"
-    if nbytes <= caps.packet_max_bytes and row <= C.TPC_NORM_MAX_ROW_BYTES:
+    if nbytes <= min(caps.packet_max_bytes, fused_norm_max(routes)) and row <= C.TPC_NORM_MAX_ROW_BYTES:
         return "fused"
     if (nbytes // row) % caps.world_size == 0 and route(routes, caps, "reduce_scatter", dtype, nbytes) in KERNELS:
         return "split"
     return "unfused"
+
+
+def fused_norm_max(routes):
+    """The largest input (bytes per rank) the routes let the fused norm kernel
+    family take: their "fused_norm" row (routing_table.effective_routes); no
+    limit without one."""
+    row = routes["all_reduce"].get("fused_norm")
+    return row[0][0] if row else math.inf
 
 
 def norm_pattern(add_norm_route, pattern, weight_offset, dtype, next_weight_dtype=None):
@@ -268,4 +281,7 @@ def summary(routes, caps):
                      f"output {caps.max_bytes} B)")
     for minimum, kernel in routes["all_reduce"].get("quantized", ()):
         parts.append(f"all_reduce of {' and '.join(QUANTIZED_DTYPES)} from {minimum} B: {kernel} (not exact)")
+    for largest, source in routes["all_reduce"].get("fused_norm", ()):
+        parts.append(f"fused norm kernels up to {largest} B per rank within the packet cap "
+                     f"({'cost-model default' if source == FUSED_NORM_MODELLED else 'table'})")
     return "; ".join(parts)

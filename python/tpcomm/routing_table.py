@@ -21,14 +21,23 @@ import json
 import os
 import re
 
+from . import _constants as C
 from ._dtypes import NAMES as DTYPES  # the dtypes a table may name for the reducing ops
-from .routing import BACKENDS, KERNEL_OPS, OPS
+from .routing import BACKENDS, FUSED_NORM_MODELLED, KERNEL_OPS, OPS
 
 REDUCING = ("all_reduce", "reduce_scatter")  # ops whose tables may have rows per dtype
 # The smallest all_reduce the quantized kernel takes where Config.quantize is
 # on and the table has no "quantized_min_bytes" for the world size: the cost
 # model's break-even (docs/design.md, "Quantized all-reduce").
 QUANTIZED_MIN_BYTES = 1 << 20
+# The largest input (bytes per rank) the fused norm kernel family takes where
+# the table has no "fused_norm_max_bytes" for the world size, the cost model
+# of docs/design.md ("Routing of the fused norm"): the fused kernel sends
+# (n - 1) B per rank, the split route 3 (n - 1) / n B and pays a fixed delta
+# more (launches, barriers), so the fused kernel wins up to
+# B* = delta * W * n / ((n - 1) (n - 3)): at every size up to 3 ranks.
+FUSED_NORM_FIXED_BYTES = 3 << 19  # delta * W, 1.5 MiB: B* = 2 MiB at 4 ranks (delta about 5 us at W = 310 GB/s)
+FUSED_NORM_UNLIMITED = C.TPC_MAX_BYTES_LIMIT  # no input is larger: the packet cap alone bounds the kernel
 TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables")
 DEFAULT_TABLE = os.path.join(TABLES, "h200.json")  # for GPU models without a table of their own
 
@@ -88,28 +97,49 @@ def load_table(source=None):
         if "*" not in table[op]:
             raise TableError(f"routing table {where}: {op} needs a '*' world-size row")
     return {"about": str(data.get("about", "")), "routes": table,
-            "quantized_min_bytes": _checked_minimums(data.get("quantized_min_bytes", {}), where)}
+            **{name: _checked_sizes(data.get(name, {}), where, name) for name in SIZE_FIELDS}}
 
 
-def _checked_minimums(minimums, where):
-    """The table's "quantized_min_bytes": {world size or "*": bytes}, the
-    smallest all_reduce input the quantized kernel takes (tpcomm.tune writes
-    it from measurements)."""
-    if not isinstance(minimums, dict):
-        raise TableError(f"routing table {where}: quantized_min_bytes must be an object of world size: bytes")
-    for world, value in minimums.items():
+# The table's sizes per world size, {world size or "*": bytes} (tpcomm.tune
+# writes them from measurements): the smallest all_reduce input the quantized
+# kernel takes, and the largest input the fused norm kernel family takes.
+SIZE_FIELDS = ("quantized_min_bytes", "fused_norm_max_bytes")
+
+
+def _checked_sizes(sizes, where, name):
+    """One of SIZE_FIELDS, checked: an object of world size ('*' or 2..8): positive bytes."""
+    if not isinstance(sizes, dict):
+        raise TableError(f"routing table {where}: {name} must be an object of world size: bytes")
+    for world, value in sizes.items():
         if world != "*" and not (world.isdigit() and 2 <= int(world) <= 8):
-            raise TableError(f"routing table {where}: quantized_min_bytes/{world}: world size must be '*' or 2..8")
+            raise TableError(f"routing table {where}: {name}/{world}: world size must be '*' or 2..8")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise TableError(f"routing table {where}: quantized_min_bytes/{world} must be a positive integer, "
-                             f"got {value!r}")
-    return dict(minimums)
+            raise TableError(f"routing table {where}: {name}/{world} must be a positive integer, got {value!r}")
+    return dict(sizes)
 
 
 def quantized_min_bytes(table, world_size):
     """The smallest all_reduce the quantized kernel takes at this world size."""
     minimums = table.get("quantized_min_bytes", {})
     return minimums.get(str(world_size), minimums.get("*", QUANTIZED_MIN_BYTES))
+
+
+def fused_norm_default(world_size):
+    """The cost model's largest input for the fused norm kernel family
+    (FUSED_NORM_FIXED_BYTES)."""
+    n = world_size
+    return FUSED_NORM_UNLIMITED if n <= 3 else FUSED_NORM_FIXED_BYTES * n // ((n - 1) * (n - 3))
+
+
+def fused_norm_max_bytes(table, world_size):
+    """(bytes, whether the table gave them): the largest input the fused norm
+    kernel family takes at this world size, the table's entry for it or
+    "*", else the cost model's (fused_norm_default)."""
+    maxima = table.get("fused_norm_max_bytes", {})
+    for key in (str(world_size), "*"):
+        if key in maxima:
+            return maxima[key], True
+    return fused_norm_default(world_size), False
 
 
 def gpu_model(device_name):
@@ -174,7 +204,10 @@ def effective_routes(table, world_size, force=None, forbid=(), quantize=None):
     applied: what the Communicator routes by, and what the ranks compare.
     With Config.quantize (a mode) and all_reduce not forced, all_reduce also
     has a "quantized" row: [(smallest size, "quantized_<mode>")]
-    (tpcomm.routing.quantized)."""
+    (tpcomm.routing.quantized). all_reduce's "fused_norm" row,
+    [(largest input, "fused" or routing.FUSED_NORM_MODELLED where it is the
+    cost model's)], caps the fused norm kernel family
+    (tpcomm.routing.add_rms_norm)."""
     force = dict(force or {})
     routes = {}
     for op in OPS:
@@ -183,6 +216,8 @@ def effective_routes(table, world_size, force=None, forbid=(), quantize=None):
                       for name in names}
     if quantize and "all_reduce" not in force:
         routes["all_reduce"]["quantized"] = [(quantized_min_bytes(table, world_size), f"quantized_{quantize}")]
+    largest, from_table = fused_norm_max_bytes(table, world_size)
+    routes["all_reduce"]["fused_norm"] = [(largest, "fused" if from_table else FUSED_NORM_MODELLED)]
     return routes
 
 

@@ -11,9 +11,12 @@ consecutive sizes with the same winner become one band. It also times the
 quantized all-reduce (each mode, checked against its error bound) and writes
 the world size's "quantized_min_bytes": the smallest bfloat16 size from which
 every mode beats the fastest exact backend at every larger size measured
-(past every size: QUANTIZED_NEVER), which Config.quantize routes by. `--from
-results.json` derives the table from an earlier benchmark run instead of
-measuring (no GPU needed).
+(past every size: QUANTIZED_NEVER), which Config.quantize routes by. And it
+times the fused all-reduce + add + RMSNorm and its FP8 epilogues on the fused
+kernel and on the route past its cap, and writes the world size's
+"fused_norm_max_bytes" (fused_norm_maximum), which routing.add_rms_norm
+caps the fused kernel family by. `--from results.json` derives the table from
+an earlier benchmark run instead of measuring (no GPU needed).
 
     torchrun --nproc-per-node=4 -m tpcomm.tune --out h200.json   # then 8, with the same --out
     python -m tpcomm.tune --from benchmarks/results/h200x2.json --out h200.json
@@ -26,6 +29,7 @@ import tempfile
 
 from . import _constants as C
 from . import routing, routing_table
+from .bench import report
 
 # Benchmark backend names -> the routing table's backend names.
 ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in routing.KERNELS}, "nccl": "nccl"}
@@ -34,6 +38,10 @@ PREFERENCE = routing.BACKENDS
 # The quantized all-reduce's benchmark backends: timed, never a band's.
 QUANTIZED = tuple(f"tpcomm_{kernel}" for kernel in routing.QUANTIZED)
 QUANTIZED_NEVER = C.TPC_MAX_BYTES_LIMIT + 16  # larger than any op: quantized never won
+# The fused norm ops' benchmark backends: the fused kernel, and the route the
+# dispatcher takes past its cap (bench/norm_cases.py).
+FUSED_NORM = ("tpcomm_fused", "tpcomm_past_cap")
+FUSED_NORM_NEVER = 1  # smaller than any input the fused kernel takes (16-byte rows): it never won
 
 
 def _graph_rows(rows, op, dtype):
@@ -66,6 +74,28 @@ def quantized_minimum(rows, dtype="bfloat16"):
             break
         minimum = size
     return minimum
+
+
+def fused_norm_maximum(rows, dtype="bfloat16"):
+    """The largest size (bytes per rank) measured with both up to which the
+    fused norm kernel (tpcomm_fused) is at least as fast as the route past
+    its cap (tpcomm_past_cap) at every size measured, over every norm op and
+    hidden size (where it never lost, the largest measured: the cap goes no
+    further than the measurements; a fused row that failed its check lost);
+    FUSED_NORM_NEVER where it lost at the smallest size; None when the two
+    were not measured side by side."""
+    times = {}
+    for r in rows:
+        if (r.get("op") in report.NORM_OPS and r.get("dtype") == dtype and r.get("mode") == "graph"
+                and r.get("backend") in FUSED_NORM and isinstance(r.get("median_us"), (int, float))):
+            us = r["median_us"] if r.get("correct") else (float("inf") if r["backend"] == FUSED_NORM[0] else None)
+            if us is not None:
+                times.setdefault((r["op"], r.get("hidden"), int(r["bytes_per_rank"])), {})[r["backend"]] = us
+    won = sorted((size, by[FUSED_NORM[0]] <= by[FUSED_NORM[1]]) for (_, _, size), by in times.items() if len(by) == 2)
+    if not won:
+        return None
+    first_loss = min((size for size, ok in won if not ok), default=float("inf"))
+    return max((size for size, _ in won if size < first_loss), default=FUSED_NORM_NEVER)
 
 
 def winners(rows, op, dtype):
@@ -126,9 +156,18 @@ def derive_table(results, base=None):
     measured = quantized_minimum(rows)
     if measured is not None:
         minimums[world] = measured
+    maxima = dict(base.get("fused_norm_max_bytes", {}))
+    measured = fused_norm_maximum(rows)
+    if measured is not None:
+        maxima[world] = measured
+    about += (f"; fused_norm_max_bytes measured at world size {', '.join(sorted(maxima))} (tpcomm_fused against "
+              "tpcomm_past_cap), the cost-model default elsewhere" if maxima else
+              "; no fused_norm_max_bytes measured: the fused norm kernel's cap is the cost-model default")
     table = {"about": about, "routes": routes}
     if minimums:
         table["quantized_min_bytes"] = minimums
+    if maxima:
+        table["fused_norm_max_bytes"] = maxima
     routing_table.load_table(table)  # what we write must load
     return table
 
@@ -153,7 +192,8 @@ def main(argv=None):
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "tune.json")
-            bench_main(["--modes", "graph", "--backends", ",".join((*ROUTABLE, *QUANTIZED)), "--dtypes", args.dtypes,
+            bench_main(["--modes", "graph", "--backends", ",".join((*ROUTABLE, *QUANTIZED, *FUSED_NORM)),
+                        "--ops", ",".join(report.ALL_OPS), "--dtypes", args.dtypes,
                         "--max-bytes", str(args.max_bytes), "--no-plots", "--out", path])
             if not os.path.exists(path):
                 print("tpcomm.tune: nothing was measured (it needs 2 or more CUDA GPUs); no table written")
@@ -173,6 +213,9 @@ def main(argv=None):
                 print(f"{op:11s} world {world:2s} {dtype:9s} " + ", ".join(f"{b} to {n} B" for n, b in bs))
     for world, minimum in sorted(table.get("quantized_min_bytes", {}).items()):
         print(f"quantized  world {world:2s} from {minimum} B" + (" (never won)" if minimum == QUANTIZED_NEVER else ""))
+    for world, largest in sorted(table.get("fused_norm_max_bytes", {}).items()):
+        never = " (never won)" if largest == FUSED_NORM_NEVER else ""
+        print(f"fused norm world {world:2s} up to {largest} B{never}")
     print(f"{'extended' if extended else 'wrote'} {out} (world size {env.get('world_size')}): "
           f"use it with Communicator(table={out!r}) or TPCOMM_TABLE={out}")
     return 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import multiproc
 import tpcomm
+from tpcomm import routing
 from gpu_checks import delay_random_rank, overwrite, shared_rng
 from tpcomm.config import Config
 from tpcomm.reference import reference_add_rms_norm, ulp_distance
@@ -76,7 +77,9 @@ def body_shapes(rank, world):
             residual, weight = _shared((tokens, hidden), dtype, 1000 + i)
             route = comm.route_all_reduce_add_rms_norm(x, weight)
             nbytes = tokens * hidden * 2
-            fused = nbytes <= 1 * MiB and hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES
+            # the packet cap, and from 5 ranks on the fused kernel's own (the table's, or the cost model's)
+            fused = nbytes <= min(1 * MiB, routing.fused_norm_max(comm._routes)) and \
+                hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES
             split = tokens % world == 0 and nbytes <= comm.max_bytes
             assert route == ("fused" if fused else "split" if split else "unfused"), (tokens, hidden, route)
             expected[route] += 2

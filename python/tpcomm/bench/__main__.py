@@ -25,6 +25,14 @@ tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk (kernels forced). A bac
 is listed under "not run" with the reason; the run goes on. NVLink multicast
 stays off throughout.
 
+--ops may also name the fused all-reduce + add + RMSNorm and its FP8
+epilogues (all_reduce_add_rms_norm, all_reduce_add_rms_norm_fp8_per_tensor,
+..._per_token, ..._per_token_group; bench/norm_cases.py): inputs (tokens,
+hidden) for every --hidden, on tpcomm, tpcomm_fused (the fused kernel forced)
+and tpcomm_past_cap (the route past the routing table's fused_norm_max_bytes),
+checked against tpcomm.reference. Under torchrun with TPCOMM_SHARE_GPU=1,
+ranks past the GPUs share them over gloo: results checked, times meaningless.
+
 Writes tables to the terminal (bandwidth for sizes >= 1 MiB under each),
 JSON to results/<gpu>x<n>.json under the working directory (or --out) and PNG figures next to
 it (<stem>_<op>_<mode>.png, <stem>_speedup.png; python -m tpcomm.bench.plots
@@ -45,7 +53,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="tpcomm bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
-                   help="comma-separated ops (default: all three; reduce_scatter's size is its input per rank)")
+                   help="comma-separated ops (default: the three collectives; reduce_scatter's size is its input "
+                        "per rank); also " + ",".join(report.NORM_OPS) + ": the fused all-reduce + add + RMSNorm "
+                        "and its FP8 epilogues, on backends tpcomm, tpcomm_fused, tpcomm_past_cap")
+    p.add_argument("--hidden", default=report.NORM_HIDDEN,
+                   help="the norm ops' hidden sizes, comma-separated (default %(default)s); inputs (tokens, hidden), "
+                        "tokens = size per rank // row bytes")
     p.add_argument("--dtypes", default="bfloat16,float16,float32",
                    help="comma-separated: bfloat16,float16,float32 (or bf16,fp16,fp32)")
     p.add_argument("--min-bytes", type=int, default=64, help="smallest size per rank (default 64)")
@@ -77,7 +90,8 @@ def parse_args(argv=None):
                         "tables and figures drawn from them); keep it under any outer time limit")
     args = p.parse_args(argv)
     try:
-        report.parse_choices(args.ops, report.OPS, "op")
+        report.parse_choices(args.ops, report.ALL_OPS, "op")
+        report.parse_hidden(args.hidden)
         report.parse_dtypes(args.dtypes)
         report.parse_choices(args.modes, report.MODES, "mode")
         report.parse_choices(args.backends or ",".join(report.BACKENDS), report.BACKENDS, "backend")

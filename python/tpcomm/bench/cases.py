@@ -14,8 +14,10 @@ skipped):
 
 * nccl: tpcomm.backends.nccl.Nccl on the world group, all_reduce in place.
 * tpcomm (the dispatcher: tpcomm.Communicator), tpcomm_packet, tpcomm_line, tpcomm_two_shot, tpcomm_bulk
-  (tpcomm.backends.kernels.Kernels of that communicator, kernel forced): one
-  Communicator whose max_bytes covers the largest all-gather output.
+  (tpcomm.backends.kernels.Kernels of that communicator, kernel forced),
+  tpcomm_fused and tpcomm_past_cap (the fused norm ops' routes, forced:
+  bench/norm_cases.py, which makes every norm op's case): one Communicator
+  whose max_bytes covers the largest all-gather output.
 * nccl_window: tpcomm.bench.nccl_window.NcclWindow (its doc says how the
   window is made); cases run on views of it.
 * nccl_nomix, nccl_window_nomix: the same calls as nccl and nccl_window, in
@@ -39,12 +41,15 @@ from .. import routing
 from ..backends import Unavailable
 from ..backends.nccl import Nccl
 from .nccl_window import NcclWindow
+from .norm_cases import NORM_BACKENDS, make_norm_case
+from .report import NORM_OPS
 from .symm_mem import SymmMem
 
 # tpcomm's quantized all-reduce, one backend a mode: not exact, so checked
 # against the error bound (tpcomm.quantized_reference) instead of bit for bit.
 QUANTIZED_BACKENDS = tuple(f"tpcomm_{kernel}" for kernel in routing.QUANTIZED)
-TPCOMM_BACKENDS = ("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk") + QUANTIZED_BACKENDS
+TPCOMM_BACKENDS = (("tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot", "tpcomm_bulk") + QUANTIZED_BACKENDS
+                   + NORM_BACKENDS)
 NOMIX_BACKENDS = ("nccl_nomix", "nccl_window_nomix")
 SYMM_BACKENDS = ("symm_one_shot", "symm_two_shot", "symm_two_shot_copied")
 WINDOW_BACKENDS = ("nccl_window", "nccl_window_nomix")
@@ -238,6 +243,10 @@ def make_case(backend, op, x0, res):
     """The Case running `op` on input x0 with `backend` (see the module doc)."""
     if backend in res.reasons:
         raise Unavailable(res.reasons[backend])
+    if op in NORM_OPS:
+        return make_norm_case(backend, op, x0, res, Case)
+    if backend in NORM_BACKENDS:
+        raise Unavailable(f"the fused norm ops only ({', '.join(NORM_OPS)})")
     numel, world = x0.numel(), res.world
     nbytes = numel * x0.element_size()
 

@@ -85,7 +85,7 @@ def render(data, stem, dtype=None):
     """Writes the figures for results `data` (the JSON dict) under `stem`;
     returns the paths written. Raises ImportError without matplotlib."""
     plt = _pyplot()
-    rows = [r for r in data.get("rows", []) if _ok(r.get("median_us"))]
+    rows = [r for r in report.labelled(data.get("rows", [])) if _ok(r.get("median_us"))]
     env = data.get("env", {})
     dtype = dtype or report.preferred_dtype(rows)
     rows = [r for r in rows if r["dtype"] == dtype]

@@ -23,10 +23,16 @@ KiB = 1024
 MiB = 1024 * KiB
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")  # reduce_scatter's size: its input per rank
+# The fused all-reduce + add + RMSNorm (pattern ADD_NORM) and its FP8
+# epilogues (bench/norm_cases.py): inputs (tokens, hidden), rows with "hidden".
+NORM_OPS = ("all_reduce_add_rms_norm", "all_reduce_add_rms_norm_fp8_per_tensor",
+            "all_reduce_add_rms_norm_fp8_per_token", "all_reduce_add_rms_norm_fp8_per_token_group")
+ALL_OPS = OPS + NORM_OPS
 # Column order of the tables and plots.
 BACKENDS = ("nccl", "nccl_nomix", "nccl_window", "nccl_window_nomix", "symm_one_shot", "symm_two_shot",
             "symm_two_shot_copied", "tpcomm", "tpcomm_packet", "tpcomm_line", "tpcomm_two_shot",
-            "tpcomm_bulk", "tpcomm_quantized_fp8", "tpcomm_quantized_int8", "tpcomm_quantized_int4")
+            "tpcomm_bulk", "tpcomm_quantized_fp8", "tpcomm_quantized_int8", "tpcomm_quantized_int4",
+            "tpcomm_fused", "tpcomm_past_cap")
 # NCCL reads NCCL_GRAPH_MIXING_SUPPORT once per process, at its first
 # communicator: these run in a second set of processes with it set to 0 (NCCL
 # at its fastest under CUDA graphs), graph mode only.
@@ -49,6 +55,9 @@ BACKEND_HELP = {
     "tpcomm_quantized_fp8": "tpcomm's quantized all-reduce, e4m3 codes, forced (not exact: within its error bound)",
     "tpcomm_quantized_int8": "tpcomm's quantized all-reduce, int8 codes, forced (not exact: within its error bound)",
     "tpcomm_quantized_int4": "tpcomm's quantized all-reduce, int4 codes, forced (not exact: within its error bound)",
+    "tpcomm_fused": "tpcomm's fused all-reduce + add + RMSNorm kernel (with its FP8 epilogue), forced (norm ops only)",
+    "tpcomm_past_cap": "the route tpcomm's dispatcher takes past the fused norm kernel's cap: split or unfused "
+                       "(norm ops only)",
 }
 MODES = ("graph", "eager")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -74,6 +83,42 @@ def size_list(lo, hi, step=4):
     if out[-1] != hi:
         out.append(hi)
     return out
+
+
+NORM_HIDDEN = "4096,8192"  # the norm ops' default hidden sizes (--hidden)
+
+
+def parse_hidden(text):
+    """'4096,8192' -> [4096, 8192]; raises ValueError unless positive integers."""
+    try:
+        out = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise ValueError(f"hidden sizes must be positive integers, comma-separated; got {text!r}")
+    return list(dict.fromkeys(out))
+
+
+def shapes(op, itemsize, sizes, world, hiddens):
+    """The input shapes of `op` for the requested sizes per rank, each once:
+    (numel,) for the collectives (reduce_scatter: `world` equal parts);
+    (tokens, hidden) for the norm ops, tokens = size // row, at least 1."""
+    out = []
+    for req in sizes:
+        if op in NORM_OPS:
+            out += [(max(1, req // (h * itemsize)), h) for h in hiddens]
+            continue
+        numel = max(1, req // itemsize)
+        out.append((max(world, numel // world * world),) if op == "reduce_scatter" else (numel,))
+    return list(dict.fromkeys(out))
+
+
+def labelled(rows):
+    """Rows (or not-run entries) for the tables: a norm op's hidden size
+    joined to its op ("all_reduce_add_rms_norm_h4096"), so that sizes of two
+    hidden sizes stay apart."""
+    return [{**{k: v for k, v in r.items() if k != "hidden"}, "op": f"{r['op']}_h{r['hidden']}"} if "hidden" in r
+            else r for r in rows]
 
 
 def human_bytes(n):
@@ -167,7 +212,7 @@ def format_tables(data):
     """One table per (op, dtype, mode): median us per op, every backend a
     column, x = the best NCCL configuration measured / tpcomm; under it, for
     sizes >= 1 MiB, the bandwidth."""
-    rows = data.get("rows", [])
+    rows = labelled(data.get("rows", []))
     env = data.get("env", {})
     out = []
     keys = {(r["op"], r["dtype"], r["mode"]) for r in rows}
@@ -235,7 +280,7 @@ def format_not_run(not_run):
     """The "not run" list, one line per (op, backend, reason), sizes and
     dtypes folded together."""
     groups = {}
-    for e in not_run:
+    for e in labelled(not_run):
         key = (e.get("op"), e.get("backend"), e.get("mode"), e.get("why"))
         g = groups.setdefault(key, {"dtypes": set(), "sizes": set()})
         if e.get("dtype"):
@@ -258,7 +303,7 @@ def format_not_run(not_run):
 def format_summary(data):
     """A few lines for the end of the log: correctness, and the speed-up of
     each backend over NCCL at the smallest and largest size measured."""
-    rows = data.get("rows", [])
+    rows = labelled(data.get("rows", []))
     bad = [r for r in rows if r.get("correct") is False]
     lines = []
     if bad:
@@ -309,7 +354,7 @@ def dispatcher_vs_fastest(rows, mode="graph"):
     routed to, the fastest other backend, its median, dispatcher / fastest).
     Only correct rows count."""
     cells = {}
-    for r in rows:
+    for r in labelled(rows):
         if r.get("mode") == mode and r.get("correct") is not False and _finite_positive(r.get("median_us")):
             cells.setdefault((r["op"], r["dtype"], r["bytes_per_rank"]), {})[r["backend"]] = r
     out = []

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import topology
+from ..config import env_flag
 from . import report
 from .cases import Resources, agree, describe, make_case
 from .environment import environment, format_env
@@ -29,13 +30,13 @@ from .inputs import bit_equal, make_input, reference
 from .kernel_probe import probe_nccl_kernels
 from .peer_copy import measure_peer_copy
 from .progress import Progress
-from .report import BACKENDS, OPS, human_bytes
+from .report import ALL_OPS, BACKENDS, OPS, human_bytes
 from .timing import barrier, time_eager, time_graphs
 
 
 def plan(args):
     """(ops, dtypes, modes, backends, sizes) of a run, from the parsed arguments."""
-    ops = report.parse_choices(args.ops, OPS, "op")
+    ops = report.parse_choices(args.ops, ALL_OPS, "op")
     dtypes = report.parse_dtypes(args.dtypes)
     modes = report.parse_choices(args.modes, report.MODES, "mode")
     backends = report.parse_choices(args.backends or ",".join(BACKENDS), BACKENDS, "backend")
@@ -43,18 +44,34 @@ def plan(args):
     return ops, dtypes, modes, backends, report.size_list(args.min_bytes, args.max_bytes, step)
 
 
+def placement(rank, world):
+    """(device, process-group backend) of a rank: GPU `rank` over NCCL; with
+    TPCOMM_SHARE_GPU=1 and more ranks than GPUs, GPU rank % count over gloo
+    (NCCL refuses two ranks on one GPU), the custom path kept on there
+    (tpcomm._testing): a check of the cases' results on one GPU, whose times
+    mean nothing (the ranks' kernels time-slice)."""
+    count = torch.cuda.device_count()
+    if world <= count or not env_flag("TPCOMM_SHARE_GPU"):
+        return torch.device("cuda", rank), "nccl"
+    from .. import _testing
+
+    _testing.allow_shared_gpu(True)
+    return torch.device("cuda", rank % count), "gloo"
+
+
 def worker(rank, world, init_method, args, queue=None, destroy=True):
     """One rank. Returns the results path (rank 0) or None. With destroy
     False the process group is left for the process's exit to end."""
     topology.force_multicast_off()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    device, backend = placement(rank, world)
+    torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    extra = {"device_id": device} if backend == "nccl" else {}
     if init_method is None:
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **extra)
     else:
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
-                                device_id=device, timeout=timeout)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout,
+                                **extra)
     if not destroy:
         return _run(rank, world, device, args, queue)
     try:
@@ -109,6 +126,9 @@ def _run(rank, world, device, args, queue):
     for b, why in res.reasons.items():
         say(f"{b}: off: {why}", flush=True)
     env["backends"] = {b: report.BACKEND_HELP[b] for b in backends}
+    if device.type == "cuda" and dist.get_backend() == "gloo":  # placement()'s shared GPUs
+        env["shared_gpu"] = "ranks share GPUs (TPCOMM_SHARE_GPU=1): the results are checked, the times mean nothing"
+        say(f"note: {env['shared_gpu']}", flush=True)
     env["bench"] = {"sizes_step": 8 if args.quick else args.sizes_step, "ops_per_graph": args.ops_per_graph,
                     "ops_per_graph_large": args.ops_per_graph_large, "large_bytes": args.large_bytes,
                     "replays": _replays(args), "eager_reps": _eager_reps(args), "timeout_s": args.timeout_s,
@@ -125,11 +145,13 @@ def _run(rank, world, device, args, queue):
                              "env": "NCCL_GRAPH_MIXING_SUPPORT=0", "complete": merged.get("env", {}).get("complete"),
                              "elapsed_s": merged.get("env", {}).get("elapsed_s")}
         env["backends"].update(merged.get("env", {}).get("backends", {}))
-    progress = Progress(len(ops) * len(dtypes) * len(size_list) * len(backends) * len(modes),
-                        enabled=rank == 0 and not args.no_progress)
+    hiddens = report.parse_hidden(getattr(args, "hidden", report.NORM_HIDDEN))
+    cells = sum(len(report.shapes(op, getattr(torch, d).itemsize, size_list, world, hiddens))
+                for op in ops for d in dtypes)
+    progress = Progress(cells * len(backends) * len(modes), enabled=rank == 0 and not args.no_progress)
 
     def skip(op, backend, dtype, nbytes, why, mode=None):
-        e = {"op": op, "backend": backend, "dtype": dtype, "bytes_per_rank": nbytes, "why": why}
+        e = {"op": op, "backend": backend, "dtype": dtype, "bytes_per_rank": nbytes, "why": why, **extra}
         if mode:
             e["mode"] = mode
         not_run.append(e)
@@ -137,13 +159,12 @@ def _run(rank, world, device, args, queue):
     for op in ops:
         for dname in dtypes:
             dtype = getattr(torch, dname)
-            for req in size_list:
-                numel = max(1, req // dtype.itemsize)
-                if op == "reduce_scatter":  # world equal parts
-                    numel = max(world, numel // world * world)
+            for shape in report.shapes(op, dtype.itemsize, size_list, world, hiddens):
+                numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
                 nbytes = numel * dtype.itemsize
-                x0 = make_input(rank, op, dtype, numel, device)
-                ref = reference(op, x0, world)
+                extra = {"hidden": shape[1]} if len(shape) > 1 else {}  # a norm op's rows: (tokens, hidden)
+                x0 = make_input(rank, op, dtype, numel, device).view(shape)
+                ref = reference(op, x0, world) if op in OPS else None  # the norm ops' cases check themselves
                 n_ops = args.ops_per_graph if nbytes <= args.large_bytes else args.ops_per_graph_large
                 ready = []  # (backend, case, bit-exact on every rank): first run done
                 for backend in backends:
@@ -210,7 +231,7 @@ def _run(rank, world, device, args, queue):
                         else:
                             worst = max(x for x, _ in got)
                             rows.append({"op": op, "backend": backend, "dtype": dname, "bytes_per_rank": nbytes,
-                                         "mode": mode, "median_us": round(worst, 3), "correct": ok,
+                                         "mode": mode, "median_us": round(worst, 3), "correct": ok, **extra,
                                          **({"route": case.route} if case.route else {})})
                         progress.advance(1, f"{op} {dname} {human_bytes(nbytes)} {backend} {mode}")
                 del ready
@@ -219,7 +240,7 @@ def _run(rank, world, device, args, queue):
     progress.close()
 
     if not args.no_kernel_probe:
-        env["nccl_kernels"] = probe_nccl_kernels(ops, dtypes, backends, size_list, res, rank, world, device)
+        env["nccl_kernels"] = probe_nccl_kernels([op for op in ops if op in OPS], dtypes, backends, size_list, res, rank, world, device)
     data = _write(path, env, rows, not_run, world, complete=True, t0=t0, log=say) if rank == 0 else None
     if rank == 0 and not quiet:
         print("\n" + format_env(data["env"]))

@@ -31,6 +31,10 @@ def routing_facts(report, world_size, config):
                         getattr(config, "packet_max_bytes", defaults.packet_max_bytes), torch.version.hip is None)
     report.line("caps", f"max_bytes {size_text(caps.max_bytes)}, packet_max_bytes {size_text(caps.packet_max_bytes)} "
                         "(TPCOMM_MAX_BYTES, TPCOMM_PACKET_MAX_BYTES)")
+    largest, source = routes["all_reduce"]["fused_norm"][0]
+    origin = "cost-model default, not measured" if source == routing.FUSED_NORM_MODELLED else "from the table"
+    report.line("fused norm", f"fused kernel family up to {size_text(min(largest, caps.packet_max_bytes))} per rank, "
+                              f"larger: split or unfused ({origin})")
     for op, by_dtype in routes.items():
         row = "own row" if str(world_size) in table["routes"][op] else "'*' row"
         try:
