@@ -79,10 +79,10 @@ for f in $( (ls "$logs/base"; ls "$logs/tree") | sort -u); do
   name=$(echo "${f%.sass}" | c++filt)
   name=$(printf '%-26s %s' "$(usage "$logs/base.resources" "${f%.sass}") -> $(usage "$logs/tree.resources" "${f%.sass}")" "$name")
   if [ ! -f "$logs/base/$f" ]; then
-    printf '%-9s %s\n' "only-tree" "$name"; status=1; continue
+    printf '%-9s %s (%s instructions)\n' "only-tree" "$name" "$(wc -l <"$logs/tree/$f")"; status=1; continue
   fi
   if [ ! -f "$logs/tree/$f" ]; then
-    printf '%-9s %s\n' "only-base" "$name"; status=1; continue
+    printf '%-9s %s (%s instructions)\n' "only-base" "$name" "$(wc -l <"$logs/base/$f")"; status=1; continue
   fi
   if diff -q "$logs/base/$f" "$logs/tree/$f" >/dev/null; then
     printf '%-9s %s\n' same "$name"
