@@ -20,15 +20,19 @@
  * fraction of the bandwidth of cudaMemcpyAsync (device to device) of 16 MiB
  * in the same run (its 16 MiB read and 16 MiB written per second), marked
  * where it is below the target of 90 %. Medians of 50 timed runs after 5
- * untimed. A check first decodes every group and holds each value to
- * quant.cuh's bound, |v - decode| <= c A (+ 2^-64), exiting 1 on a value
- * past it.
+ * untimed. Checks: every group decoded and each value held to quant.cuh's
+ * bound, |v - decode| <= c A (+ 2^-64), after quantize; every unit of a
+ * dequant-sum's output the bits of its n decodes summed unit by unit. A
+ * value past the bound or a sum that differs exits 1.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o /tmp/quant_local && /tmp/quant_local
+ *   /tmp/quant_local 4      the same with 4 blocks an SM instead of 8 (the grid is the benchmark's,
+ *                           not the kernel's: the all-reduce's grid is sized for the link)
  *   /tmp/quant_local list   prints the rows it times, without a GPU
  */
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -110,6 +114,22 @@ __global__ void ql_check(const uint4 *in, const char *payload, const float *scal
   }
 }
 
+/* Every unit of out against n ranks' codes decoded and summed unit by unit
+ * (every rank's codes are rank 0's): counts the units whose bits differ. */
+template <int mode>
+__global__ void ql_sum_check(const char *payload, const float *scales, int n, const uint4 *out, unsigned *bad) {
+  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    const uint2 v = tpc_quant_unit_bytes(mode) == 8 ? ((const uint2 *)payload)[u]
+                                                    : make_uint2(((const uint32_t *)payload)[u], 0u);
+    float d[8], acc[8];
+    tpc_quant_decode<mode>(v, scales[u / TPC_QUANT_LANES], d);
+    for (int q = 0; q < n; ++q) tpc_quant_add(acc, d, q == 0);
+    const uint4 w = tpc_unit_of_floats<QL_DTYPE>(acc), o = out[u];
+    if (w.x != o.x || w.y != o.y || w.z != o.z || w.w != o.w) atomicAdd(bad, 1u);
+  }
+}
+
 /* bf16 values: normal-ish, with every 37th group a hundred times larger. */
 __global__ void ql_fill(uint16_t *x) {
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < QL_BYTES / 2;
@@ -177,9 +197,14 @@ int main(int argc, char **argv) {
     for (const ql_row &r : rows) printf("%s\n", r.name.c_str());
     return 0;
   }
+  const int per_sm = argc > 1 ? atoi(argv[1]) : 8;
+  if (per_sm < 1 || per_sm > 64) {
+    fprintf(stderr, "usage: %s [list | BLOCKS_PER_SM (1..64, default 8)]\n", argv[0]);
+    return 2;
+  }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const unsigned blocks = (unsigned)sms * 8;
+  const unsigned blocks = (unsigned)(sms * per_sm);
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
   uint4 *in, *out, *copy;
@@ -229,7 +254,7 @@ int main(int argc, char **argv) {
       CHECK(cudaMemcpyAsync(scales + q * scale_stride, scales, scale_stride * sizeof(float),
                             cudaMemcpyDeviceToDevice, s));
     }
-    for (int n : {2, 4, 8})
+    for (int n : {2, 4, 8}) {
       report(ql_time_us(
           [&] {
             ql_for_mode(m, [&](auto mode) {
@@ -237,10 +262,19 @@ int main(int argc, char **argv) {
             });
           },
           s));
+      CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
+      ql_for_mode(m, [&](auto mode) { ql_sum_check<mode()><<<blocks, QL_THREADS, 0, s>>>(payload, scales, n, out, bad); });
+      CHECK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s));
+      CHECK(cudaStreamSynchronize(s));
+      if (nbad) {
+        fprintf(stderr, "dequant-sum %s n=%d: %u units differ from their sums\n", ql_names[m], n, nbad);
+        failed = 1;
+      }
+    }
   }
   CHECK(cudaStreamSynchronize(s));
   printf("target: every row >= %.0f %% of the copy: %s (%d of %zu below)\n", 100 * QL_TARGET, below ? "not met" : "met",
          below, rows.size() - 1);
-  printf(failed ? "check: FAILED\n" : "check: every value within the bound\n");
+  printf(failed ? "check: FAILED\n" : "check: every value within the bound, every sum as decoded unit by unit\n");
   return failed;
 }

@@ -4,6 +4,11 @@
  * codes loaded, decoded and summed. The kernel's phases call these with its
  * slots; benchmarks/quant_local.cu times them on device memory. Templated
  * on the dtype and mode, as the kernel is.
+ *
+ * Memory order is the caller's: the kernel publishes its stores into a
+ * peer's slot by its counts, and reads a slot (tpc_quant_load: past the L1)
+ * only after acquiring the writer's flag at system scope
+ * (all_reduce_quant.cuh).
  */
 #ifndef TPCOMM_QUANT_STEPS_CUH
 #define TPCOMM_QUANT_STEPS_CUH
