@@ -153,7 +153,7 @@ static std::vector<ql_row> ql_rows() {
   std::vector<ql_row> rows;
   rows.push_back({"copy 16 MiB (cudaMemcpyAsync)", (double)QL_BYTES, (double)QL_BYTES});
   for (int m : ql_modes) {
-    const double coded = (double)QL_UNITS * (m == TPC_QUANT_INT4 ? 4 : 8) + QL_UNITS;  /* + a scale per 4 units */
+    const double coded = (double)QL_UNITS * tpc_quant_unit_bytes(m) + QL_UNITS / TPC_QUANT_LANES * 4.0; /* + scales */
     rows.push_back({std::string("quantize ") + ql_names[m], (double)QL_BYTES, coded});
     for (int n : {2, 4, 8})
       rows.push_back({std::string("dequant-sum ") + ql_names[m] + " n=" + std::to_string(n), n * coded,
