@@ -146,7 +146,7 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return (int)hipErrorNotSupported;
 #else /* the dtype (fp16 or bf16: the core checked it) and the mode pick the instantiation; the streamed
        * two-shot's grid, over one chunk */
-#define TPC_QUANT_MODES(D)                                                                   \
+#define TPC_QUANT_MODES(D)                                                                        \
   {tpc_all_reduce_quant_kernel<D, TPC_QUANT_FP8>, tpc_all_reduce_quant_kernel<D, TPC_QUANT_INT8>, \
    tpc_all_reduce_quant_kernel<D, TPC_QUANT_INT4>}
     static const tpc_kernel kernels[2][3] = {TPC_QUANT_MODES(TPC_FLOAT16), TPC_QUANT_MODES(TPC_BFLOAT16)};
