@@ -139,15 +139,17 @@ static __device__ uint2 qi_int_def(const float f[8], float inv, int mode) {
   return make_uint2(lo, hi);
 }
 
-static __device__ unsigned long long qi_int_differs(const float f[8], float inv, int mode) {
-  const uint2 a = tpc_quant_int(f, inv, mode), b = qi_int_def(f, inv, mode);
+template <int mode>
+static __device__ unsigned long long qi_int_differs(const float f[8], float inv) {
+  const uint2 a = tpc_quant_int<mode>(f, inv), b = qi_int_def(f, inv, mode);
   return a.x != b.x || a.y != b.y;
 }
 
 /* Every scaled value in every position (pattern i and its permutation
  * alternate), those past qmax + 1/2 replaced by 0; then every pattern as a
  * value of a group whose inv is 0. */
-__global__ void qi_int_encode(int mode, unsigned long long *bad) {
+template <int mode>
+__global__ void qi_int_encode(unsigned long long *bad) {
   const float lim = tpc_quant_qmax(mode) + 0.5f;
   unsigned long long n = 0;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
@@ -155,14 +157,15 @@ __global__ void qi_int_encode(int mode, unsigned long long *bad) {
     const float y0 = tpc_float_of((uint32_t)i), y1 = tpc_float_of((uint32_t)i * 2654435761u + 0x9e3779b9u);
     const float r0 = fabsf(y0) < lim ? y0 : 0.0f, r1 = fabsf(y1) < lim ? y1 : -0.0f;
     const float f[8] = {r0, r1, r1, r0, r0, r1, r1, r0}, g[8] = {y0, y1, y0, y1, y1, y0, y1, y0};
-    n += qi_int_differs(f, 1.0f, mode) + qi_int_differs(g, 0.0f, mode);
+    n += qi_int_differs<mode>(f, 1.0f) + qi_int_differs<mode>(g, 0.0f);
   }
   atomicAdd(bad, n);
 }
 
 /* Every combination of codes in a word: index i's base-(2 qmax + 1) digits
  * as the codes (int8: the high word's in reverse order). */
-__global__ void qi_int_pack(int mode, unsigned long long *bad) {
+template <int mode>
+__global__ void qi_int_pack(unsigned long long *bad) {
   const uint32_t base = 2 * (uint32_t)tpc_quant_qmax(mode) + 1, per_word = mode == TPC_QUANT_INT4 ? 8 : 4;
   uint64_t combos = 1;
   for (uint32_t d = 0; d < per_word; ++d) combos *= base;
@@ -175,25 +178,34 @@ __global__ void qi_int_pack(int mode, unsigned long long *bad) {
       f[d] = (float)((int)(r % base) - (int)(base / 2));
       if (per_word == 4) f[7 - d] = f[d];
     }
-    n += qi_int_differs(f, 1.0f, mode);
+    n += qi_int_differs<mode>(f, 1.0f);
   }
   atomicAdd(bad, n);
 }
 
 /* Every payload word's values (int8: the high word a permutation of it). */
-__global__ void qi_int_decode(int mode, unsigned long long *bad) {
+template <int mode>
+__global__ void qi_int_decode(unsigned long long *bad) {
   unsigned long long n = 0;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
        i += (uint64_t)gridDim.x * blockDim.x) {
     const uint2 p = make_uint2((uint32_t)i, mode == TPC_QUANT_INT4 ? 0u : (uint32_t)i * 2654435761u + 0x9e3779b9u);
     float f[8];
-    tpc_quant_int_value(p, mode, f);
+    tpc_quant_int_value<mode>(p, f);
     for (int k = 0; k < 8; ++k) {
       const uint32_t code = mode == TPC_QUANT_INT4 ? p.x >> (4 * k) : (k < 4 ? p.x : p.y) >> (8 * (k & 3));
       n += tpc_bits_of(f[k]) != tpc_bits_of(qi_value(code, mode));
     }
   }
   atomicAdd(bad, n);
+}
+
+/* Whether a's scale and inv under the mode differ from __fdiv_rn's. */
+template <int mode>
+static __device__ int qi_scale_differs(float a) {
+  const tpc_quant_scale s = tpc_quant_scale_of<mode>(a);
+  const float qmax = tpc_quant_qmax(mode);
+  return tpc_bits_of(s.scale) != tpc_bits_of(__fdiv_rn(a, qmax)) || tpc_bits_of(s.inv) != tpc_bits_of(__fdiv_rn(qmax, a));
 }
 
 /* Every group absmax a mode quantizes with: scale and inv as __fdiv_rn. */
@@ -203,11 +215,7 @@ __global__ void qi_scales(unsigned long long *bad) {
   for (uint64_t i = lo + (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < 0x7f800000u;
        i += (uint64_t)gridDim.x * blockDim.x) {
     const float a = tpc_float_of((uint32_t)i);
-    for (int m : {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4}) {
-      const tpc_quant_scale s = tpc_quant_scale_of(a, m);
-      const float qmax = tpc_quant_qmax(m);
-      n += tpc_bits_of(s.scale) != tpc_bits_of(__fdiv_rn(a, qmax)) || tpc_bits_of(s.inv) != tpc_bits_of(__fdiv_rn(qmax, a));
-    }
+    n += qi_scale_differs<TPC_QUANT_FP8>(a) + qi_scale_differs<TPC_QUANT_INT8>(a) + qi_scale_differs<TPC_QUANT_INT4>(a);
   }
   atomicAdd(bad, n);
 }
@@ -218,11 +226,12 @@ static int qi_device(void) {
   CHECK(cudaMemset(bad, 0, sizeof nbad));
   qi_encode<<<4096, 256>>>(bad);
   qi_decode<<<256, 256>>>(bad + 1);
-  for (int m : {TPC_QUANT_INT8, TPC_QUANT_INT4}) {
-    qi_int_encode<<<4096, 256>>>(m, bad + 2);
-    qi_int_pack<<<4096, 256>>>(m, bad + 3);
-    qi_int_decode<<<4096, 256>>>(m, bad + 4);
-  }
+  qi_int_encode<TPC_QUANT_INT8><<<4096, 256>>>(bad + 2);
+  qi_int_pack<TPC_QUANT_INT8><<<4096, 256>>>(bad + 3);
+  qi_int_decode<TPC_QUANT_INT8><<<4096, 256>>>(bad + 4);
+  qi_int_encode<TPC_QUANT_INT4><<<4096, 256>>>(bad + 2);
+  qi_int_pack<TPC_QUANT_INT4><<<4096, 256>>>(bad + 3);
+  qi_int_decode<TPC_QUANT_INT4><<<4096, 256>>>(bad + 4);
   qi_scales<<<4096, 256>>>(bad + 5);
   CHECK(cudaGetLastError());
   CHECK(cudaMemcpy(nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost));

@@ -1,152 +1,132 @@
 /*
  * What one GPU can time of the quantized all-reduce (all_reduce_quant.cuh):
- * its local work, with quant.cuh's codecs, beside a device-to-device copy.
+ * its local work, run by the kernel's own step functions as the kernel
+ * instantiates them for bf16 (tpc_quant_encode_step, tpc_quant_load,
+ * tpc_quant_add_codes, tpc_unit_of_floats<TPC_BFLOAT16>), beside a
+ * device-to-device copy.
  *
- *   quantize       a rank's 16 MiB bf16 input into codes and scales
- *                  (reads 16 MiB, writes 9 MiB: fp8/int8, 5 MiB: int4)
+ *   quantize       a rank's 16 MiB bf16 input into codes and scales: the
+ *                  scatter's work (reads 16 MiB, writes 9 MiB: fp8/int8,
+ *                  5 MiB: int4)
  *   dequant-sum n  n ranks' codes of 16 MiB decoded and summed in fp32 in
- *                  rank order, rounded to bf16 (reads n x 9 or 5 MiB,
- *                  writes 16 MiB)
+ *                  rank order, rounded to bf16: the sums' and the gather's
+ *                  decoding (reads n x 9 or 5 MiB, writes 16 MiB)
  *
- * The kernels do per unit what all_reduce_quant.cuh's phases do (the same
- * codec calls, units laid out and loaded as stream.cuh's steps), from and
- * into plain device memory instead of peers' slots.
+ * The steps are the kernel's (tpc_stream_unit over tpc_steps), every warp of
+ * the grid a data warp, from and into plain device memory instead of peers'
+ * slots; so this times the codecs and their memory traffic, not the link.
  *
  * Each is reported as its bytes read and written per second, and as the
  * fraction of the bandwidth of cudaMemcpyAsync (device to device) of 16 MiB
- * (its 16 MiB read and 16 MiB written per second). Medians of 50 timed
- * runs after 5 untimed. A check first decodes every group and holds each
- * value to quant.cuh's bound, |v - decode| <= c A (+ 2^-64), exiting 1 on
- * a value past it.
+ * in the same run (its 16 MiB read and 16 MiB written per second), marked
+ * where it is below the target of 90 %. Medians of 50 timed runs after 5
+ * untimed. Checks: every group decoded and each value held to quant.cuh's
+ * bound, |v - decode| <= c A (+ 2^-64), after quantize; every unit of a
+ * dequant-sum's output the bits of its n decodes summed unit by unit. A
+ * value past the bound or a sum that differs exits 1.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o /tmp/quant_local && /tmp/quant_local
+ *   /tmp/quant_local 4      the same with 4 blocks an SM instead of 8 (the grid is the benchmark's,
+ *                           not the kernel's: the all-reduce's grid is sized for the link)
  *   /tmp/quant_local list   prints the rows it times, without a GPU
  */
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#include "kernels/quant.cuh"
-#include "kernels/stream.cuh"
+#include "kernels/quant_steps.cuh"
 #include "probe_check.h"
 
 #define QL_BYTES (16u << 20)
 #define QL_UNITS (QL_BYTES / 16u)
 #define QL_MAX_RANKS 8
 #define QL_THREADS 256
+#define QL_DTYPE TPC_BFLOAT16
+#define QL_TARGET 0.90 /* of the copy's rate (issue 50) */
 
 static const int ql_modes[] = {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4};
 static const char *const ql_names[] = {"", "fp8", "int8", "int4"};
 
-/* As the kernel moves them (stream.cuh): warp steps of TPC_STREAM_UNITS
- * units a lane, lane l's k-th unit of step w being w * TPC_STREAM_STEP_UNITS
- * + k * 32 + l, every load of a step issued before any is used; a warp
- * takes steps w, w + W, ... (W warps in the grid). QL_UNITS is a multiple of
- * a step, so every lane runs every shuffle. */
-TPC_DEVICE uint64_t ql_unit(uint64_t step, int k) {
-  return step * TPC_STREAM_STEP_UNITS + (uint64_t)k * TPC_STREAM_LANES + threadIdx.x % TPC_STREAM_LANES;
+/* The kernel's steps over QL_UNITS (tpc_stream_of's, with every warp of the
+ * block a data warp and no region): block b takes block steps b, b + B, ...
+ * QL_UNITS is a multiple of a step, so every lane runs every shuffle. */
+TPC_DEVICE tpc_steps ql_steps(void) {
+  tpc_steps s = {};
+  s.units = QL_UNITS;
+  s.data_warps = blockDim.x / TPC_STREAM_LANES;
+  const uint64_t step_units = (uint64_t)s.data_warps * TPC_STREAM_STEP_UNITS;
+  const uint64_t all = (s.units + step_units - 1) / step_units;
+  s.block_steps = blockIdx.x < all ? (uint32_t)((all - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
+  s.warp = threadIdx.x / TPC_STREAM_LANES;
+  s.lane = threadIdx.x % TPC_STREAM_LANES;
+  return s;
 }
 
-#define QL_STEPS (QL_UNITS / TPC_STREAM_STEP_UNITS)
-#define QL_FOR_STEPS(w)                                                                               \
-  for (uint64_t w = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / TPC_STREAM_LANES; w < QL_STEPS; \
-       w += (uint64_t)gridDim.x * blockDim.x / TPC_STREAM_LANES)
-
-/* tpc_quant_scatter's work on a step: each unit quantized with its group,
- * the scale written by the group's first lane. */
+/* The scatter's work on every step: each unit quantized with its group. */
 template <int mode>
 __global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
-  const uint32_t bytes = tpc_quant_unit_bytes(mode);
-  QL_FOR_STEPS(w) {
-    const uint64_t first = ql_unit(w, 0);
-    char *p = payload + first * bytes;
-    float *sc = scales + first / TPC_QUANT_LANES;
-    uint4 v[TPC_STREAM_UNITS];
-#pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = in[first + k * TPC_STREAM_LANES];
-#pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      float f[8];
-      tpc_unit_floats(v[k], TPC_BFLOAT16, f);
-      const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), mode);
-      const uint2 c = tpc_quant_encode(f, q.inv, mode);
-      if (bytes == 8) *(uint2 *)(p + k * TPC_STREAM_LANES * 8) = c;
-      else *(uint32_t *)(p + k * TPC_STREAM_LANES * 4) = c.x;
-      if (threadIdx.x % TPC_QUANT_LANES == 0) sc[k * (TPC_STREAM_LANES / TPC_QUANT_LANES)] = q.scale;
-    }
-  }
+  const tpc_steps s = ql_steps();
+  for (uint32_t t = 0; t < s.block_steps; ++t)
+    tpc_quant_encode_step<QL_DTYPE, mode>(&s, t, (const char *)in, QL_UNITS, tpc_quant_at{payload, scales});
 }
 
-/* Rank q's codes of step w (payloads and scales at a stride): lane l's
- * units w * TPC_STREAM_STEP_UNITS + l + 32 k, their scales 8 k apart. */
-typedef struct {
-  uint2 v[TPC_STREAM_UNITS];
-  float scale[TPC_STREAM_UNITS];
-} ql_codes;
-
-template <int mode>
-TPC_DEVICE ql_codes ql_load(const char *payload, const float *scales, uint64_t w) {
-  const uint32_t bytes = tpc_quant_unit_bytes(mode);
-  const uint64_t first = ql_unit(w, 0);
-  const char *p = payload + first * bytes;
-  const float *sc = scales + first / TPC_QUANT_LANES;
-  ql_codes c;
-#pragma unroll
-  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-    c.v[k] = bytes == 8 ? *(const uint2 *)(p + k * TPC_STREAM_LANES * 8)
-                        : make_uint2(*(const uint32_t *)(p + k * TPC_STREAM_LANES * 4), 0u);
-    c.scale[k] = sc[k * (TPC_STREAM_LANES / TPC_QUANT_LANES)];
-  }
-  return c;
-}
-
-/* tpc_quant_reduce's on a step: n ranks' codes, a rank's loads all issued
- * before its decodes, summed in rank order (rank 0's values as they are:
- * -0 + x is x). Registers capped for 3 resident blocks an SM, so that many
- * warps keep their steps' loads in flight (each mode's kernel needs 64-72,
- * under the cap: nothing spills). */
+/* n ranks' codes of every step (rank q's at q times the strides), each
+ * rank's loads issued before its decodes, summed in rank order and rounded
+ * to bf16. Registers capped for 3 resident blocks an SM, so that many warps
+ * keep their steps' loads in flight (ptxas -v shows no spill). */
 template <int mode>
 __global__ void __launch_bounds__(QL_THREADS, 3)
-    ql_dequant_sum(const char *payload, const float *scales, uint64_t payload_stride, uint64_t scale_stride,
-                   int n, uint4 *out) {
-  QL_FOR_STEPS(w) {
+    ql_dequant_sum(char *payload, float *scales, uint64_t payload_stride, uint64_t scale_stride, int n, uint4 *out) {
+  const tpc_steps s = ql_steps();
+  for (uint32_t t = 0; t < s.block_steps; ++t) {
     float acc[TPC_STREAM_UNITS][8];
-    ql_codes c = ql_load<mode>(payload, scales, w);
-#pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) tpc_quant_decode(c.v[k], c.scale[k], mode, acc[k]);
-    for (int q = 1; q < n; ++q) {
-      c = ql_load<mode>(payload + q * payload_stride, scales + q * scale_stride, w);
-#pragma unroll
-      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-        float f[8];
-        tpc_quant_decode(c.v[k], c.scale[k], mode, f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[k][i] += f[i];
-      }
+    for (int q = 0; q < n; ++q) {
+      const tpc_quant_codes c =
+          tpc_quant_load<mode>(&s, tpc_quant_at{payload + q * payload_stride, scales + q * scale_stride}, t, QL_UNITS);
+      if (q == 0) tpc_quant_add_codes<mode>(acc, &c, true);
+      else tpc_quant_add_codes<mode>(acc, &c, false);
     }
 #pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) out[ql_unit(w, k)] = tpc_unit_of_floats(acc[k], TPC_BFLOAT16);
+    for (int k = 0; k < TPC_STREAM_UNITS; ++k) tpc_store16(out + tpc_stream_unit(&s, t, k), tpc_unit_of_floats<QL_DTYPE>(acc[k]));
   }
 }
 
 /* Every value of `in` against its decode (n = 1 of the sum, in fp32 before
  * the rounding): counts those past the bound. */
-__global__ void ql_check(const uint4 *in, const char *payload, const float *scales, int mode, unsigned *bad) {
-  const uint32_t bytes = tpc_quant_unit_bytes(mode);
+template <int mode>
+__global__ void ql_check(const uint4 *in, const char *payload, const float *scales, unsigned *bad) {
   const float c = mode == TPC_QUANT_FP8 ? 0.0625f + 3.814697265625e-6f /* 2^-4 + 2^-18 */
                                         : 0.5f / tpc_quant_qmax(mode) + 4.76837158203125e-7f; /* + 2^-21 */
   for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
        u += (uint64_t)gridDim.x * blockDim.x) {
     float f[8], d[8];
-    tpc_unit_floats(in[u], TPC_BFLOAT16, f);
+    tpc_unit_floats<QL_DTYPE>(in[u], f);
     const float absmax = tpc_group_absmax(f);
-    const uint2 v = bytes == 8 ? ((const uint2 *)payload)[u] : make_uint2(((const uint32_t *)payload)[u], 0u);
-    tpc_quant_decode(v, scales[u / TPC_QUANT_LANES], mode, d);
+    const uint2 v = tpc_quant_unit_bytes(mode) == 8 ? ((const uint2 *)payload)[u]
+                                                    : make_uint2(((const uint32_t *)payload)[u], 0u);
+    tpc_quant_decode<mode>(v, scales[u / TPC_QUANT_LANES], d);
     for (int i = 0; i < 8; ++i)
       if (!(fabsf(f[i] - d[i]) <= c * absmax * 1.0000001f + TPC_QUANT_TINY)) atomicAdd(bad, 1u);
+  }
+}
+
+/* Every unit of out against n ranks' codes decoded and summed unit by unit
+ * (every rank's codes are rank 0's): counts the units whose bits differ. */
+template <int mode>
+__global__ void ql_sum_check(const char *payload, const float *scales, int n, const uint4 *out, unsigned *bad) {
+  for (uint64_t u = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; u < QL_UNITS;
+       u += (uint64_t)gridDim.x * blockDim.x) {
+    const uint2 v = tpc_quant_unit_bytes(mode) == 8 ? ((const uint2 *)payload)[u]
+                                                    : make_uint2(((const uint32_t *)payload)[u], 0u);
+    float d[8], acc[8];
+    tpc_quant_decode<mode>(v, scales[u / TPC_QUANT_LANES], d);
+    for (int q = 0; q < n; ++q) tpc_quant_add(acc, d, q == 0);
+    const uint4 w = tpc_unit_of_floats<QL_DTYPE>(acc), o = out[u];
+    if (w.x != o.x || w.y != o.y || w.z != o.z || w.w != o.w) atomicAdd(bad, 1u);
   }
 }
 
@@ -173,7 +153,7 @@ static std::vector<ql_row> ql_rows() {
   std::vector<ql_row> rows;
   rows.push_back({"copy 16 MiB (cudaMemcpyAsync)", (double)QL_BYTES, (double)QL_BYTES});
   for (int m : ql_modes) {
-    const double coded = (double)QL_UNITS * (m == TPC_QUANT_INT4 ? 4 : 8) + QL_UNITS;  /* + a scale per 4 units */
+    const double coded = (double)QL_UNITS * tpc_quant_unit_bytes(m) + QL_UNITS / TPC_QUANT_LANES * 4.0; /* + scales */
     rows.push_back({std::string("quantize ") + ql_names[m], (double)QL_BYTES, coded});
     for (int n : {2, 4, 8})
       rows.push_back({std::string("dequant-sum ") + ql_names[m] + " n=" + std::to_string(n), n * coded,
@@ -217,9 +197,14 @@ int main(int argc, char **argv) {
     for (const ql_row &r : rows) printf("%s\n", r.name.c_str());
     return 0;
   }
+  const int per_sm = argc > 1 ? atoi(argv[1]) : 8;
+  if (per_sm < 1 || per_sm > 64) {
+    fprintf(stderr, "usage: %s [list | BLOCKS_PER_SM (1..64, default 8)]\n", argv[0]);
+    return 2;
+  }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const unsigned blocks = (unsigned)sms * 8;
+  const unsigned blocks = (unsigned)(sms * per_sm);
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
   uint4 *in, *out, *copy;
@@ -241,18 +226,22 @@ int main(int argc, char **argv) {
   printf("%-34s %10s %12s %10s\n", "what", "us", "GB/s", "of copy");
   double copy_rate = 0;
   size_t row = 0;
+  int below = 0;
   auto report = [&](double us) {
     const ql_row &r = rows[row++];
     const double rate = (r.read + r.written) / (us * 1e3);
     if (copy_rate == 0) copy_rate = rate;
-    printf("%-34s %10.2f %12.1f %9.0f%%\n", r.name.c_str(), us, rate, 100.0 * rate / copy_rate);
+    const bool short_of = rate < QL_TARGET * copy_rate;
+    below += short_of;
+    printf("%-34s %10.2f %12.1f %9.1f%%%s\n", r.name.c_str(), us, rate, 100.0 * rate / copy_rate,
+           short_of ? "  below the target" : "");
   };
   report(ql_time_us([&] { CHECK(cudaMemcpyAsync(copy, in, QL_BYTES, cudaMemcpyDeviceToDevice, s)); }, s));
   int failed = 0;
   for (int m : ql_modes) {
     report(ql_time_us([&] { ql_for_mode(m, [&](auto mode) { ql_quantize<mode()><<<blocks, QL_THREADS, 0, s>>>(in, payload, scales); }); }, s));
     CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
-    ql_check<<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, m, bad);
+    ql_for_mode(m, [&](auto mode) { ql_check<mode()><<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, bad); });
     unsigned nbad = 0;
     CHECK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s));
     CHECK(cudaStreamSynchronize(s));
@@ -265,7 +254,7 @@ int main(int argc, char **argv) {
       CHECK(cudaMemcpyAsync(scales + q * scale_stride, scales, scale_stride * sizeof(float),
                             cudaMemcpyDeviceToDevice, s));
     }
-    for (int n : {2, 4, 8})
+    for (int n : {2, 4, 8}) {
       report(ql_time_us(
           [&] {
             ql_for_mode(m, [&](auto mode) {
@@ -273,8 +262,19 @@ int main(int argc, char **argv) {
             });
           },
           s));
+      CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
+      ql_for_mode(m, [&](auto mode) { ql_sum_check<mode()><<<blocks, QL_THREADS, 0, s>>>(payload, scales, n, out, bad); });
+      CHECK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s));
+      CHECK(cudaStreamSynchronize(s));
+      if (nbad) {
+        fprintf(stderr, "dequant-sum %s n=%d: %u units differ from their sums\n", ql_names[m], n, nbad);
+        failed = 1;
+      }
+    }
   }
   CHECK(cudaStreamSynchronize(s));
-  printf(failed ? "check: FAILED\n" : "check: every value within the bound\n");
+  printf("target: every row >= %.0f %% of the copy: %s (%d of %zu below)\n", 100 * QL_TARGET, below ? "not met" : "met",
+         below, rows.size() - 1);
+  printf(failed ? "check: FAILED\n" : "check: every value within the bound, every sum as decoded unit by unit\n");
   return failed;
 }

@@ -8,7 +8,9 @@
 # output is cut into functions and normalised (addresses, encodings, comments
 # and the function's own name dropped, so a renamed function compares by its
 # code alone). Prints one line per kernel: "same", "differs" (with a diff of
-# up to 40 lines under the log directory) or "only in base"/"only in tree".
+# up to 40 lines under the log directory) or "only in base"/"only in tree",
+# then its resources as ptxas reports them, base -> tree: "<registers>r
+# <stack frame>+<spill stores and loads>B" (bytes of local memory).
 #
 # Usage: bash scripts/sass_compare.sh [BASE_COMMIT] [LOG_DIR]
 #   BASE_COMMIT defaults to the merge base with main; LOG_DIR to a new /tmp dir.
@@ -51,20 +53,36 @@ split_sass() {  # cubin outdir
     }'
 }
 
-"$nvcc" "${flags[@]}" -o "$logs/base.cubin" "$base_tree/csrc/kernels/launch.cu"
-"$nvcc" "${flags[@]}" -o "$logs/tree.cubin" csrc/kernels/launch.cu
+# ptxas -v's report, one line per function: "<mangled name> <registers> <stack> <spill stores> <spill loads>"
+resources() {  # ptxas log, out file
+  awk '/Function properties for / { name = $NF; next }
+       name != "" && /bytes stack frame/ { stack[name] = $1; st[name] = $5; ld[name] = $9; next }
+       /Used [0-9]+ registers/ && name != "" { for (i = 1; i < NF; ++i) if ($(i + 1) ~ /^registers/) regs[name] = $i }
+       END { for (n in regs) print n, regs[n], stack[n], st[n], ld[n] }' "$1" >"$2"
+}
+
+"$nvcc" "${flags[@]}" -Xptxas -v -o "$logs/base.cubin" "$base_tree/csrc/kernels/launch.cu" 2>"$logs/base.ptxas"
+"$nvcc" "${flags[@]}" -Xptxas -v -o "$logs/tree.cubin" csrc/kernels/launch.cu 2>"$logs/tree.ptxas"
+resources "$logs/base.ptxas" "$logs/base.resources"
+resources "$logs/tree.ptxas" "$logs/tree.resources"
 split_sass "$logs/base.cubin" "$logs/base"
 split_sass "$logs/tree.cubin" "$logs/tree"
 
+# "<registers>r <stack>+<spills>B" of a function in a tree's report, "-" where it has none
+usage() {  # resources file, mangled name
+  awk -v n="$2" '$1 == n { printf "%sr %s+%sB", $2, $3, $4 + $5; found = 1 } END { if (!found) printf "-" }' "$1"
+}
+
 status=0
-printf '%-9s %s\n' result "kernel (demangled)"
+printf '%-9s %-26s %s\n' result "resources base -> tree" "kernel (demangled)"
 for f in $( (ls "$logs/base"; ls "$logs/tree") | sort -u); do
   name=$(echo "${f%.sass}" | c++filt)
+  name=$(printf '%-26s %s' "$(usage "$logs/base.resources" "${f%.sass}") -> $(usage "$logs/tree.resources" "${f%.sass}")" "$name")
   if [ ! -f "$logs/base/$f" ]; then
-    printf '%-9s %s\n' "only-tree" "$name"; status=1; continue
+    printf '%-9s %s (%s instructions)\n' "only-tree" "$name" "$(wc -l <"$logs/tree/$f")"; status=1; continue
   fi
   if [ ! -f "$logs/tree/$f" ]; then
-    printf '%-9s %s\n' "only-base" "$name"; status=1; continue
+    printf '%-9s %s (%s instructions)\n' "only-base" "$name" "$(wc -l <"$logs/base/$f")"; status=1; continue
   fi
   if diff -q "$logs/base/$f" "$logs/tree/$f" >/dev/null; then
     printf '%-9s %s\n' same "$name"

@@ -2,7 +2,8 @@
 device-to-device copy, on one GPU) compiles warning-free against the
 current codecs (csrc/kernels/quant.cuh), so it cannot drift from the code
 it measures, and its `list` mode (no GPU needed) names every row the device
-run times. Timing needs a GPU (scripts/device_run.sh quant)."""
+run times; a grid argument out of range is refused before any GPU call.
+Timing needs a GPU (scripts/device_run.sh quant_local)."""
 import os
 import shutil
 import subprocess
@@ -25,3 +26,5 @@ def test_quant_local_compiles_and_lists_its_rows(tmp_path):
     for mode in ("fp8", "int8", "int4"):
         want += [f"quantize {mode}"] + [f"dequant-sum {mode} n={n}" for n in (2, 4, 8)]
     assert [r for r in rows if r] == want
+    bad = subprocess.run([str(exe), "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr, (bad.returncode, bad.stderr)

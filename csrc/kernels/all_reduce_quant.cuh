@@ -54,101 +54,52 @@
 #define TPCOMM_ALL_REDUCE_QUANT_CUH
 
 #include "all_reduce.cuh"
-#include "quant.cuh"
-#include "stream.cuh"
+#include "quant_steps.cuh"
 
 typedef struct {
-  uint64_t units;    /* 16-byte units of the input */
-  uint64_t chunk;    /* C: units of a chunk, a multiple of 4 */
-  uint64_t slot;     /* bytes of one slot: payloads, then scales */
-  uint64_t scales;   /* offset of the scales in a slot */
-  uint32_t payload;  /* bytes of a unit's payload */
-  int mode;          /* TPC_QUANT_* */
-  int use;           /* TPC_BULK_HALF or TPC_BULK_WHOLE */
+  uint64_t units;   /* 16-byte units of the input */
+  uint64_t chunk;   /* C: units of a chunk, whole groups */
+  uint64_t slot;    /* bytes of one slot: payloads, then scales */
+  uint64_t scales;  /* offset of the scales in a slot */
+  int use;          /* TPC_BULK_HALF or TPC_BULK_WHOLE */
 } tpc_quant_shot;
 
+template <int Mode>
 TPC_DEVICE tpc_quant_shot tpc_quant_shot_of(const tpc_kernel_args *a) {
   tpc_quant_shot c;
-  c.mode = tpc_quant_mode((int)TPC_KIND_ALGO(a->kind));
-  c.payload = tpc_quant_unit_bytes(c.mode);
   c.units = a->nbytes / 16;
-  const uint64_t per_rank = (c.units + a->world - 1) / a->world;
-  c.chunk = (per_rank + TPC_QUANT_LANES - 1) / TPC_QUANT_LANES * TPC_QUANT_LANES;
-  c.scales = c.chunk * c.payload;
-  c.slot = (c.scales + c.chunk + 15) / 16 * 16; /* C/4 scales of 4 bytes */
+  c.chunk = tpc_quant_chunk(c.units, a->world);
+  c.scales = c.chunk * tpc_quant_unit_bytes(Mode);
+  c.slot = (c.scales + c.chunk / TPC_QUANT_LANES * 4 + 15) / 16 * 16;
   c.use = 2 * (uint64_t)(a->world - 1) * c.slot <= tpc_stream_half_bytes(a) ? TPC_BULK_HALF : TPC_BULK_WHOLE;
   return c;
 }
 
 TPC_DEVICE uint64_t tpc_quant_units(const tpc_quant_shot *c, int o) { return tpc_chunk_units(c->units, c->chunk, o); }
 
-TPC_DEVICE char *tpc_quant_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_quant_shot *c, int owner,
-                                int sender, int gather) {
-  return tpc_shot_slot(a, s, c->use, c->slot, owner, sender, gather);
-}
-
-/* The 8 values of unit x quantized with its group (every lane calls it),
- * written into `slot` when x < limit: the payload, and the group's scale
- * by the group's first lane. */
-TPC_DEVICE void tpc_quant_put(const tpc_quant_shot *c, char *slot, uint64_t x, uint64_t limit, const float f[8],
-                              uint2 *payload, float *scale) {
-  const tpc_quant_scale q = tpc_quant_scale_of(tpc_group_absmax(f), c->mode);
-  *payload = tpc_quant_encode(f, q.inv, c->mode);
-  *scale = q.scale;
-  if (!slot || x >= limit) return;
-  if (c->payload == 8) *(uint2 *)(slot + x * 8) = *payload;
-  else *(uint32_t *)(slot + x * 4) = payload->x;
-  if (x % TPC_QUANT_LANES == 0) *(float *)(slot + c->scales + x / TPC_QUANT_LANES * 4) = q.scale;
-}
-
-/* Step t's codes of the units below `limit` from this rank's slot (written
- * by a peer whose flag was acquired), every load issued before any is used;
- * units from `limit` on read as codes 0 of scale 0, which decode to 0. */
-typedef struct {
-  uint2 payload[TPC_STREAM_UNITS];
-  float scale[TPC_STREAM_UNITS];
-} tpc_quant_codes;
-
-TPC_DEVICE tpc_quant_codes tpc_quant_load(const tpc_quant_shot *c, const tpc_steps *s, const char *slot,
-                                          uint32_t t, uint64_t limit) {
-  tpc_quant_codes q;
-#pragma unroll
-  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-    const uint64_t x = tpc_stream_unit(s, t, k);
-    const int in = x < limit;
-    q.payload[k] = !in ? make_uint2(0u, 0u)
-                   : c->payload == 8 ? tpc_load8_from_peer(slot + x * 8)
-                                     : make_uint2(tpc_load4_from_peer(slot + x * 4), 0u);
-    q.scale[k] = in ? __uint_as_float(tpc_load4_from_peer(slot + c->scales + x / TPC_QUANT_LANES * 4)) : 0.0f;
-  }
-  return q;
+TPC_DEVICE tpc_quant_at tpc_quant_slot(const tpc_kernel_args *a, const tpc_steps *s, const tpc_quant_shot *c,
+                                       int owner, int sender, int gather) {
+  char *slot = tpc_shot_slot(a, s, c->use, c->slot, owner, sender, gather);
+  return tpc_quant_at{slot, (float *)(slot + c->scales)};
 }
 
 /* Phase one of step t: this rank's units of every peer o's chunk, quantized,
  * into its scatter slot of o. */
+template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   if (tpc_warp_any(op->failed)) return; /* a peer may still read its slots */
   for (int i = 1; i < a->world; ++i) {
     const int o = (a->rank + i) % a->world;
-    const uint64_t limit = tpc_quant_units(c, o);
-    char *slot = tpc_quant_slot(a, s, c, o, a->rank, 0);
-    uint4 v[TPC_STREAM_UNITS];
-    tpc_stream_load_below(s, (const char *)a->in + (uint64_t)o * c->chunk * 16, t, limit, v);
-#pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      float f[8];
-      uint2 payload;
-      float scale;
-      tpc_unit_floats(v[k], a->dtype, f);
-      tpc_quant_put(c, slot, tpc_stream_unit(s, t, k), limit, f, &payload, &scale);
-    }
+    tpc_quant_encode_step<Dtype, Mode>(s, t, (const char *)a->in + (uint64_t)o * c->chunk * 16, tpc_quant_units(c, o),
+                                       tpc_quant_slot(a, s, c, o, a->rank, 0));
   }
 }
 
 /* Phase two of step t: the sums of this rank's chunk (its own values, the
  * peers' decoded), quantized into every peer's gather slot (unless the op
  * broke) and decoded into out (NaN once broken). */
+template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   const int me = a->rank;
@@ -157,15 +108,16 @@ TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc
   float acc[TPC_STREAM_UNITS][8];
   tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
   for (int q = 0; q < a->world; ++q) {
-    const tpc_quant_codes codes =
-        q == me ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, me, q, 0), t, limit);
+    if (q == me) {
 #pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      float f[8];
-      if (q == me) tpc_unit_floats(own[k], a->dtype, f);
-      else tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[k][i] = q == 0 ? -0.0f + f[i] : acc[k][i] + f[i];
+      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+        float f[8];
+        tpc_unit_floats<Dtype>(own[k], f);
+        tpc_quant_add(acc[k], f, q == 0);
+      }
+    } else {
+      const tpc_quant_codes codes = tpc_quant_load<Mode>(s, tpc_quant_slot(a, s, c, me, q, 0), t, limit);
+      tpc_quant_add_codes<Mode>(acc, &codes, q == 0);
     }
   }
   const int broken = tpc_warp_any(tpc_op_broken(op));
@@ -174,26 +126,22 @@ TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc
     const uint64_t x = tpc_stream_unit(s, t, k);
     uint2 payload;
     float scale;
-    tpc_quant_put(c, NULL, x, limit, acc[k], &payload, &scale);
-    if (!broken) {
-      for (int i = 1; i < a->world; ++i) {
-        char *slot = tpc_quant_slot(a, s, c, (me + i) % a->world, me, 1);
-        if (x >= limit) continue;
-        if (c->payload == 8) *(uint2 *)(slot + x * 8) = payload;
-        else *(uint32_t *)(slot + x * 4) = payload.x;
-        if (x % TPC_QUANT_LANES == 0) *(float *)(slot + c->scales + x / TPC_QUANT_LANES * 4) = scale;
-      }
-    }
+    tpc_quant_unit<Mode>(acc[k], &payload, &scale);
     if (x < limit) {
+      if (!broken) {
+        for (int i = 1; i < a->world; ++i)
+          tpc_quant_store<Mode>(tpc_quant_slot(a, s, c, (me + i) % a->world, me, 1), x, payload, scale);
+      }
       float f[8];
-      tpc_quant_decode(payload, scale, c->mode, f);
-      tpc_store16((char *)a->out + offset + x * 16, broken ? tpc_poison16(a) : tpc_unit_of_floats(f, a->dtype));
+      tpc_quant_decode<Mode>(payload, scale, f);
+      tpc_store16((char *)a->out + offset + x * 16, broken ? tpc_poison16(a) : tpc_unit_of_floats<Dtype>(f));
     }
   }
 }
 
 /* The gather of step t: every peer o's codes from this rank's gather slot
  * of o, decoded into o's chunk of out (NaN once broken). */
+template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   const int broken = tpc_op_broken(op);
@@ -201,7 +149,7 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
     const int o = (a->rank + i) % a->world;
     const uint64_t limit = tpc_quant_units(c, o);
     const tpc_quant_codes codes =
-        broken ? tpc_quant_codes{} : tpc_quant_load(c, s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, limit);
+        broken ? tpc_quant_codes{} : tpc_quant_load<Mode>(s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, limit);
 #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t x = tpc_stream_unit(s, t, k);
@@ -209,8 +157,8 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
       uint4 v = tpc_poison16(a);
       if (!broken) {
         float f[8];
-        tpc_quant_decode(codes.payload[k], codes.scale[k], c->mode, f);
-        v = tpc_unit_of_floats(f, a->dtype);
+        tpc_quant_decode<Mode>(codes.payload[k], codes.scale[k], f);
+        v = tpc_unit_of_floats<Dtype>(f);
       }
       tpc_store16((char *)a->out + ((uint64_t)o * c->chunk + x) * 16, v);
     }
@@ -218,14 +166,17 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
 }
 
 /* The two-shot's schedule and counts (tpc_two_shot_run, all_reduce.cuh),
- * with the quantized phases. */
+ * with the quantized phases, one instantiation per 16-bit dtype and mode
+ * (launch.cu picks it from the op's dtype and algorithm). */
+template <int Dtype, int Mode>
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_all_reduce_quant_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_stream_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
-  const tpc_quant_shot c = tpc_quant_shot_of(&a);
+  const tpc_quant_shot c = tpc_quant_shot_of<Mode>(&a);
   const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
-  tpc_two_shot_run<tpc_quant_shot, tpc_quant_scatter, tpc_quant_reduce, tpc_quant_gather>(&op, &s, &c);
+  tpc_two_shot_run<tpc_quant_shot, tpc_quant_scatter<Dtype, Mode>, tpc_quant_reduce<Dtype, Mode>,
+                   tpc_quant_gather<Dtype, Mode>>(&op, &s, &c);
   tpc_op_end(&a, &op, c.use);
 }
 

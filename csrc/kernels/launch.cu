@@ -144,9 +144,16 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
   if (algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4) {
 #ifdef TPC_HIP
     return (int)hipErrorNotSupported;
-#else /* the streamed two-shot's grid, over one chunk (whole groups of 4 units) */
-    const uint64_t per_rank = (args->nbytes / 16 + (uint64_t)args->world - 1) / (uint64_t)args->world;
-    return tpc_launch(tpc_all_reduce_quant_kernel, tpc_stream_geometry((per_rank + 3) / 4 * 4), args, stream);
+#else /* the dtype (fp16 or bf16: the core checked it) and the mode pick the instantiation; the streamed
+       * two-shot's grid, over one chunk */
+#define TPC_QUANT_MODES(D)                                                                        \
+  {tpc_all_reduce_quant_kernel<D, TPC_QUANT_FP8>, tpc_all_reduce_quant_kernel<D, TPC_QUANT_INT8>, \
+   tpc_all_reduce_quant_kernel<D, TPC_QUANT_INT4>}
+    static const tpc_kernel kernels[2][3] = {TPC_QUANT_MODES(TPC_FLOAT16), TPC_QUANT_MODES(TPC_BFLOAT16)};
+#undef TPC_QUANT_MODES
+    const tpc_kernel kernel = kernels[args->dtype == TPC_BFLOAT16][tpc_quant_mode(algo) - TPC_QUANT_FP8];
+    return tpc_launch(kernel /* a tpc_all_reduce_quant_kernel */,
+                      tpc_stream_geometry(tpc_quant_chunk(args->nbytes / 16, args->world)), args, stream);
 #endif
   }
   /* the one-shot stream (two ranks: limits.c) */

@@ -1,7 +1,9 @@
 /*
  * The group-wise codecs of the quantized all-reduce (all_reduce_quant.cuh):
- * a group is TPC_QUANT_GROUP (32) consecutive values, held by 4 adjacent
- * lanes of a warp, 8 values (one 16-byte unit of a 16-bit dtype) each. A
+ * a group is TPC_QUANT_GROUP (tpcomm.h) consecutive values, held by
+ * TPC_QUANT_LANES adjacent lanes of a warp, 8 values (one 16-byte unit of a
+ * 16-bit dtype) each. The mode and the dtype are template parameters, fixed
+ * at launch (launch.cu), so no codec branches on them at run time. A
  * group travels as its values quantized against one fp32 scale, its absmax
  * over the mode's largest code (qmax):
  *
@@ -46,28 +48,30 @@
 #define TPC_HOST_DEVICE static __host__ __device__ __forceinline__
 
 #define TPC_QUANT_TINY 5.421010862427522e-20f /* 2^-64 */
-#define TPC_QUANT_LANES 4                     /* lanes of a group: 4 x 8 values */
+#define TPC_QUANT_UNIT_VALUES 8 /* values of a 16-byte unit of a 16-bit dtype */
+#define TPC_QUANT_LANES (TPC_QUANT_GROUP / TPC_QUANT_UNIT_VALUES) /* lanes of a group, a unit each */
+static_assert(TPC_QUANT_LANES == 4, "tpc_group_absmax's two shuffles span a group of 4 lanes");
 
 /* The mode of an algorithm code, 0 for none. */
 enum { TPC_QUANT_FP8 = 1, TPC_QUANT_INT8 = 2, TPC_QUANT_INT4 = 3 };
 
-TPC_DEVICE int tpc_quant_mode(int algo) {
+TPC_HOST_DEVICE constexpr int tpc_quant_mode(int algo) {
   return algo == TPC_ALGO_QUANTIZED_FP8 ? TPC_QUANT_FP8
          : algo == TPC_ALGO_QUANTIZED_INT8 ? TPC_QUANT_INT8
          : algo == TPC_ALGO_QUANTIZED_INT4 ? TPC_QUANT_INT4 : 0;
 }
 
-TPC_DEVICE float tpc_quant_qmax(int mode) {
+TPC_HOST_DEVICE constexpr float tpc_quant_qmax(int mode) {
   return mode == TPC_QUANT_FP8 ? 448.0f : mode == TPC_QUANT_INT8 ? 127.0f : 7.0f;
 }
 
-/* The float nearest to 1 / tpc_quant_qmax(mode) (constants folded at compile time). */
-TPC_DEVICE float tpc_quant_inv_qmax(int mode) {
+/* The float nearest to 1 / tpc_quant_qmax(mode). */
+TPC_HOST_DEVICE constexpr float tpc_quant_inv_qmax(int mode) {
   return mode == TPC_QUANT_FP8 ? 1.0f / 448.0f : mode == TPC_QUANT_INT8 ? 1.0f / 127.0f : 1.0f / 7.0f;
 }
 
 /* Payload bytes of one 16-byte unit (8 values). */
-TPC_DEVICE uint32_t tpc_quant_unit_bytes(int mode) { return mode == TPC_QUANT_INT4 ? 4u : 8u; }
+TPC_HOST_DEVICE constexpr uint32_t tpc_quant_unit_bytes(int mode) { return mode == TPC_QUANT_INT4 ? 4u : 8u; }
 
 /* A float's bits and back (__float_as_uint, __uint_as_float), on the host too. */
 TPC_HOST_DEVICE uint32_t tpc_bits_of(float f) {
@@ -130,19 +134,24 @@ TPC_DEVICE void tpc_e4m3x2_value(uint32_t c, float *f0, float *f1) {
 #endif
 }
 
-/* The 8 values of a 16-byte unit of a 16-bit dtype as fp32 (exact). */
-TPC_DEVICE void tpc_unit_floats(uint4 v, int dtype, float f[8]) {
+/* The 8 values of a 16-byte unit of a 16-bit dtype (TPC_FLOAT16 or
+ * TPC_BFLOAT16) as fp32 (exact). */
+template <int Dtype>
+TPC_DEVICE void tpc_unit_floats(uint4 v, float f[8]) {
+  static_assert(Dtype == TPC_FLOAT16 || Dtype == TPC_BFLOAT16, "the codecs read 16-bit values");
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    f[2 * i] = tpc_16_to_float(w[i] & 0xffffu, dtype == TPC_BFLOAT16);
-    f[2 * i + 1] = tpc_16_to_float(w[i] >> 16, dtype == TPC_BFLOAT16);
+    f[2 * i] = tpc_16_to_float(w[i] & 0xffffu, Dtype == TPC_BFLOAT16);
+    f[2 * i + 1] = tpc_16_to_float(w[i] >> 16, Dtype == TPC_BFLOAT16);
   }
 }
 
-TPC_DEVICE uint4 tpc_unit_of_floats(const float f[8], int dtype) {
+template <int Dtype>
+TPC_DEVICE uint4 tpc_unit_of_floats(const float f[8]) {
+  static_assert(Dtype == TPC_FLOAT16 || Dtype == TPC_BFLOAT16, "the codecs write 16-bit values");
   uint32_t w[4];
-  tpc_round(f, w, 4, dtype);
+  tpc_round(f, w, 4, Dtype);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -187,12 +196,13 @@ typedef struct {
  * residual (an fma); __fdiv_rn's bits (benchmarks/quant_identity.cu checks
  * every a) without its range check, a branch around a slow path that would
  * split the warp between the group's shuffles. HIP: __fdiv_rn. */
-TPC_DEVICE float tpc_quant_div_by(float a, int mode) {
-  const float d = tpc_quant_qmax(mode);
+template <int Mode>
+TPC_DEVICE float tpc_quant_div_by(float a) {
+  constexpr float d = tpc_quant_qmax(Mode);
 #ifdef TPC_HIP
   return __fdiv_rn(a, d);
 #else
-  const float r = tpc_quant_inv_qmax(mode);
+  constexpr float r = tpc_quant_inv_qmax(Mode);
   const float q = __fmul_rn(a, r);
   return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
 #endif
@@ -216,8 +226,9 @@ TPC_DEVICE float tpc_quant_div_of(float n, float a) {
 #endif
 }
 
-TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax, int mode) {
-  const float qmax = tpc_quant_qmax(mode);
+template <int Mode>
+TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax) {
+  constexpr float qmax = tpc_quant_qmax(Mode);
   tpc_quant_scale s;
   if (!(absmax <= 3.402823466e38f)) {
     s.scale = __uint_as_float(0x7fc00000u);
@@ -226,7 +237,7 @@ TPC_DEVICE tpc_quant_scale tpc_quant_scale_of(float absmax, int mode) {
     s.scale = 0.0f;
     s.inv = 0.0f;
   } else {
-    s.scale = tpc_quant_div_by(absmax, mode);
+    s.scale = tpc_quant_div_by<Mode>(absmax);
     s.inv = tpc_quant_div_of(qmax, absmax);
   }
   return s;
@@ -270,9 +281,11 @@ TPC_DEVICE uint32_t tpc_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d
  * that definition on every input. int4: each value rounded with bias 8 (its
  * byte 8 + code, in 1..15, so two values pack with one shift-add), the
  * nibbles' bias taken off by one xor at the end. */
-TPC_DEVICE uint2 tpc_quant_int(const float f[8], float inv, int mode) {
+template <int Mode>
+TPC_DEVICE uint2 tpc_quant_int(const float f[8], float inv) {
+  static_assert(Mode == TPC_QUANT_INT8 || Mode == TPC_QUANT_INT4, "integer codes");
   uint32_t lo, hi = 0;
-  if (mode == TPC_QUANT_INT4) {
+  if constexpr (Mode == TPC_QUANT_INT4) {
     uint32_t pair[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -299,40 +312,47 @@ TPC_DEVICE float tpc_quant_biased_value(uint32_t w, uint32_t j, float bias) {
  * complement code's top bit adds the bias (8 for int4, 128 for int8) and
  * leaves it in 0..2^bits - 1. int4: word x's even nibbles (values 0, 2, 4,
  * 6) and odd ones as bytes. */
-TPC_DEVICE void tpc_quant_int_value(uint2 p, int mode, float f[8]) {
-  if (mode == TPC_QUANT_INT4) {
+template <int Mode>
+TPC_DEVICE void tpc_quant_int_value(uint2 p, float f[8]) {
+  static_assert(Mode == TPC_QUANT_INT8 || Mode == TPC_QUANT_INT4, "integer codes");
+  if constexpr (Mode == TPC_QUANT_INT4) {
     const uint32_t even = (p.x ^ 0x88888888u) & 0x0f0f0f0fu, odd = ((p.x >> 4) ^ 0x08080808u) & 0x0f0f0f0fu;
 #pragma unroll
     for (uint32_t j = 0; j < 4; ++j) {
       f[2 * j] = tpc_quant_biased_value(even, j, 8.0f);
       f[2 * j + 1] = tpc_quant_biased_value(odd, j, 8.0f);
     }
-    return;
-  }
-  const uint32_t lo = p.x ^ 0x80808080u, hi = p.y ^ 0x80808080u;
+  } else {
+    const uint32_t lo = p.x ^ 0x80808080u, hi = p.y ^ 0x80808080u;
 #pragma unroll
-  for (uint32_t j = 0; j < 4; ++j) {
-    f[j] = tpc_quant_biased_value(lo, j, 128.0f);
-    f[4 + j] = tpc_quant_biased_value(hi, j, 128.0f);
+    for (uint32_t j = 0; j < 4; ++j) {
+      f[j] = tpc_quant_biased_value(lo, j, 128.0f);
+      f[4 + j] = tpc_quant_biased_value(hi, j, 128.0f);
+    }
   }
 }
 
 /* The payload of 8 values: byte i the code of value i (int4: nibble i,
  * value 2j in the low half of byte j; the payload's .x only). */
-TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv, int mode) {
-  if (mode != TPC_QUANT_FP8) return tpc_quant_int(f, inv, mode);
-  uint32_t lo = 0, hi = 0;
+template <int Mode>
+TPC_DEVICE uint2 tpc_quant_encode(const float f[8], float inv) {
+  if constexpr (Mode != TPC_QUANT_FP8) {
+    return tpc_quant_int<Mode>(f, inv);
+  } else {
+    uint32_t lo = 0, hi = 0;
 #pragma unroll
-  for (int i = 0; i < 4; i += 2) {
-    lo |= tpc_e4m3x2_of(tpc_quant_scaled(f[i], inv), tpc_quant_scaled(f[i + 1], inv)) << (8 * i);
-    hi |= tpc_e4m3x2_of(tpc_quant_scaled(f[4 + i], inv), tpc_quant_scaled(f[5 + i], inv)) << (8 * i);
+    for (int i = 0; i < 4; i += 2) {
+      lo |= tpc_e4m3x2_of(tpc_quant_scaled(f[i], inv), tpc_quant_scaled(f[i + 1], inv)) << (8 * i);
+      hi |= tpc_e4m3x2_of(tpc_quant_scaled(f[4 + i], inv), tpc_quant_scaled(f[5 + i], inv)) << (8 * i);
+    }
+    return make_uint2(lo, hi);
   }
-  return make_uint2(lo, hi);
 }
 
 /* code * scale, one rounding each, for the 8 values of a payload. */
-TPC_DEVICE void tpc_quant_decode(uint2 p, float scale, int mode, float f[8]) {
-  if (mode == TPC_QUANT_FP8) {
+template <int Mode>
+TPC_DEVICE void tpc_quant_decode(uint2 p, float scale, float f[8]) {
+  if constexpr (Mode == TPC_QUANT_FP8) {
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
       float a, b;
@@ -340,11 +360,20 @@ TPC_DEVICE void tpc_quant_decode(uint2 p, float scale, int mode, float f[8]) {
       f[i] = __fmul_rn(a, scale);
       f[i + 1] = __fmul_rn(b, scale);
     }
-    return;
-  }
-  tpc_quant_int_value(p, mode, f);
+  } else {
+    tpc_quant_int_value<Mode>(p, f);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], scale);
+    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], scale);
+  }
+}
+
+/* One unit's 8 values quantized with their group (every lane of the warp
+ * calls it: the absmax shuffles over the group's lanes). */
+template <int Mode>
+TPC_DEVICE void tpc_quant_unit(const float f[8], uint2 *payload, float *scale) {
+  const tpc_quant_scale q = tpc_quant_scale_of<Mode>(tpc_group_absmax(f));
+  *payload = tpc_quant_encode<Mode>(f, q.inv);
+  *scale = q.scale;
 }
 
 #endif /* TPCOMM_QUANT_CUH */

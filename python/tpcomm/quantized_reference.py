@@ -3,8 +3,8 @@ the inputs' device: the CPU in tests, the GPU in tpcomm.bench's check):
 `emulate` gives the kernel's bits, `bound` the error docs/design.md derives,
 per element, against the exact (fp64) sum. Tests hold the kernel to both.
 
-Groups are the 32 consecutive values from every multiple of 32 of the
-flattened input (the last one zero-padded). Rank o owns the units (8 values)
+Groups are the GROUP (TPC_QUANT_GROUP, 32) consecutive values from every
+multiple of GROUP of the flattened input (the last one zero-padded). Rank o owns the units (8 values)
 [o*C, (o+1)*C), C = ceil(units / n) rounded up to 4 units (one group), and
 sums its groups in fp32, in rank order from -0.0: its own values as they
 are, every peer's decoded. The sums are quantized again and every rank,
@@ -18,10 +18,12 @@ the group decodes to NaN (and so does every sum it enters). A < 2^-64: the
 group decodes to 0."""
 import torch
 
+from . import _constants as C
+
 QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
 MODES = tuple(QMAX)
-GROUP = 32       # values of a group (TPC_QUANT_GROUP)
-GROUP_UNITS = 4  # 16-byte units of a 16-bit dtype in a group
+GROUP = C.TPC_QUANT_GROUP  # values of a group
+GROUP_UNITS = GROUP // 8   # 16-byte units of a 16-bit dtype in a group (TPC_QUANT_LANES)
 TINY = 2.0 ** -64
 # The per-value error of a group's codes is at most COEFFICIENT[mode] * A
 # (+ min(A, 2^-64) for the groups that decode to 0): half a step, A / (2 qmax),
@@ -40,7 +42,7 @@ def chunk_units(units, world):
 
 
 def _groups(inputs):
-    """(n, groups, 32) fp32 values of the ranks' inputs, zero-padded, and
+    """(n, groups, GROUP) fp32 values of the ranks' inputs, zero-padded, and
     the number of values."""
     numel = inputs[0].numel()
     flat = torch.stack([t.reshape(-1).float() for t in inputs])
@@ -57,7 +59,7 @@ def _owners(groups, units, world, device):
 
 def decode(values, mode):
     """What a group's codes decode to, for fp32 values grouped in the last
-    dimension (32 each), with the kernel's rounding at every step."""
+    dimension (GROUP each), with the kernel's rounding at every step."""
     qmax = torch.tensor(QMAX[mode], dtype=torch.float32, device=values.device)
     absmax = values.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(absmax)
