@@ -69,7 +69,8 @@ if [ "$what" = shared ]; then
     echo "shared-GPU tests (world $world) done: $(( $(date +%s) - start )) s"
   done
 fi
-gpus=h200x$(nvidia-smi -L | wc -l)
+# result files name the card the run had and how many: h100x1, h200x2
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE 'h[0-9]+' | head -1 | tr 'A-Z' 'a-z')x$(nvidia-smi -L | wc -l)
 # one GPU test file with every rank on GPU 0, at each world size of TPCOMM_TEST_WORLD (default 2 3 4 8)
 shared_file() {
   local file=$1 label=$2; shift 2
@@ -87,7 +88,7 @@ if [ "$what" = fp8_local ]; then
     | tail -20
 fi
 if [ "$what" = fp8_probe ]; then
-  card=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE 'h[0-9]+' | head -1 | tr 'A-Z' 'a-z')x1
+  card=${gpus%x*}x1
   probe="nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c"
   $probe -o build/norm_fp8_probe && $probe -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY \
     -o build/libnorm_fp8_probe.so || exit 1

@@ -55,7 +55,7 @@ def test_generated_blocks_match_the_committed_json():
         text = _read(os.path.join(ROOT, rel))
         names.update(tables.block_names(text))
         assert tables.regenerate(text) == text, f"{rel} is stale: run python scripts/benchmark_tables.py"
-    expected = {"headline", "decode-headline", "tables-h200x2", "tables-h200x4", "environment-h200x2",
+    expected = {"headline", "norm-fp8-probe", "decode-headline", "tables-h200x2", "tables-h200x4", "environment-h200x2",
                 "environment-h200x4", "tp-decode", "add-rms-norm-routes", "scaling-model", "transformers-versions"}
     assert expected <= names, f"generated blocks missing: {sorted(expected - names)}"
 
