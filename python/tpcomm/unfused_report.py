@@ -10,7 +10,7 @@ the graph it last rewrites), from each tpcomm.custom_all_reduce left in it:
   Dynamo's reasons quoted), where nothing can fuse with it; said only when
   Dynamo has counted a graph break (else the sum is the model's output);
 * pattern not matched: the sum's add to another tensor reaches a norm
-  (rsqrt, rms_norm), or the sum reaches a norm whose result reaches such an
+  (rsqrt, rms_norm, layer_norm), or the sum reaches a norm whose result reaches such an
   add (a sandwich norm), yet tpcomm.fusion left it.
 
 "Reaches" follows users for a few steps, never past a node that mixes rows
@@ -29,7 +29,8 @@ from ._log import logger
 
 _ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
 _NORMS = (torch.rsqrt, torch.ops.aten.rsqrt.default, torch.rms_norm, torch.nn.functional.rms_norm,
-          torch.ops.aten.rms_norm.default)
+          torch.ops.aten.rms_norm.default, torch.nn.functional.layer_norm, torch.layer_norm,
+          torch.ops.aten.layer_norm.default, torch.ops.aten.native_layer_norm.default)
 _ADDS = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
 _MIXING = ("linear", "mm", "matmul", "attention", "embedding", "conv")
 _LAYOUT = ("view", "reshape", "contiguous", "clone")  # methods that give their input's values
