@@ -79,12 +79,27 @@ class Post(Pre):
         return (any_norm(self.kind, h, self.b, self.w), h) if self.then_norm else (h,)
 
 
-def _compiled(model, *args):
+def _compiled(model, *args, dynamic=None):
+    """(compiled model's outputs, eager's, the pass's counts). Under dynamic=True the inner backend
+    runs the graph the pass rewrote as it is (aot_eager would restart the frame with the symbolic
+    float a constant, as inductor does: tpcomm.fusion's doc), and its fused call must take the
+    multiplier as the .item() Dynamo reads."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     torch._dynamo.reset()
-    backend = tpcomm.compile_backend("aot_eager")
+    backend = tpcomm.compile_backend(keep if dynamic else "aot_eager")
     with torch.no_grad():
-        got = torch.compile(model, backend=backend, fullgraph=True)(*args)
+        got = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
         eager = model(*args)
+    if dynamic:
+        (gm,) = graphs
+        (call,) = [n for n in gm.graph.nodes if n.target is torch.ops._tpcomm.all_reduce_norm.default]
+        scale = call.kwargs["residual_scale"]
+        assert isinstance(scale, torch.fx.Node) and scale.target == "item", call
     return got, eager, backend.counts
 
 
@@ -101,27 +116,32 @@ RMS = ("weight_first", "float_weight_first", "cast_first")
 
 
 def _fused_cases(group, w, b):
-    """(model, the stats key its one fused call counts under)."""
+    """(model, the stats key its one fused call counts under, dynamic): under dynamic=True Dynamo
+    passes the multiplier and eps as 0-dim tensors read by .item(), symbolic floats (taken where
+    the norm follows the add, as RMSNorm's eps: tpcomm.fusion)."""
     cases = []
     for kind in LAYER:
-        cases += [(Pre(group, kind, w, b), STATS_KEY[Pattern.ADD_LAYER_NORM]),
-                  (Post(group, kind, w, b), STATS_KEY[Pattern.LAYER_NORM_ADD]),
-                  (Post(group, kind, w, b, then_norm=True), STATS_KEY[Pattern.LAYER_NORM_ADD_LAYER_NORM])]
-    cases += [(Pre(group, kind, w, b), STATS_KEY[Pattern.ADD_NORM]) for kind in RMS]
-    # the residual multiplier, a Python number: before the norm and after it
-    cases += [(Pre(group, "weight_first", w, b, m=0.22), STATS_KEY[Pattern.ADD_NORM]),
-              (Pre(group, "module", w, b, m=3), STATS_KEY[Pattern.ADD_LAYER_NORM]),
-              (Post(group, "module", w, b, m=0.5, then_norm=True), STATS_KEY[Pattern.LAYER_NORM_ADD_LAYER_NORM])]
+        cases += [(Pre(group, kind, w, b), STATS_KEY[Pattern.ADD_LAYER_NORM], None),
+                  (Post(group, kind, w, b), STATS_KEY[Pattern.LAYER_NORM_ADD], None),
+                  (Post(group, kind, w, b, then_norm=True), STATS_KEY[Pattern.LAYER_NORM_ADD_LAYER_NORM], None)]
+    cases += [(Pre(group, kind, w, b), STATS_KEY[Pattern.ADD_NORM], None) for kind in RMS]
+    # the residual multiplier: before the norm and after it, a Python number or a symbolic float
+    cases += [(Pre(group, "weight_first", w, b, m=0.22), STATS_KEY[Pattern.ADD_NORM], None),
+              (Pre(group, "module", w, b, m=3), STATS_KEY[Pattern.ADD_LAYER_NORM], None),
+              (Post(group, "module", w, b, m=0.5, then_norm=True), STATS_KEY[Pattern.LAYER_NORM_ADD_LAYER_NORM], None),
+              (Pre(group, "weight_first", w, b, m=0.22), STATS_KEY[Pattern.ADD_NORM], True),
+              (Pre(group, "cohere", w, b, m=0.5), STATS_KEY[Pattern.ADD_LAYER_NORM], True),
+              (Pre(group, "module", w, b, m=2.0), STATS_KEY[Pattern.ADD_LAYER_NORM], True)]
     return cases
 
 
 def _body_fused(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     w, b, residual, y = _inputs(rank)
-    for model, key in _fused_cases(comm.group_name, w, b):
-        what = f"{type(model).__name__} {model.kind} m={model.m}"
+    for model, key, dynamic in _fused_cases(comm.group_name, w, b):
+        what = f"{type(model).__name__} {model.kind} m={model.m} dynamic={dynamic}"
         before = comm.stats()
-        got, eager, counts = _compiled(model, y, residual)
+        got, eager, counts = _compiled(model, y, residual, dynamic=dynamic)
         fused = {k: n for k, n in counts.items() if n and k not in ("all_reduce",)}
         assert fused == {key: 1}, (what, counts)
         calls = {}

@@ -17,8 +17,7 @@ A weight tail (weighted), in either order of each product:
     (weight * n).to(dtype), the weight possibly cast to fp32 first
     n.to(dtype)                                       (no weight: LayerNorm only)
 
-eps: a float; for F.rms_norm and Llama's, also a symbolic float (see
-tpcomm.fusion). Each matcher returns the nodes it would erase; every one of
+eps: a float, or a symbolic float (see tpcomm.fusion) but in Gemma's form. Each matcher returns the nodes it would erase; every one of
 them but z must have no user outside the pattern (fusion checks it).
 """
 import operator
@@ -237,7 +236,7 @@ def _functional(z, dtype, hidden):
     for source, erased in starts:
         for norm in source.users:
             args = is_call(norm, _LAYER_NORM) and _layer_norm_args(norm)
-            if not args or args[0] is not source or tuple(args[1]) != (hidden,) or not isinstance(args[4], float):
+            if not args or args[0] is not source or tuple(args[1]) != (hidden,) or as_eps(args[4]) is None:
                 continue
             _, _, weight, bias, eps = args
             if source is not z:  # cast up: the norm's only user casts back
@@ -269,7 +268,7 @@ def _centred(z):
             root = plus and only_user(plus)
             if not (is_method(var, "mean", -1, keepdim=True) or is_method(var, "mean", -1, True)) \
                     or not is_call(plus, (operator.add, torch.add)) or plus.args[0] is not var \
-                    or not isinstance(plus.args[1], float) or not is_call(root, (torch.rsqrt,)):
+                    or as_eps(plus.args[1]) is None or not is_call(root, (torch.rsqrt,)):
                 continue
             n = only_user(root)
             c = _other(n, root) if n is not None else None
