@@ -110,12 +110,18 @@ typedef enum {
 typedef enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 } tpc_collective;
 
 /* What tpc_all_reduce_norm computes around the all-reduce s (fp32, rank
- * order) with residual r, norm_w(v) = v * rsqrt(mean(v^2) + eps) * (w + weight_offset):
- * returns (normed, stream_out). tpcomm.norm_patterns.Pattern is this enum. */
+ * order) with residual r and residual scale m, all in fp32:
+ *   norm_w(v)     = v * rsqrt(mean(v^2) + eps) * (w + weight_offset)                (RMSNorm)
+ *   ln_w,b(v)     = (v - mean(v)) * rsqrt(mean((v - mean(v))^2) + eps) * (w + weight_offset) + b
+ * (LayerNorm, biased variance; no w: no multiply, no b: no add). Returns
+ * (normed, stream_out). tpcomm.norm_patterns.Pattern is this enum. */
 typedef enum {
-  TPC_PATTERN_ADD_NORM = 0,     /* z = s + r: (norm_w(z), z) */
-  TPC_PATTERN_NORM_ADD = 1,     /* o = r + norm_w(s): (o, o) */
-  TPC_PATTERN_NORM_ADD_NORM = 2 /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
+  TPC_PATTERN_ADD_NORM = 0,                  /* z = r + m*s: (norm_w(z), z) */
+  TPC_PATTERN_NORM_ADD = 1,                  /* o = r + m*norm_w(s): (o, o) */
+  TPC_PATTERN_NORM_ADD_NORM = 2,             /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
+  TPC_PATTERN_ADD_LAYER_NORM = 3,            /* z = r + m*s: (ln_w,b(z), z) */
+  TPC_PATTERN_LAYER_NORM_ADD = 4,            /* o = r + m*ln_w,b(s): (o, o) */
+  TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM = 5  /* o as LAYER_NORM_ADD: (ln_next_w,next_b(o) with next_eps, o) */
 } tpc_norm_pattern;
 
 /* The FP8 epilogue of the fused norm (tpc_all_reduce_norm_quant). x is the

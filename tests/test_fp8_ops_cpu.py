@@ -14,9 +14,10 @@ from tpcomm.norm_patterns import Pattern
 
 from multiproc import run_ranks
 
-PRIVATE_SCHEMA = ("_tpcomm::all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, "
+PRIVATE_SCHEMA = ("_tpcomm::all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor? weight, Tensor? next_weight, "
                   "float eps, float next_eps, float weight_offset, int pattern, int quant, Tensor? scale, "
-                  "float scale_floor, bool column_major_scales, bool return_normed, str group_name) "
+                  "float scale_floor, bool column_major_scales, bool return_normed, str group_name, "
+                  "Tensor? bias=None, Tensor? next_bias=None, float residual_scale=1.) "
                   "-> (Tensor codes, Tensor scales, Tensor stream, Tensor normed)")
 PUBLIC_SCHEMA = ("tpcomm::custom_all_reduce_add_rms_norm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, "
                  "str quant, Tensor? scale, float? scale_floor, bool column_major_scales, str group_name) "
