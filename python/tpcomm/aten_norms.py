@@ -14,9 +14,13 @@ The norm of z (dtype d, fp32 where d is fp32 and no cast appears):
 
 casts being aten._to_copy (dtype only, or the input's own layout and
 device: aot_eager) or prims.convert_element_type (inductor), a product in
-either order. Every node of the chain but z must have no user outside it,
+either order. A LayerNorm (layer_norm): aten.native_layer_norm's first
+output, as aot_eager writes F.layer_norm, on z or z cast to fp32 and cast
+back (inductor decomposes it before its post-grad pass: not matched). Every node of the chain but z must have no user outside it,
 so that the rewrite can remove the chain whole.
 """
+import operator
+
 import torch
 
 _A = torch.ops.aten
@@ -167,3 +171,30 @@ def identity(node):
         return False
     before, after = _value(node.args[0]), _value(node)
     return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
+
+
+def layer_norm(z, dtype, hidden):
+    """(weight or None, bias or None, eps, node replaced, nodes erased) of
+    aten.native_layer_norm(z, [hidden], weight, bias, eps)[0], z possibly cast
+    to fp32 first and the result cast back to dtype (OLMo's F.layer_norm in
+    fp32), as AOT writes F.layer_norm; or None. The weight's and bias's dtype
+    and shape are the caller's to check."""
+    starts = [(z, [])] + [(up, [up]) for up in z.users if _cast_to(up, z, torch.float32) and len(up.users) == 1]
+    for source, erased in starts:
+        for norm in source.users:
+            if not _call(norm, (_A.native_layer_norm.default,)) or norm.kwargs or len(norm.args) != 5 \
+                    or norm.args[0] is not source or list(norm.args[1]) != [hidden] \
+                    or not isinstance(norm.args[4], float):
+                continue
+            out = _only_user(norm)
+            if not (_call(out, (operator.getitem,)) and out.args == (norm, 0)):
+                continue
+            if source is not z:
+                down = _only_user(out)
+                if not _cast_to(down, out, dtype):
+                    continue
+                erased, out = [down, out, norm] + erased, down
+            else:
+                erased = [out, norm]
+            return norm.args[2], norm.args[3], norm.args[4], out, erased
+    return None

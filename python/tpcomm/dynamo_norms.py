@@ -212,7 +212,7 @@ def any_norm(z, dtype, hidden):
     found = aten_norms.find(z, dtype)
     if found is not None:
         return ("rms", found[0], None) + found[1:]
-    found = layer_norm(z, dtype, hidden)
+    found = layer_norm(z, dtype, hidden) or aten_norms.layer_norm(z, dtype, hidden)
     if found is not None:
         weight, bias, eps, out, erased = found
         return "layer", weight, bias, eps, 0.0, out, erased
