@@ -93,8 +93,8 @@ def planned_modules(model, styles):
 def save_model(family, model_dir, shape=SHAPE, norm_spread=0.0):
     """Rank 0 writes a random model of `family` to model_dir unless one is
     there (seeded: the same weights every run); every rank returns once it
-    is there. norm_spread > 0 adds U(-spread, spread) to every RMSNorm
-    weight (ones, or Gemma's zeros, at init), so that each norm scales the
+    is there. norm_spread > 0 adds U(-spread, spread) to every RMSNorm and
+    LayerNorm weight and bias (ones, Gemma's zeros, biases zeros at init), so that each norm scales the
     hidden dimensions by weights of its own and a norm given the wrong
     weight, or the wrong weight offset, changes the model's output."""
     config_cls, model_cls, extra = model_class(family)
@@ -103,8 +103,10 @@ def save_model(family, model_dir, shape=SHAPE, norm_spread=0.0):
         model = model_cls(config_cls(num_hidden_layers=LAYERS, **shape, **extra))
         with torch.no_grad():
             for module in model.modules():
-                if norm_spread and type(module).__name__.endswith("RMSNorm"):
-                    module.weight.add_(torch.empty_like(module.weight).uniform_(-norm_spread, norm_spread))
+                if norm_spread and type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+                    for p in (getattr(module, "weight", None), getattr(module, "bias", None)):
+                        if p is not None:
+                            p.add_(torch.empty_like(p).uniform_(-norm_spread, norm_spread))
         model.save_pretrained(model_dir)
     dist.barrier()
 
