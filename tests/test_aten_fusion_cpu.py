@@ -120,22 +120,24 @@ def test_dtensor_row_parallel_fuses_after_aot():
 
 
 class _RowParallelLayerNorm(_RowParallel):
-    """DTensor's all-reduce, the residual add, then nn.LayerNorm's F.layer_norm (ADD_LAYER_NORM):
-    AOT writes it aten.native_layer_norm. bias: the norm's bias (n2) or none."""
+    """DTensor's all-reduce [times m], the residual add, then nn.LayerNorm's F.layer_norm
+    (ADD_LAYER_NORM): AOT writes it aten.native_layer_norm, the product aten.mul. bias: the norm's
+    bias (n2) or none."""
 
-    def __init__(self, mesh, dtype, rank, bias):
+    def __init__(self, mesh, dtype, rank, bias, m):
         super().__init__(mesh, False, dtype, rank)
-        self.bias = bias
+        self.bias, self.m = bias, m
 
     def fused(self, x, residual):
         sums = torch.nn.functional.linear(x, self.w).float()
         dist.all_reduce(sums)
         return from_sums(Pattern.ADD_LAYER_NORM, sums, residual, self.n1, None, 1e-5, 1e-5, 0.0, x.dtype,
-                         bias=self.n2 if self.bias else None)
+                         bias=self.n2 if self.bias else None, residual_scale=self.m or 1.0)
 
     def forward(self, x, residual):
         partial = DTensor.from_local(torch.nn.functional.linear(x, self.w), self.mesh, [Partial()], run_check=False)
-        z = residual + partial.redistribute(self.mesh, [Replicate()]).to_local()
+        y = partial.redistribute(self.mesh, [Replicate()]).to_local()
+        z = residual + (y if self.m is None else y * self.m)
         return torch.nn.functional.layer_norm(z, (HIDDEN,), self.n1, self.n2 if self.bias else None, 1e-5), z
 
 
@@ -145,16 +147,16 @@ def _body_layer_norm(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(2, 3, HIDDEN // 2, generator=torch.Generator().manual_seed(20 + rank)).to(dtype)
         residual = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(21)).to(dtype)
-        for bias in (True, False):
-            layer = _RowParallelLayerNorm(mesh, dtype, rank, bias)
+        for bias, m in ((True, None), (False, None), (True, 0.5)):
+            layer = _RowParallelLayerNorm(mesh, dtype, rank, bias, m)
             backend = tpcomm.compile_backend("aot_eager")
             torch._dynamo.reset()
             with torch.no_grad():
                 got = torch.compile(layer, backend=backend, fullgraph=True)(x, residual)
                 fused = layer.fused(x, residual)
-            assert backend.counts[STATS_KEY[Pattern.ADD_LAYER_NORM]] == 1, (dtype, bias, backend.counts)
+            assert backend.counts[STATS_KEY[Pattern.ADD_LAYER_NORM]] == 1, (dtype, bias, m, backend.counts)
             for a, b in zip(got, fused):  # the op's definition, bit for bit
-                assert torch.equal(a, b), (dtype, bias, (a.float() - b.float()).abs().max())
+                assert torch.equal(a, b), (dtype, bias, m, (a.float() - b.float()).abs().max())
     comm.close()
     dist.barrier()
 

@@ -59,6 +59,7 @@ from .norm_patterns import STATS_KEY, Pattern
 
 _ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
 _ADD = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
+_MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 
 
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
@@ -131,8 +132,8 @@ def _scaled(node):
     (.item() of a 0-dim tensor, as _eps): the residual scale; else (node, 1.0).
     A tensor factor is no scale."""
     mul = _only_user(node)
-    if mul is None or not _is_call(mul, (operator.mul, torch.mul)) or mul.kwargs or len(mul.args) != 2 \
-            or node not in mul.args or mul.args[0] is mul.args[1]:
+    if mul is None or not _is_call(mul, _MUL) or mul.kwargs or len(mul.args) != 2 or node not in mul.args \
+            or mul.args[0] is mul.args[1]:
         return node, 1.0
     m = mul.args[1] if mul.args[0] is node else mul.args[0]
     if isinstance(m, (int, float)) and not isinstance(m, bool):
