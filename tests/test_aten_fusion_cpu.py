@@ -122,11 +122,11 @@ def test_dtensor_row_parallel_fuses_after_aot():
 class _RowParallelLayerNorm(_RowParallel):
     """DTensor's all-reduce [times m], the residual add, then nn.LayerNorm's F.layer_norm
     (ADD_LAYER_NORM): AOT writes it aten.native_layer_norm, the product aten.mul. bias: the norm's
-    bias (n2) or none."""
+    bias (n2) or none; written: Cohere's LayerNorm code instead, aten ops after AOT."""
 
-    def __init__(self, mesh, dtype, rank, bias, m):
+    def __init__(self, mesh, dtype, rank, bias, m, written=False):
         super().__init__(mesh, False, dtype, rank)
-        self.bias, self.m = bias, m
+        self.bias, self.m, self.written = bias, m, written
 
     def fused(self, x, residual):
         sums = torch.nn.functional.linear(x, self.w).float()
@@ -138,6 +138,11 @@ class _RowParallelLayerNorm(_RowParallel):
         partial = DTensor.from_local(torch.nn.functional.linear(x, self.w), self.mesh, [Partial()], run_check=False)
         y = partial.redistribute(self.mesh, [Replicate()]).to_local()
         z = residual + (y if self.m is None else y * self.m)
+        if self.written:  # Cohere's LayerNorm: no bias, the weight multiplied in fp32 before the cast back
+            h = z.to(torch.float32)
+            mean = h.mean(-1, keepdim=True)
+            n = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+            return (self.n1.to(torch.float32) * n).to(z.dtype), z
         return torch.nn.functional.layer_norm(z, (HIDDEN,), self.n1, self.n2 if self.bias else None, 1e-5), z
 
 
@@ -147,16 +152,17 @@ def _body_layer_norm(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(2, 3, HIDDEN // 2, generator=torch.Generator().manual_seed(20 + rank)).to(dtype)
         residual = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(21)).to(dtype)
-        for bias, m in ((True, None), (False, None), (True, 0.5)):
-            layer = _RowParallelLayerNorm(mesh, dtype, rank, bias, m)
+        for bias, m, written in ((True, None, False), (False, None, False), (True, 0.5, False), (False, 0.5, True)):
+            layer = _RowParallelLayerNorm(mesh, dtype, rank, bias, m, written)
             backend = tpcomm.compile_backend("aot_eager")
             torch._dynamo.reset()
             with torch.no_grad():
                 got = torch.compile(layer, backend=backend, fullgraph=True)(x, residual)
                 fused = layer.fused(x, residual)
-            assert backend.counts[STATS_KEY[Pattern.ADD_LAYER_NORM]] == 1, (dtype, bias, m, backend.counts)
+            what = (dtype, bias, m, written)
+            assert backend.counts[STATS_KEY[Pattern.ADD_LAYER_NORM]] == 1, (what, backend.counts)
             for a, b in zip(got, fused):  # the op's definition, bit for bit
-                assert torch.equal(a, b), (dtype, bias, m, (a.float() - b.float()).abs().max())
+                assert torch.equal(a, b), (what, (a.float() - b.float()).abs().max())
     comm.close()
     dist.barrier()
 

@@ -173,11 +173,54 @@ def identity(node):
     return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
 
 
+def _centred(z, dtype):
+    """Each c * rsqrt(mean(c^2) + eps), c = h - mean(h) (h as in _upcast; a
+    sub AOT may have kept twice): (n, eps, the chain's nodes to erase)."""
+    ups = [(z, None)] if dtype == torch.float32 else [(u, u) for u in z.users if _cast_to(u, z, torch.float32)]
+    for h, up in ups:
+        for mean in [u for u in h.users if _call(u, (_A.mean.dim,)) and u.args[0] is h and _last_dim_kept(u, _value(h))]:
+            subs = list(mean.users)
+            if not subs or any(not _call(c, (_A.sub.Tensor,)) or tuple(c.args) != (h, mean) or c.kwargs for c in subs) \
+                    or (up is not None and set(up.users) != {mean, *subs}):
+                continue
+            for square in [u for c in subs for u in c.users if _call(u, (_A.pow.Tensor_Scalar,)) and u.args[1] == 2]:
+                var = _only_user(square)
+                plus = var and _only_user(var)
+                root = plus and _only_user(plus)
+                if not (_call(var, (_A.mean.dim,)) and _last_dim_kept(var, _value(square)) and _call(plus, _ADD)
+                        and plus.args[0] is var and isinstance(plus.args[1], float) and _call(root, (_A.rsqrt.default,))):
+                    continue
+                n = _only_user(root)
+                if any(_product(n, c, root) for c in subs) and all(set(c.users) <= {square, n} for c in subs):
+                    yield n, plus.args[1], [n, root, plus, var, square] + subs + [mean] + ([up] if up else [])
+
+
+def _weighted(n, dtype):
+    """A LayerNorm's weight tail on n: cast(w32 * n, dtype), w32 the weight
+    cast to fp32 (Cohere), w * cast(n, dtype) (_llama) or cast(n, dtype)
+    alone: (weight or None, the node replaced, nodes erased), or None."""
+    times = _only_user(n)
+    if _call(times, _MUL) and not times.kwargs and len(times.args) == 2 and n in times.args:
+        wf = times.args[1] if times.args[0] is n else times.args[0]
+        out = _to_dtype(times, dtype, output=True)
+        if isinstance(wf, torch.fx.Node) and wf is not n and out is not None:
+            erased = [times] + ([out] if out is not times else [])
+            if _cast_to(wf, wf.args[0] if wf.args else None, torch.float32) and len(wf.users) == 1:
+                return wf.args[0], out, erased + [wf]
+            return wf, out, erased
+    found = _llama(n, dtype)
+    if found is not None:
+        return found
+    down = _to_dtype(n, dtype, output=True)
+    return (None, down, [down]) if down is not None and down is not n else None
+
+
 def layer_norm(z, dtype, hidden):
     """(weight or None, bias or None, eps, node replaced, nodes erased) of
     aten.native_layer_norm(z, [hidden], weight, bias, eps)[0], z possibly cast
     to fp32 first and the result cast back to dtype (OLMo's F.layer_norm in
-    fp32), as AOT writes F.layer_norm; or None. The weight's and bias's dtype
+    fp32), as AOT writes F.layer_norm, or of model code's LayerNorm in aten
+    ops (_centred, then _weighted: Cohere's); or None. The weight's and bias's dtype
     and shape are the caller's to check."""
     starts = [(z, [])] + [(up, [up]) for up in z.users if _cast_to(up, z, torch.float32) and len(up.users) == 1]
     for source, erased in starts:
@@ -197,4 +240,9 @@ def layer_norm(z, dtype, hidden):
             else:
                 erased = [out, norm]
             return norm.args[2], norm.args[3], norm.args[4], out, erased
+    for n, eps, chain in _centred(z, dtype):  # model code's LayerNorm, decomposed (Cohere)
+        found = _weighted(n, dtype)
+        if found is not None:
+            weight, out, erased = found
+            return weight, None, eps, out, erased + chain
     return None
