@@ -214,3 +214,41 @@ def test_routes_of_the_new_members():
         want = "fused" if int(pattern) in routing.FUSED_PATTERNS else "unfused"
         assert norm_patterns.route(c, pattern, decode, None, None, 0.0, w) == want
         assert norm_patterns.route(c, pattern, prefill, w, None, 0.0) == "unfused"
+
+
+class _RecordingKernels:
+    """Stands in for backends.kernels.Kernels: records what the fused route hands the kernel family."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, normed,
+                        stream_out, bias=None, next_bias=None, residual_scale=1.0):
+        self.calls.append((pattern, weight, next_weight, bias, next_bias, weight_offset, residual_scale))
+        normed.fill_(1.0)
+        stream_out.fill_(2.0)
+
+
+def test_fused_route_hands_the_kernel_the_vectors_and_the_scale():
+    """Each member on the fused route: the vectors as given (None where
+    absent, contiguous), m rounded to fp32; ADD_NORM with m != 1 too (not
+    all_reduce_add_rms_norm); counted once under the pattern's key."""
+    c = routing_comm()
+    c._kernels, c._stat_cells = _RecordingKernels(), {}
+    x, residual = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    w, b = torch.randn(64, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)[::2]  # b not contiguous
+    for pattern, weight, nw, bias, nb, m in ((Pattern.ADD_LAYER_NORM, w, None, b, None, 0.7),
+                                             (Pattern.LAYER_NORM_ADD, None, None, None, None, 1.0),
+                                             (Pattern.LAYER_NORM_ADD_LAYER_NORM, w, w, b, b, -2.0),
+                                             (Pattern.ADD_NORM, w, None, None, None, 0.5)):
+        normed, stream = norm_patterns.run(c, int(pattern), x, residual, weight, nw, EPS, NEXT_EPS, 0.0, bias, nb, m)
+        got = c._kernels.calls[-1]
+        assert got[0] == pattern and got[1] is weight and got[2] is nw, pattern
+        for handed, given in ((got[3], bias), (got[4], nb)):
+            assert (handed is None) == (given is None) and (given is None or handed.is_contiguous() and
+                                                            torch.equal(handed, given)), pattern
+        assert got[6] == norm_patterns.fp32_scale(m) and (m != 0.7 or got[6] != 0.7), (pattern, got[6])
+        assert bool((normed == 1).all()) and bool((stream == 2).all())
+    assert c.stats() == {(STATS_KEY[p], "fused"): {"calls": 1, "bytes": x.numel() * 2}
+                         for p in (Pattern.ADD_LAYER_NORM, Pattern.LAYER_NORM_ADD, Pattern.LAYER_NORM_ADD_LAYER_NORM,
+                                   Pattern.ADD_NORM)}

@@ -236,9 +236,10 @@ def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
 
 
 # The patterns (tpcomm.norm_patterns.Pattern) the fused kernel family
-# instantiates, and whether it takes a residual scale other than 1.
-FUSED_PATTERNS = (C.TPC_PATTERN_ADD_NORM, C.TPC_PATTERN_NORM_ADD, C.TPC_PATTERN_NORM_ADD_NORM)
-FUSED_RESIDUAL_SCALE = False
+# instantiates (launch.cu: every one), and whether it takes a residual scale other than 1.
+FUSED_PATTERNS = (C.TPC_PATTERN_ADD_NORM, C.TPC_PATTERN_NORM_ADD, C.TPC_PATTERN_NORM_ADD_NORM,
+                  C.TPC_PATTERN_ADD_LAYER_NORM, C.TPC_PATTERN_LAYER_NORM_ADD, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)
+FUSED_RESIDUAL_SCALE = True
 
 
 def norm_pattern(add_norm_route, pattern, weight_offset, dtype, *vector_dtypes, residual_scale=1.0):

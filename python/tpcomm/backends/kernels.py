@@ -85,11 +85,12 @@ class Kernels:
                         stream_out, bias=None, next_bias=None, residual_scale=1.0):
         """The fused kernel family on fusion pattern `pattern` (tpcomm.norm_patterns):
         writes normed and stream_out (they may be x and residual); every tensor
-        contiguous, of x's 16-bit dtype; next_weight None but for NORM_ADD_NORM."""
-        _unsupported(bias, next_bias, residual_scale)
+        contiguous, of x's 16-bit dtype; the vectors (weight, next_weight,
+        bias, next_bias) None where the pattern has none (the C core's rules:
+        tpc_norm_check); residual_scale m multiplies the term added to the residual."""
         try:
             self._norm_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
-                           int(pattern), normed, stream_out, self.comm_id)
+                           int(pattern), normed, stream_out, self.comm_id, bias, next_bias, float(residual_scale))
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
@@ -101,11 +102,10 @@ class Kernels:
         for PER_TENSOR, whose one-element fp32 scale it reads, scales (fp32,
         any strides: tpcomm.fp8.empty_outputs); normed (x's dtype) only where
         it is not None, and stream_out. scale_floor: the dynamic modes' floor."""
-        _unsupported(bias, next_bias, residual_scale)
         try:
             self._norm_quant_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
                                  int(pattern), int(quant), float(scale_floor), normed, stream_out, codes, scales,
-                                 self.comm_id)
+                                 self.comm_id, bias, next_bias, float(residual_scale))
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
@@ -129,9 +129,3 @@ class Kernels:
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
-
-def _unsupported(bias, next_bias, residual_scale):
-    """The fused kernel family of this build takes no bias and no residual scale (routing.FUSED_RESIDUAL_SCALE)."""
-    if bias is not None or next_bias is not None or residual_scale != 1.0:
-        raise ValueError("tpcomm: the fused norm kernel of this build takes no bias and residual_scale 1 only; "
-                         "tpcomm.routing.norm_pattern routes such calls unfused")
