@@ -16,8 +16,10 @@ casts being aten._to_copy (dtype only, or the input's own layout and
 device: aot_eager) or prims.convert_element_type (inductor), a product in
 either order. A LayerNorm (layer_norm): aten.native_layer_norm's first
 output, as aot_eager writes F.layer_norm, on z or z cast to fp32 and cast
-back (inductor decomposes it before its post-grad pass: not matched). Every node of the chain but z must have no user outside it,
-so that the rewrite can remove the chain whole.
+back (inductor decomposes it before its post-grad pass: not matched), or
+model code's LayerNorm in aten ops (Cohere's). Every node of the chain but
+z must have no user outside it, so that the rewrite can remove the chain
+whole.
 """
 import operator
 
@@ -178,7 +180,8 @@ def _centred(z, dtype):
     sub AOT may have kept twice): (n, eps, the chain's nodes to erase)."""
     ups = [(z, None)] if dtype == torch.float32 else [(u, u) for u in z.users if _cast_to(u, z, torch.float32)]
     for h, up in ups:
-        for mean in [u for u in h.users if _call(u, (_A.mean.dim,)) and u.args[0] is h and _last_dim_kept(u, _value(h))]:
+        means = [u for u in h.users if _call(u, (_A.mean.dim,)) and u.args[0] is h and _last_dim_kept(u, _value(h))]
+        for mean in means:
             subs = list(mean.users)
             if not subs or any(not _call(c, (_A.sub.Tensor,)) or tuple(c.args) != (h, mean) or c.kwargs for c in subs) \
                     or (up is not None and set(up.users) != {mean, *subs}):
@@ -188,7 +191,8 @@ def _centred(z, dtype):
                 plus = var and _only_user(var)
                 root = plus and _only_user(plus)
                 if not (_call(var, (_A.mean.dim,)) and _last_dim_kept(var, _value(square)) and _call(plus, _ADD)
-                        and plus.args[0] is var and isinstance(plus.args[1], float) and _call(root, (_A.rsqrt.default,))):
+                        and plus.args[0] is var and isinstance(plus.args[1], float)
+                        and _call(root, (_A.rsqrt.default,))):
                     continue
                 n = _only_user(root)
                 if any(_product(n, c, root) for c in subs) and all(set(c.users) <= {square, n} for c in subs):

@@ -17,8 +17,9 @@ A weight tail (weighted), in either order of each product:
     (weight * n).to(dtype), the weight possibly cast to fp32 first
     n.to(dtype)                                       (no weight: LayerNorm only)
 
-eps: a float, or a symbolic float (see tpcomm.fusion) but in Gemma's form. Each matcher returns the nodes it would erase; every one of
-them but z must have no user outside the pattern (fusion checks it).
+eps: a float, or a symbolic float (see tpcomm.fusion) but in Gemma's form.
+Each matcher returns the nodes it would erase; every one of them but z must
+have no user outside the pattern (fusion checks it).
 """
 import operator
 
