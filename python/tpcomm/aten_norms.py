@@ -16,8 +16,8 @@ casts being aten._to_copy (dtype only, or the input's own layout and
 device: aot_eager) or prims.convert_element_type (inductor), a product in
 either order. A LayerNorm (layer_norm): aten.native_layer_norm's first
 output, as aot_eager writes F.layer_norm, on z or z cast to fp32 and cast
-back (inductor decomposes it before its post-grad pass: not matched), or
-model code's LayerNorm in aten ops (Cohere's). Every node of the chain but
+back, or as inductor decomposes it (var_mean; _decomposed), or model
+code's LayerNorm in aten ops (Cohere's). Every node of the chain but
 z must have no user outside it, so that the rewrite can remove the chain
 whole.
 """
@@ -219,6 +219,49 @@ def _weighted(n, dtype):
     return (None, down, [down]) if down is not None and down is not n else None
 
 
+def _decomposed(z, dtype):
+    """The LayerNorm inductor's decomposition writes (before its post-grad pass):
+    h = cast(z, fp32); var, mean = var_mean(h, [-1], correction=0, keepdim=True);
+    n = (h - mean) * rsqrt(var + eps) [* weight] [+ bias], cast to dtype.
+    (weight or None, bias or None, eps, node replaced, nodes erased), or None."""
+    ups = [(z, None)] if dtype == torch.float32 else [(u, u) for u in z.users if _cast_to(u, z, torch.float32)]
+    for h, up in ups:
+        for vm in [u for u in h.users if _call(u, (_A.var_mean.correction,)) and u.args[0] is h]:
+            value = _value(h)
+            last_dim = [-1] + ([value.dim() - 1] if value is not None else [])
+            if dict(vm.kwargs) != {"correction": 0, "keepdim": True} or len(vm.args) != 2 \
+                    or not isinstance(vm.args[1], (list, tuple)) or len(vm.args[1]) != 1 \
+                    or vm.args[1][0] not in last_dim or len(vm.users) != 2:
+                continue
+            parts = {g.args[1]: g for g in vm.users if _call(g, (operator.getitem,)) and len(g.users) == 1}
+            if set(parts) != {0, 1}:
+                continue
+            var, mean = parts[0], parts[1]
+            sub, plus = _only_user(mean), _only_user(var)
+            root = _only_user(plus) if _call(plus, _ADD) else None
+            n = _only_user(root) if _call(root, (_A.rsqrt.default,)) else None
+            if not (_call(sub, (_A.sub.Tensor,)) and tuple(sub.args) == (h, mean) and not sub.kwargs
+                    and plus.args[0] is var and isinstance(plus.args[1], float) and n is not None
+                    and _product(n, sub, root) and len(sub.users) == 1
+                    and (up is None or set(up.users) == {vm, sub})):
+                continue
+            chain = [n, root, plus, var, mean, sub, vm] + ([up] if up is not None else [])
+            last, params = n, {}
+            for name, ops in (("weight", _MUL), ("bias", _ADD)):
+                user = _only_user(last)
+                if _call(user, ops) and not user.kwargs and len(user.args) == 2 and last in user.args:
+                    other = user.args[1] if user.args[0] is last else user.args[0]
+                    if other is not last and _value(other) is not None and _value(other).dim() == 1:  # (hidden,)
+                        params[name], last = other, user
+                        chain.insert(0, user)
+            out = _to_dtype(last, dtype, output=True)
+            if out is None or out is n:
+                continue
+            return params.get("weight"), params.get("bias"), plus.args[1], out, \
+                ([out] if out is not last else []) + chain
+    return None
+
+
 def layer_norm(z, dtype, hidden):
     """(weight or None, bias or None, eps, node replaced, nodes erased) of
     aten.native_layer_norm(z, [hidden], weight, bias, eps)[0], z possibly cast
@@ -244,6 +287,9 @@ def layer_norm(z, dtype, hidden):
             else:
                 erased = [out, norm]
             return norm.args[2], norm.args[3], norm.args[4], out, erased
+    found = _decomposed(z, dtype)
+    if found is not None:
+        return found
     for n, eps, chain in _centred(z, dtype):  # model code's LayerNorm, decomposed (Cohere)
         found = _weighted(n, dtype)
         if found is not None:
