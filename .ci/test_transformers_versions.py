@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from hf_families import check  # noqa: E402
 
-FAMILIES = "qwen3,mistral,gemma3,phi3,mixtral"
+FAMILIES = "qwen3,mistral,gemma3,phi3,mixtral,granite,olmo,cohere"
 SIDE = [d for d in os.environ.get("TPCOMM_TEST_TRANSFORMERS_DIRS", "").split(os.pathsep) if d]
 DTYPES = "float32,bfloat16"
 RUNS = SIDE + [None]  # the side directories, then the environment's own transformers

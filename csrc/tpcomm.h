@@ -110,12 +110,18 @@ typedef enum {
 typedef enum { TPC_OP_ALL_REDUCE = 1, TPC_OP_ALL_GATHER = 2, TPC_OP_REDUCE_SCATTER = 3, TPC_OP_ALL_REDUCE_NORM = 4 } tpc_collective;
 
 /* What tpc_all_reduce_norm computes around the all-reduce s (fp32, rank
- * order) with residual r, norm_w(v) = v * rsqrt(mean(v^2) + eps) * (w + weight_offset):
- * returns (normed, stream_out). tpcomm.norm_patterns.Pattern is this enum. */
+ * order) with residual r and residual scale m, all in fp32:
+ *   norm_w(v)     = v * rsqrt(mean(v^2) + eps) * (w + weight_offset)                (RMSNorm)
+ *   ln_w,b(v)     = (v - mean(v)) * rsqrt(mean((v - mean(v))^2) + eps) * (w + weight_offset) + b
+ * (LayerNorm, biased variance; no w: no multiply, no b: no add). Returns
+ * (normed, stream_out). tpcomm.norm_patterns.Pattern is this enum. */
 typedef enum {
-  TPC_PATTERN_ADD_NORM = 0,     /* z = s + r: (norm_w(z), z) */
-  TPC_PATTERN_NORM_ADD = 1,     /* o = r + norm_w(s): (o, o) */
-  TPC_PATTERN_NORM_ADD_NORM = 2 /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
+  TPC_PATTERN_ADD_NORM = 0,                  /* z = r + m*s: (norm_w(z), z) */
+  TPC_PATTERN_NORM_ADD = 1,                  /* o = r + m*norm_w(s): (o, o) */
+  TPC_PATTERN_NORM_ADD_NORM = 2,             /* o as NORM_ADD: (norm_next_w(o) with next_eps, o) */
+  TPC_PATTERN_ADD_LAYER_NORM = 3,            /* z = r + m*s: (ln_w,b(z), z) */
+  TPC_PATTERN_LAYER_NORM_ADD = 4,            /* o = r + m*ln_w,b(s): (o, o) */
+  TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM = 5  /* o as LAYER_NORM_ADD: (ln_next_w,next_b(o) with next_eps, o) */
 } tpc_norm_pattern;
 
 /* The FP8 epilogue of the fused norm (tpc_all_reduce_norm_quant). x is the
@@ -246,28 +252,41 @@ tpc_result tpc_all_reduce(tpc_comm *comm, const void *in, void *out, size_t nbyt
 tpc_result tpc_id_all_reduce(uint64_t comm_id, const void *in, void *out, size_t nbytes, tpc_dtype dtype,
                              tpc_algo algo, void *stream);
 
-/* The fused all-reduce + residual add + RMSNorm family, one launch of the
+/* The norm of a tpc_all_reduce_norm call: its pattern and what the pattern
+ * reads (tpc_norm_check states the rules). Vectors are one row (row_bytes)
+ * of the input's dtype, 16-byte aligned, or NULL:
+ *   weight       the (first) norm's; required by the RMS patterns; NULL for
+ *                a LayerNorm: no multiply (weight_offset then 0)
+ *   bias         the LayerNorm patterns' (NULL: no add); NULL for RMS
+ *   next_weight  the second norm's: required by NORM_ADD_NORM, optional for
+ *                LAYER_NORM_ADD_LAYER_NORM, NULL for the others
+ *   next_bias    LAYER_NORM_ADD_LAYER_NORM's second bias, optional; NULL elsewhere
+ * eps (next_eps: the second norm's, read only by the patterns that have one)
+ * in [0, 1]; weight_offset 0 or 1 (Gemma's 1 + w), added to every weight;
+ * residual_scale m, finite, multiplies the term added to the residual. */
+typedef struct {
+  tpc_norm_pattern pattern;
+  const void *weight, *bias, *next_weight, *next_bias;
+  float eps, next_eps, weight_offset, residual_scale;
+} tpc_norm_spec;
+
+/* The fused all-reduce + residual add + norm family, one launch of the
  * packet kernel for every tpc_norm_pattern, over the rows of a 16-bit tensor
  * (the last dimension, row_bytes long, is a row; nbytes is the whole input).
- * With s = the sum over ranks in fp32, in rank order, r = residual and
- * w' = weight + weight_offset, all in fp32 (nothing rounded in between):
- *   ADD_NORM       z = s + r
- *                  normed = round(z * rsqrt(mean(z^2) + eps) * w'), stream_out = round(z)
- *   NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * w'
- *                  normed = stream_out = round(o)
- *   NORM_ADD_NORM  o as NORM_ADD
- *                  normed = round(o * rsqrt(mean(o^2) + next_eps) * (next_weight + weight_offset)),
- *                  stream_out = round(o)
+ * With s = the sum over ranks in fp32, in rank order, r = residual, m =
+ * residual_scale and norm the pattern's (tpc_norm_pattern), all in fp32
+ * (nothing rounded in between):
+ *   ADD_NORM, ADD_LAYER_NORM   z = r + m*s;  normed = round(norm(z)), stream_out = round(z)
+ *   NORM_ADD, LAYER_NORM_ADD   o = r + m*norm(s);  normed = stream_out = round(o)
+ *   NORM_ADD_NORM, LAYER_NORM_ADD_LAYER_NORM
+ *                              o as above;  normed = round(norm_next(o)), stream_out = round(o)
  * identical bits on every rank whose residual is the same. Float16 or
  * bfloat16; row_bytes a multiple of 16 up to TPC_NORM_MAX_ROW_BYTES dividing
- * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned;
- * next_weight and next_eps are NORM_ADD_NORM's (next_weight NULL and
- * next_eps ignored otherwise); eps and next_eps in [0, 1]; weight_offset 0 or
- * 1 (Gemma's 1 + w). normed may be in and stream_out may be residual. */
-tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const void *in, const void *residual,
-                               const void *weight, const void *next_weight, void *normed, void *stream_out,
-                               size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
-                               float weight_offset, void *stream);
+ * nbytes, nbytes up to the packet cap; every pointer 16-byte aligned. normed
+ * may be in and stream_out may be residual. */
+tpc_result tpc_all_reduce_norm(tpc_comm *comm, const tpc_norm_spec *norm, const void *in, const void *residual,
+                               void *normed, void *stream_out, size_t nbytes, size_t row_bytes, tpc_dtype dtype,
+                               void *stream);
 
 /* tpc_all_reduce_norm with an FP8 epilogue (tpc_norm_quant): the normed
  * output also quantized to e4m3 codes (one byte a value, the input's shape).
@@ -279,12 +298,11 @@ tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const v
  * values a multiple of TPC_FP8_GROUP for PER_TOKEN_GROUP. scale_floor, finite
  * and > 0, bounds the dynamic scales from below. codes 16-byte aligned,
  * scales 4-byte; neither may overlap another argument. CUDA builds only. */
-tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant,
-                                     const void *in, const void *residual, const void *weight,
-                                     const void *next_weight, void *normed, void *stream_out, void *codes,
-                                     float *scales, size_t scale_row_stride, size_t scale_group_stride,
-                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps,
-                                     float next_eps, float weight_offset, void *stream);
+tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, const tpc_norm_spec *norm, tpc_norm_quant quant,
+                                     const void *in, const void *residual, void *normed, void *stream_out,
+                                     void *codes, float *scales, size_t scale_row_stride, size_t scale_group_stride,
+                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype,
+                                     void *stream);
 
 /* The FP8 epilogue's own rules (limits.c), apart from the pointers and the
  * kernel's sizes: quant known and built for this platform (rocm nonzero:
@@ -294,12 +312,12 @@ tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, t
 tpc_result tpc_norm_quant_check(int quant, size_t row_values, size_t scale_row_stride,
                                 size_t scale_group_stride, float scale_floor, int rocm, char *why, size_t why_len);
 
-/* The fused norm's own rules (limits.c), apart from the kernel's sizes:
- * pattern known, next_weight given iff NORM_ADD_NORM, eps (and next_eps
- * where it is used) in [0, 1], weight_offset 0 or 1. TPC_OK or
- * TPC_ERR_INVALID_ARG with a sentence in why[0 .. why_len). */
-tpc_result tpc_norm_check(int pattern, const void *next_weight, float eps, float next_eps, float weight_offset,
-                          char *why, size_t why_len);
+/* The fused norm's own rules (limits.c), apart from the kernel's sizes and
+ * alignment: norm not NULL, pattern known, which vectors the pattern takes
+ * (tpc_norm_spec), eps (and next_eps where it is used) in [0, 1],
+ * weight_offset 0 or 1 and 0 where a norm has no weight, residual_scale
+ * finite. TPC_OK or TPC_ERR_INVALID_ARG with a sentence in why[0 .. why_len). */
+tpc_result tpc_norm_check(const tpc_norm_spec *norm, char *why, size_t why_len);
 
 /* Gather nbytes from every rank. The output is the concatenation along a
  * dimension whose contiguous run per rank is row_bytes (nbytes for dim 0):

@@ -1,5 +1,5 @@
 """Writes the benchmark tables of README.md and docs/benchmarks.md, and
-docs/testing.md's table of transformers versions, from the committed
+docs/testing.md's tables of transformers versions and families, from the committed
 results in benchmarks/results/*.json, so the documents cannot drift from
 the measurements.
 
@@ -359,9 +359,32 @@ def transformers_versions():
     return "\n".join(lines)
 
 
+HF_FAMILIES = "hf_families_cpu.json"  # tests/hf_families.py's output at 2 ranks, float32 (docs/testing.md says how)
+
+
+def hf_families():
+    """docs/testing.md: each transformers family of the CPU run, its row-parallel
+    all-reduces a forward, the pairs the compile pass merged, the fused calls
+    and whether every mode's greedy tokens are plain torch's."""
+    data = _read(HF_FAMILIES)
+    lines = [f"CPU, 2 gloo ranks, float32, transformers {data['transformers']}, torch {data['torch']} "
+             f"(`benchmarks/results/{HF_FAMILIES}`):", "",
+             "| family | row-parallel all-reduces | merged pairs | fused calls, compiled | pattern "
+             "| tokens as plain torch's |", "|---|---:|---:|---:|---|---|"]
+    for family, by_dtype in data["families"].items():
+        r = by_dtype["float32"]
+        compiled = r["modes"]["compiled"]
+        fused = sum(n for k, n in compiled["calls"].items() if k.split("/")[0] == r["fused_key"])
+        agree = ", ".join(f"{mode} {'yes' if m['tokens_agree'] else 'NO'}" for mode, m in r["modes"].items())
+        lines.append(f"| {family} | {r['row_parallel_per_forward']} | {compiled['pass'].get('all_reduce_merged', 0)} "
+                     f"| {fused} | `{r['fused_key']}` | {agree} |")
+    return "\n".join(lines)
+
+
 BLOCKS = {"headline": headline, "scaling-model": scaling_model, "decode-headline": decode_headline,
           "tp-decode": tp_decode, "add-rms-norm-routes": add_rms_norm_routes,
-          "transformers-versions": transformers_versions, "norm-fp8-probe": norm_fp8_probe}
+          "transformers-versions": transformers_versions, "norm-fp8-probe": norm_fp8_probe,
+          "hf-families": hf_families}
 for _w in WORLDS:
     BLOCKS[f"environment-h200x{_w}"] = lambda w=_w: environment(w)
     BLOCKS[f"backends-h200x{_w}"] = lambda w=_w: backends(w)

@@ -91,33 +91,45 @@ class Cases:
         op = self.ops.reduce_scatter_f32 if f32 else self.ops.reduce_scatter
         same(op(x, self.comm.comm_id, algo), want if f32 else want.to(dtype))
 
-    def add_rms_norm(self, rows, hidden, dtype, in_place, pattern=C.TPC_PATTERN_ADD_NORM, offset=0.0):
-        """The fused norm family on `pattern` (tpc_norm_pattern). The stream
-        output of ADD_NORM (z) is the reference bit for bit; o (the others)
-        takes a norm, so it and every normed output are held to 1 ulp (the
-        kernel sums the squares in another order)."""
+    def vectors(self, hidden, dtype, pattern, bias):
+        """(weight, next_weight, bias, next_bias) of `pattern`: the second
+        norm's where it has one, the biases where `bias` (LayerNorm only)."""
+        second = pattern in (C.TPC_PATTERN_NORM_ADD_NORM, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)
+        weight = ints((hidden,), 0, self.salt + 200, dtype)
+        next_weight = ints((hidden,), 0, self.salt + 300, dtype) if second else None
+        b = ints((hidden,), 0, self.salt + 400, dtype) if bias else None
+        next_b = ints((hidden,), 0, self.salt + 500, dtype) if bias and second else None
+        return weight, next_weight, b, next_b
+
+    def add_rms_norm(self, rows, hidden, dtype, in_place, pattern=C.TPC_PATTERN_ADD_NORM, offset=0.0, bias=False,
+                     scale=1.0):
+        """The fused norm family on `pattern` (tpc_norm_pattern), residual
+        scale `scale`. The stream output of ADD_NORM and ADD_LAYER_NORM (z) is
+        the reference bit for bit; o (the others) takes a norm, so it and
+        every normed output are held to 1 ulp (the kernel sums in another
+        order)."""
         from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
         x, xs = self.inputs((rows, hidden), dtype)
         residual = ints((rows, hidden), 0, self.salt + 100, dtype)  # the same on every rank
-        weight = ints((hidden,), 0, self.salt + 200, dtype)
-        next_weight = ints((hidden,), 0, self.salt + 300, dtype) if pattern == C.TPC_PATTERN_NORM_ADD_NORM else None
+        weight, next_weight, b, next_b = self.vectors(hidden, dtype, pattern, bias)
         want_normed, want_stream = reference_all_reduce_norm(xs, residual, weight, EPS, pattern, offset, next_weight,
-                                                             EPS / 2)
+                                                             EPS / 2, b, next_b, scale)
         if in_place:  # normed into x, the stream output into residual: the kernel without "spread"
             normed, stream = x, residual
         else:
             normed, stream = torch.empty_like(x), torch.empty_like(x)
         self.ops.all_reduce_norm_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, normed, stream,
-                                     self.comm.comm_id)
-        if pattern == C.TPC_PATTERN_ADD_NORM:
+                                     self.comm.comm_id, b, next_b, scale)
+        if pattern in (C.TPC_PATTERN_ADD_NORM, C.TPC_PATTERN_ADD_LAYER_NORM):
             same(stream, want_stream)
         for got, want, what in ((stream, want_stream, "stream"), (normed, want_normed, "normed")):
             far = int(ulp_distance(got, want).max())
             if far > 1:
                 raise AssertionError(f"{what} is {far} ulp from the reference")
 
-    def norm_fp8(self, rows, hidden, dtype, pattern, quant, normed_out, column_major=False, offset=0.0):
+    def norm_fp8(self, rows, hidden, dtype, pattern, quant, normed_out, column_major=False, offset=0.0, bias=False,
+                 scale_m=1.0):
         """The fused norm family's FP8 epilogue (tpc_norm_quant): the normed
         output (written, or not) as the fused norm holds it, and the codes
         and scales bit for bit tpcomm.fp8.quantize of the kernel's own
@@ -127,9 +139,9 @@ class Cases:
 
         x, xs = self.inputs((rows, hidden), dtype)
         residual = ints((rows, hidden), 0, self.salt + 100, dtype)
-        weight = ints((hidden,), 0, self.salt + 200, dtype)
-        next_weight = ints((hidden,), 0, self.salt + 300, dtype) if pattern == C.TPC_PATTERN_NORM_ADD_NORM else None
-        want_normed, _ = reference_all_reduce_norm(xs, residual, weight, EPS, pattern, offset, next_weight, EPS / 2)
+        weight, next_weight, b, next_b = self.vectors(hidden, dtype, pattern, bias)
+        want_normed, _ = reference_all_reduce_norm(xs, residual, weight, EPS, pattern, offset, next_weight, EPS / 2,
+                                                   b, next_b, scale_m)
         scale = torch.tensor([0.01], device=x.device) if quant == C.TPC_QUANT_PER_TENSOR else None
         floor = fp8.DEFAULT_FLOOR[quant] if scale is None else 0.0
         codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -142,7 +154,7 @@ class Cases:
             scales = torch.empty(rows, groups, device=x.device)
         normed, stream = torch.empty_like(x), torch.empty_like(x)
         self.ops.all_reduce_norm_quant_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, quant,
-                                           floor, normed, stream, codes, scales, self.comm.comm_id)
+                                           floor, normed, stream, codes, scales, self.comm.comm_id, b, next_b, scale_m)
         far = int(ulp_distance(normed, want_normed).max())
         if far > 1:
             raise AssertionError(f"normed is {far} ulp from the reference")
@@ -154,7 +166,8 @@ class Cases:
         if not normed_out:  # the same codes without the 16-bit normed output
             codes2 = torch.empty_like(codes)
             self.ops.all_reduce_norm_quant_out(x, residual, weight, next_weight, EPS, EPS / 2, offset, pattern, quant,
-                                               floor, None, stream, codes2, scales, self.comm.comm_id)
+                                               floor, None, stream, codes2, scales, self.comm.comm_id, b, next_b,
+                                               scale_m)
             same_fp8(codes2, want_codes)
 
     def all(self):
@@ -222,6 +235,20 @@ class Cases:
                                    True, 1.0)),
             ("all_reduce_norm fp8 per_tensor",
              lambda: self.norm_fp8(2, 2048, bf16, C.TPC_PATTERN_NORM_ADD, C.TPC_QUANT_PER_TENSOR, False)),
+            # the LayerNorm members (two block sums a norm: the mean, then the centred squares)
+            # with biases and residual scales, and the scale on an RMS member
+            ("all_reduce_add_layer_norm spread, bias, m 0.5",
+             lambda: self.add_rms_norm(2, 4096, bf16, False, C.TPC_PATTERN_ADD_LAYER_NORM, 0.0, True, 0.5)),
+            ("all_reduce_layer_norm_add in place",
+             lambda: self.add_rms_norm(8, 2048, f16, True, C.TPC_PATTERN_LAYER_NORM_ADD)),
+            ("all_reduce_layer_norm_add_layer_norm spread, weight 1 + w, bias, m -1.5",
+             lambda: self.add_rms_norm(3, 4096, bf16, False, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, 1.0, True,
+                                       -1.5)),
+            ("all_reduce_rms_norm_add in place, m 2",
+             lambda: self.add_rms_norm(4, 2048, f16, True, C.TPC_PATTERN_NORM_ADD, 0.0, False, 2.0)),
+            ("all_reduce_norm fp8 per_token_group after a LayerNorm, bias",
+             lambda: self.norm_fp8(3, 2048, bf16, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM,
+                                   C.TPC_QUANT_PER_TOKEN_GROUP, True, False, 0.0, True, 0.75)),
         ]
 
 

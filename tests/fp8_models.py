@@ -10,13 +10,14 @@ import torch
 
 import tpcomm
 from tpcomm.fusion_fp8 import COUNT_KEY
-from tpcomm.norm_patterns import STATS_KEY, Pattern
+from tpcomm.norm_patterns import LAYER_NORM, STATS_KEY, Pattern
 
 from norm_helpers import norm
 
 F8 = torch.float8_e4m3fn
 HIDDEN = 256
 EPS = 1e-6  # the fused op's eps, norm_helpers.norm's default too
+PATTERNS = tuple(p for p in Pattern if p not in LAYER_NORM)  # the patterns of these models' RMSNorms
 
 
 # ------------------------------------------------------ quantizations matched

@@ -56,6 +56,12 @@ def model_class(family):
             "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, {"sliding_window": 4}),
             "phi3": (t.Phi3Config, t.Phi3ForCausalLM, {"pad_token_id": 0}),
             "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, {"num_local_experts": 3, "num_experts_per_tok": 2}),
+            # LayerNorm with neither weight nor bias (F.layer_norm in fp32, cast back)
+            "olmo": (t.OlmoConfig, t.OlmoForCausalLM, {}),
+            # the residual multiplier: residual + h * 0.22 (Granite 3's)
+            "granite": (t.GraniteConfig, t.GraniteForCausalLM, {"residual_multiplier": 0.22}),
+            # parallel attention + MLP, (residual + attn) + mlp; a LayerNorm written out, weight before the cast
+            "cohere": (t.CohereConfig, t.CohereForCausalLM, {}),
             }[family]
 
 
@@ -87,8 +93,8 @@ def planned_modules(model, styles):
 def save_model(family, model_dir, shape=SHAPE, norm_spread=0.0):
     """Rank 0 writes a random model of `family` to model_dir unless one is
     there (seeded: the same weights every run); every rank returns once it
-    is there. norm_spread > 0 adds U(-spread, spread) to every RMSNorm
-    weight (ones, or Gemma's zeros, at init), so that each norm scales the
+    is there. norm_spread > 0 adds U(-spread, spread) to every RMSNorm and
+    LayerNorm weight and bias (ones, Gemma's zeros, biases zeros at init), so that each norm scales the
     hidden dimensions by weights of its own and a norm given the wrong
     weight, or the wrong weight offset, changes the model's output."""
     config_cls, model_cls, extra = model_class(family)
@@ -97,8 +103,10 @@ def save_model(family, model_dir, shape=SHAPE, norm_spread=0.0):
         model = model_cls(config_cls(num_hidden_layers=LAYERS, **shape, **extra))
         with torch.no_grad():
             for module in model.modules():
-                if norm_spread and type(module).__name__.endswith("RMSNorm"):
-                    module.weight.add_(torch.empty_like(module.weight).uniform_(-norm_spread, norm_spread))
+                if norm_spread and type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+                    for p in (getattr(module, "weight", None), getattr(module, "bias", None)):
+                        if p is not None:
+                            p.add_(torch.empty_like(p).uniform_(-norm_spread, norm_spread))
         model.save_pretrained(model_dir)
     dist.barrier()
 
@@ -124,16 +132,36 @@ def tp_group(model):
     return (mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh).get_group()
 
 
+def _layer_norm(layer):
+    """Whether the decoder layer's norms are LayerNorms (nn.LayerNorm, OLMo's, Cohere's), not RMSNorms."""
+    return any(type(m).__name__.endswith("LayerNorm") and "RMS" not in type(m).__name__ for m in layer.modules())
+
+
+def _parallel(model):
+    """Whether attention and the MLP read the same input, their sums added to the residual together:
+    GPT-NeoX's use_parallel_residual, or a layer with no norm between them (Cohere, Phi)."""
+    layer = model.model.layers[0]
+    return bool(getattr(model.config, "use_parallel_residual", not hasattr(layer, "post_attention_layernorm")))
+
+
 def expected(model):
     """What a forward of the TP model issues, from its modules and TP plan:
     row-parallel all-reduces, the embedding's all-reduces, DTensor all-gathers,
-    whether its layers have the sandwich norm (Gemma), and the stats key its
-    row-parallel all-reduces count under once fused with their norms."""
+    whether its layers have the sandwich norm (Gemma), the stats key its
+    row-parallel all-reduces count under once fused with their norms, and how
+    many pairs of them the compile pass merges (one a layer in a parallel
+    block: the fused calls are the row-parallel all-reduces less those)."""
     sandwich = hasattr(model.model.layers[0], "post_feedforward_layernorm")
+    pattern = "norm_add_norm" if sandwich else "add_norm"
+    if _layer_norm(model.model.layers[0]):
+        pattern = pattern.replace("norm", "layer_norm")
+    else:
+        pattern = pattern.replace("norm", "rms_norm")
     return {"row_parallel_per_forward": len(planned_modules(model, ROW_PARALLEL)),
             "embedding_all_reduces": len(planned_modules(model, ("embedding_rowwise",))),
             "sandwich_norm": sandwich,
-            "fused_key": "all_reduce_rms_norm_add_rms_norm" if sandwich else "all_reduce_add_rms_norm",
+            "fused_key": "all_reduce_" + pattern,
+            "merged_per_forward": len(model.model.layers) if _parallel(model) else 0,
             "gathered_per_forward": len(planned_modules(model, GATHERED)),
             "plan": dict(getattr(model, "tp_plan", None) or {})}
 
@@ -252,8 +280,10 @@ def check(r, what, exact=True):
     row-parallel all-reduce fused with its norms, counted once under its
     pattern's key, and nothing reported unfused; compiled_unprepared (a model
     with backward hooks), a graph break reported naming the hooks; DTensor's
-    all-gathers on tpcomm in every mode."""
+    all-gathers on tpcomm in every mode. In a parallel block each layer's two
+    row-parallel all-reduces are merged into one, then fused."""
     rows, gathers, embeddings = r["row_parallel_per_forward"], r["gathered_per_forward"], r["embedding_all_reduces"]
+    merged = r.get("merged_per_forward", 0)
     fused_key, failed = r["fused_key"], []
     if rows <= 0:
         failed.append(f"{what}: no row-parallel module in the TP plan {r['plan']}")
@@ -273,15 +303,16 @@ def check(r, what, exact=True):
             if not any("graph break" in w and "backwards hooks" in w for w in m["warnings"]):
                 failed.append(f"{where}: no warning of the backward hooks' graph breaks: {m['warnings']}")
         else:
-            if ops.get(fused_key) != rows or ops.get("all_reduce", 0) != embeddings:
-                failed.append(f"{where}: expected all {rows} row-parallel all-reduces fused as {fused_key} and "
-                              f"{embeddings} embedding all-reduces, got {calls}")
+            fused = rows - merged
+            if ops.get(fused_key) != fused or ops.get("all_reduce", 0) != embeddings:
+                failed.append(f"{where}: expected all {rows} row-parallel all-reduces ({merged} pairs merged) fused "
+                              f"as {fused} {fused_key} and {embeddings} embedding all-reduces, got {calls}")
             # the pass counts each graph once: one a layer reuses after a graph break, once, not per layer
-            counted = m["pass"][fused_key], m["pass"]["all_gather"]
+            counted = m["pass"][fused_key], m["pass"]["all_gather"], m["pass"]["all_reduce_merged"]
             if m["graph_breaks"]:
-                wrong = not 0 < counted[0] <= rows
+                wrong = not 0 < counted[0] <= fused
             else:
-                wrong = counted != (rows, gathers)
+                wrong = counted != (fused, gathers, merged)
             if wrong:
                 failed.append(f"{where}: the pass counted {m['pass']} ({m['graph_breaks']} graph breaks)")
             if m["warnings"]:

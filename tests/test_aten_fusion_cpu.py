@@ -117,3 +117,57 @@ def _body(rank, world_size):
 
 def test_dtensor_row_parallel_fuses_after_aot():
     run_ranks(2, _body, timeout=600)
+
+
+class _RowParallelLayerNorm(_RowParallel):
+    """DTensor's all-reduce [times m], the residual add, then nn.LayerNorm's F.layer_norm
+    (ADD_LAYER_NORM): AOT writes it aten.native_layer_norm, the product aten.mul. bias: the norm's
+    bias (n2) or none; written: Cohere's LayerNorm code instead, aten ops after AOT."""
+
+    def __init__(self, mesh, dtype, rank, bias, m, written=False):
+        super().__init__(mesh, False, dtype, rank)
+        self.bias, self.m, self.written = bias, m, written
+
+    def fused(self, x, residual):
+        sums = torch.nn.functional.linear(x, self.w).float()
+        dist.all_reduce(sums)
+        return from_sums(Pattern.ADD_LAYER_NORM, sums, residual, self.n1, None, 1e-5, 1e-5, 0.0, x.dtype,
+                         bias=self.n2 if self.bias else None, residual_scale=self.m or 1.0)
+
+    def forward(self, x, residual):
+        partial = DTensor.from_local(torch.nn.functional.linear(x, self.w), self.mesh, [Partial()], run_check=False)
+        y = partial.redistribute(self.mesh, [Replicate()]).to_local()
+        z = residual + (y if self.m is None else y * self.m)
+        if self.written:  # Cohere's LayerNorm: no bias, the weight multiplied in fp32 before the cast back
+            h = z.to(torch.float32)
+            mean = h.mean(-1, keepdim=True)
+            n = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+            return (self.n1.to(torch.float32) * n).to(z.dtype), z
+        return torch.nn.functional.layer_norm(z, (HIDDEN,), self.n1, self.n2 if self.bias else None, 1e-5), z
+
+
+def _body_layer_norm(rank, world_size):
+    comm = tpcomm.Communicator(device="cpu")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, HIDDEN // 2, generator=torch.Generator().manual_seed(20 + rank)).to(dtype)
+        residual = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(21)).to(dtype)
+        for bias, m, written in ((True, None, False), (False, None, False), (True, 0.5, False), (False, 0.5, True)):
+            layer = _RowParallelLayerNorm(mesh, dtype, rank, bias, m, written)
+            # inductor decomposes F.layer_norm (var_mean) before its post-grad pass, where the pass runs
+            for inner in ("aot_eager",) + (("inductor",) if not written else ()):
+                backend = tpcomm.compile_backend(inner)
+                torch._dynamo.reset()
+                with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+                    got = torch.compile(layer, backend=backend, fullgraph=True)(x, residual)
+                    fused = layer.fused(x, residual)
+                what = (dtype, bias, m, written, inner)
+                assert backend.counts[STATS_KEY[Pattern.ADD_LAYER_NORM]] == 1, (what, backend.counts)
+                for a, b in zip(got, fused):  # the op's definition, bit for bit
+                    assert torch.equal(a, b), (what, (a.float() - b.float()).abs().max())
+    comm.close()
+    dist.barrier()
+
+
+def test_dtensor_row_parallel_layer_norm_fuses_after_aot():
+    run_ranks(2, _body_layer_norm, timeout=600)

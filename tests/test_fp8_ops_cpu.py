@@ -14,9 +14,10 @@ from tpcomm.norm_patterns import Pattern
 
 from multiproc import run_ranks
 
-PRIVATE_SCHEMA = ("_tpcomm::all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, "
+PRIVATE_SCHEMA = ("_tpcomm::all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor? weight, Tensor? next_weight, "
                   "float eps, float next_eps, float weight_offset, int pattern, int quant, Tensor? scale, "
-                  "float scale_floor, bool column_major_scales, bool return_normed, str group_name) "
+                  "float scale_floor, bool column_major_scales, bool return_normed, str group_name, "
+                  "Tensor? bias=None, Tensor? next_bias=None, float residual_scale=1.) "
                   "-> (Tensor codes, Tensor scales, Tensor stream, Tensor normed)")
 PUBLIC_SCHEMA = ("tpcomm::custom_all_reduce_add_rms_norm_fp8(Tensor x, Tensor residual, Tensor weight, float eps, "
                  "str quant, Tensor? scale, float? scale_floor, bool column_major_scales, str group_name) "
@@ -114,10 +115,11 @@ def test_compiled_ops_on_two_ranks():
 
 # ------------------------------------------------- the C++ binding's op
 
-BINDING_SCHEMA = ("_tpcomm::all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, "
+BINDING_SCHEMA = ("_tpcomm::all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor? weight, "
                   "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, int quant, "
                   "float scale_floor, Tensor(a!)? normed, Tensor(b!) stream_out, Tensor(c!) codes, "
-                  "Tensor(d!) scales, int comm_id) -> ()")
+                  "Tensor(d!) scales, int comm_id, Tensor? bias=None, Tensor? next_bias=None, "
+                  "float residual_scale=1.) -> ()")
 
 
 def test_kernels_wrapper_calls_the_binding_in_its_argument_order():
@@ -132,12 +134,13 @@ def test_kernels_wrapper_calls_the_binding_in_its_argument_order():
     kernels, seen = object.__new__(Kernels), []
     kernels.comm_id = 77
     kernels._norm_quant_out = lambda *args: seen.append(args)
-    x, r, w, nw, stream, codes, scales = (torch.empty(1) for _ in range(7))
+    x, r, w, nw, stream, codes, scales, b, nb = (torch.empty(1) for _ in range(9))
     named = dict(input=x, residual=r, weight=w, next_weight=nw, eps=1e-5, next_eps=1e-6, weight_offset=1.0,
-                 pattern=int(Pattern.NORM_ADD_NORM), quant=int(Quant.PER_TOKEN_GROUP), scale_floor=2.0 ** -12,
-                 normed=None, stream_out=stream, codes=codes, scales=scales, comm_id=77)
-    kernels.all_reduce_norm_quant(Pattern.NORM_ADD_NORM, Quant.PER_TOKEN_GROUP, x, r, w, nw, 1e-5, 1e-6, 1, 2 ** -12,
-                                  None, stream, codes, scales)
+                 pattern=int(Pattern.LAYER_NORM_ADD_LAYER_NORM), quant=int(Quant.PER_TOKEN_GROUP),
+                 scale_floor=2.0 ** -12, normed=None, stream_out=stream, codes=codes, scales=scales, comm_id=77,
+                 bias=b, next_bias=nb, residual_scale=-0.5)
+    kernels.all_reduce_norm_quant(Pattern.LAYER_NORM_ADD_LAYER_NORM, Quant.PER_TOKEN_GROUP, x, r, w, nw, 1e-5, 1e-6, 1,
+                                  2 ** -12, None, stream, codes, scales, b, nb, residual_scale=-0.5)
     assert len(seen) == 1 and len(seen[0]) == len(schema.arguments)
     for got, arg in zip(seen[0], schema.arguments):
         want = named[arg.name]

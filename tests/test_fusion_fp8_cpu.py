@@ -53,7 +53,7 @@ def _body_patterns(rank, world_size, dtype, quants):
     y, residual = M.inputs(rank, dtype)
     scale = torch.tensor(1 / 64)
     calls = 0
-    for pattern in Pattern:
+    for pattern in M.PATTERNS:
         for kind in ("functional", "llama", "gemma"):
             for name in quants:
                 model = M.Layers(comm.group_name, pattern, kind, M.QUANTS[name], w1, w2, scale).eval()
@@ -64,7 +64,7 @@ def _body_patterns(rank, world_size, dtype, quants):
                     with torch.no_grad():  # the model's own norm rounds as the fused one: the same bits
                         M.assert_same(out, model(y, residual), what + " against the eager model")
     stats = comm.stats()  # the compiled models' calls: the FP8 op's, each once (the references: the norm's)
-    assert sum(stats[(COUNT_KEY[p], "unfused")]["calls"] for p in Pattern) == calls, stats
+    assert sum(stats[(COUNT_KEY[p], "unfused")]["calls"] for p in M.PATTERNS) == calls, stats
     comm.close()
 
 
@@ -80,7 +80,7 @@ def _body_forms(rank, world_size):
     scale = torch.tensor([0.015625])  # shape (1,): one element as a 1-D tensor
     for shape in ((6, M.HIDDEN), (2, 3, M.HIDDEN)):
         y, residual = (t.view(shape) for t in M.inputs(rank, torch.bfloat16))
-        for pattern in Pattern:
+        for pattern in M.PATTERNS:
             for name, quant in M.QUANTS.items():
                 model = M.Layers(comm.group_name, pattern, "llama", quant, w1, w2, scale).eval()
                 _check(model, y, residual, comm, f"{pattern.name} {name} {shape}")

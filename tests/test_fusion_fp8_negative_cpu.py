@@ -188,7 +188,7 @@ def _body_every_removed_node(rank, world_size):
     comm = tpcomm.Communicator(device="cpu")
     w1, w2 = M.weights(torch.bfloat16)
     y, residual = M.inputs(rank, torch.bfloat16)
-    for pattern in Pattern:
+    for pattern in M.PATTERNS:
         for name, quant in M.QUANTS.items():
             model = M.Layers(comm.group_name, pattern, "llama", quant, w1, w2, torch.tensor(1 / 64), layers=1)
             gm, inputs = capture(model.eval(), y, residual)

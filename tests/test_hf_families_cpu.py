@@ -3,8 +3,9 @@ random models loaded with their own TP plan, 2 and 3 gloo ranks, float32):
 in eager tpcomm.install and under tpcomm.compile_backend the greedy tokens
 are plain torch's; every row-parallel all-reduce (counted from the model's
 modules and TP plan) runs fused with the norms around it when compiled,
-once, under its pattern's key (Gemma's sandwich norm included), with no
-unfused warning; DTensor's all-gathers (LM head, colwise_gather_output) and
+once, under its pattern's key (Gemma's sandwich norm, OLMo's and Cohere's
+LayerNorm, Granite's residual multiplier included; Cohere's parallel
+attention + MLP all-reduces merged in pairs first), with no unfused warning; DTensor's all-gathers (LM head, colwise_gather_output) and
 the embedding's all-reduce are counted under tpcomm in both modes
 (hf_families.check). The transformers installed here; other versions:
 .ci/test_transformers_versions.py."""
@@ -20,7 +21,7 @@ from hf_families import check
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {2: "qwen3,mistral,gemma3,phi3,mixtral", 3: "gemma3,phi3"}
+RUNS = {2: "qwen3,mistral,gemma3,phi3,mixtral,granite,olmo,cohere", 3: "gemma3,phi3,cohere"}
 
 
 @pytest.mark.parametrize("world", sorted(RUNS))

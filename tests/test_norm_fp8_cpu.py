@@ -23,7 +23,7 @@ import tpcomm
 from tpcomm import fp8, norm_fp8, routing
 from tpcomm.fp8 import Quant
 from tpcomm.norm_fp8 import STATS_KEY
-from tpcomm.norm_patterns import Pattern
+from tpcomm.norm_patterns import NEXT_NORM, Pattern
 from tpcomm.reference import reference_all_reduce_norm
 
 from multiproc import run_ranks
@@ -89,7 +89,7 @@ def _body_patterns(rank, world_size):
             for t in (residual, *every):
                 t.view(-1, shape[-1])[1] = 0.0
         x = every[rank].clone()
-        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
+        nw = next_weight if pattern in NEXT_NORM else None
         scale = torch.tensor([0.0625 + 0.01 * seed]) if quant == Quant.PER_TENSOR else None
         floor = None if quant == Quant.PER_TENSOR else (None, 1e-3)[seed % 2]
         what = (f"{pattern.name} offset {offset} {quant.name} column-major {column_major} {dtype} {shape} "
@@ -142,9 +142,10 @@ def test_route_is_the_patterns_fused_route_on_cuda_builds_only():
     c, w = routing_comm(), meta((4096,))
     decode, prefill = meta((8, 4096)), meta((130, 4096))
     for pattern in Pattern:
-        nw = w if pattern == Pattern.NORM_ADD_NORM else None
+        nw = w if pattern in NEXT_NORM else None
         for offset in (0.0, 1.0):
-            assert norm_fp8.route(c, pattern, decode, w, nw, offset) == "fused", (pattern, offset)
+            want = "fused" if pattern in routing.FUSED_PATTERNS else "unfused"
+            assert norm_fp8.route(c, pattern, decode, w, nw, offset) == want, (pattern, offset)
             assert norm_fp8.route(c, pattern, prefill, w, nw, offset) == "unfused"  # "split" for ADD_NORM, w
             assert norm_fp8.route(routing_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
             assert norm_fp8.route(routing_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
@@ -164,7 +165,9 @@ class _RecordingKernels:
         self.calls = []
 
     def all_reduce_norm_quant(self, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset,
-                              scale_floor, normed, stream_out, codes, scales):
+                              scale_floor, normed, stream_out, codes, scales, bias=None, next_bias=None,
+                              residual_scale=1.0):
+        assert (bias, next_bias, residual_scale) == (None, None, 1.0)
         self.calls.append(dict(pattern=pattern, quant=quant, x=x, residual=residual, weight=weight,
                                next_weight=next_weight, eps=eps, next_eps=next_eps, weight_offset=weight_offset,
                                floor=scale_floor, normed=normed, stream=stream_out, codes=codes, scales=scales))
@@ -183,9 +186,9 @@ def test_fused_route_hands_the_kernel_its_outputs_and_counts_once():
     residual = torch.randn(4, 256, dtype=torch.bfloat16)
     w, nw = torch.randn(256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16)
     scale = torch.tensor(0.5)
-    calls = 0
-    for pattern in Pattern:
-        next_weight = nw if pattern == Pattern.NORM_ADD_NORM else None
+    calls, fused = 0, [p for p in Pattern if p in routing.FUSED_PATTERNS]
+    for pattern in fused:
+        next_weight = nw if pattern in NEXT_NORM else None
         for quant in Quant:
             for column_major in ((False,) if quant == Quant.PER_TENSOR else (False, True)):
                 for return_normed in (False, True):
@@ -212,8 +215,8 @@ def test_fused_route_hands_the_kernel_its_outputs_and_counts_once():
                         assert out.scales.shape == (4, groups) and bool((out.scales == 4).all())
                         assert out.scales.stride() == ((1, 4) if column_major else (groups, 1))
     assert len(c._kernels.calls) == calls
-    assert c.stats() == {(STATS_KEY[p], "fused"): {"calls": calls // 3, "bytes": calls // 3 * x.numel() * 2}
-                         for p in Pattern}
+    n = calls // len(fused)
+    assert c.stats() == {(STATS_KEY[p], "fused"): {"calls": n, "bytes": n * x.numel() * 2} for p in fused}
 
 
 # -------------------------------------------------------------- errors

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import tpcomm
 from tpcomm import _constants as C
 from tpcomm import norm_patterns, routing
-from tpcomm.norm_patterns import STATS_KEY, Pattern
+from tpcomm.norm_patterns import NEXT_NORM, STATS_KEY, Pattern
 from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 from multiproc import run_ranks
@@ -31,7 +31,7 @@ def _body_patterns(rank, world_size):
     for seed, pattern, offset, shape, dtype in seeded(Pattern, (0.0, 1.0), SHAPES, (torch.bfloat16, torch.float32)):
         x = pattern_inputs(rank, shape, dtype, seed)
         residual, weight, next_weight = pattern_shared(shape, dtype, seed)
-        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
+        nw = next_weight if pattern in NEXT_NORM else None
         normed, stream = torch.ops._tpcomm.all_reduce_norm(x, residual, weight, nw, 1e-5, 1e-6, offset, int(pattern),
                                                            comm.group_name)
         expected[STATS_KEY[pattern]] += 1
@@ -70,7 +70,10 @@ def test_patterns_on_three_ranks():
 def test_pattern_is_the_c_enum():
     assert [(p.name, int(p)) for p in Pattern] == [
         ("ADD_NORM", C.TPC_PATTERN_ADD_NORM), ("NORM_ADD", C.TPC_PATTERN_NORM_ADD),
-        ("NORM_ADD_NORM", C.TPC_PATTERN_NORM_ADD_NORM)]
+        ("NORM_ADD_NORM", C.TPC_PATTERN_NORM_ADD_NORM), ("ADD_LAYER_NORM", C.TPC_PATTERN_ADD_LAYER_NORM),
+        ("LAYER_NORM_ADD", C.TPC_PATTERN_LAYER_NORM_ADD),
+        ("LAYER_NORM_ADD_LAYER_NORM", C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)]
+    assert [int(p) for p in Pattern] == list(range(6))
 
 
 def test_route_of_each_pattern_from_add_norms():
@@ -116,8 +119,9 @@ class _RecordingKernels:
         self.calls = []
 
     def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, normed,
-                        stream_out):
-        self.calls.append((pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset))
+                        stream_out, bias=None, next_bias=None, residual_scale=1.0):
+        self.calls.append((pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, bias, next_bias,
+                           residual_scale))
         normed.fill_(1.0)
         stream_out.fill_(2.0)
 
@@ -135,7 +139,7 @@ def test_fused_route_hands_the_kernel_its_pattern_and_counts_once():
             normed, stream = norm_patterns.run(c, int(pattern), x, residual, w, next_weight, 1e-5, 1e-6, offset)
             calls += 1
             got = c._kernels.calls[-1]
-            assert got[0] == pattern and got[5:] == (1e-5, 1e-6, offset)
+            assert got[0] == pattern and got[5:] == (1e-5, 1e-6, offset, None, None, 1.0)
             assert got[1].is_contiguous() and torch.equal(got[1], x) and got[2] is residual and got[3] is w
             assert got[4] is next_weight
             assert normed.shape == x.shape and bool((normed == 1).all()) and bool((stream == 2).all())

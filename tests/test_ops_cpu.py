@@ -27,10 +27,15 @@ SCHEMAS = {
     "all_gather": "_tpcomm::all_gather(Tensor input, int dim, int comm_id, int algo) -> Tensor",
     "reduce_scatter": "_tpcomm::reduce_scatter(Tensor input, int comm_id, int algo) -> Tensor",
     "reduce_scatter_f32": "_tpcomm::reduce_scatter_f32(Tensor input, int comm_id, int algo) -> Tensor",
-    "all_reduce_norm_quant_out": "_tpcomm::all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor weight, "
+    "all_reduce_norm_out": "_tpcomm::all_reduce_norm_out(Tensor input, Tensor residual, Tensor? weight, "
+                           "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, "
+                           "Tensor(a!) normed, Tensor(b!) stream_out, int comm_id, Tensor? bias=None, "
+                           "Tensor? next_bias=None, float residual_scale=1.) -> ()",
+    "all_reduce_norm_quant_out": "_tpcomm::all_reduce_norm_quant_out(Tensor input, Tensor residual, Tensor? weight, "
                                  "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, "
                                  "int quant, float scale_floor, Tensor(a!)? normed, Tensor(b!) stream_out, "
-                                 "Tensor(c!) codes, Tensor(d!) scales, int comm_id) -> ()",
+                                 "Tensor(c!) codes, Tensor(d!) scales, int comm_id, Tensor? bias=None, "
+                                 "Tensor? next_bias=None, float residual_scale=1.) -> ()",
 }
 P, L, B = _lib.ALGO_PACKET, _lib.ALGO_LINE, _lib.ALGO_BULK
 

@@ -39,6 +39,11 @@ def _unmatched(x, r, w):
     return _norm(z, w), z
 
 
+def _unmatched_layer_norm(x, r, w):
+    z = r + torch.ops.tpcomm.custom_all_reduce(x, "g") * 0.5
+    return torch.nn.functional.layer_norm(z, (8,), w, None, 1e-5), z
+
+
 def _embedding_like(x, w):
     return torch.nn.functional.linear(_norm(torch.ops.tpcomm.custom_all_reduce(x, "g"), w), W)
 
@@ -49,7 +54,8 @@ def _before_a_matmul(x, r):
 
 def test_kinds_on_graphs():
     for fn, want in ((_ends_with_sum, "graph break"), (_ends_with_add, "graph break"),
-                     (_unmatched, "pattern not matched"), (_embedding_like, None), (_before_a_matmul, None)):
+                     (_unmatched, "pattern not matched"), (_unmatched_layer_norm, "pattern not matched"),
+                     (_embedding_like, None), (_before_a_matmul, None)):
         found = unfused_report.kinds(torch.fx.symbolic_trace(fn).graph)
         assert found == {k: int(k == want) for k in ("graph break", "pattern not matched")}, (fn.__name__, found)
 

@@ -50,17 +50,15 @@ const char *tpc_comm_last_error(const tpc_comm *comm) {
   return comm ? comm->last_error : thread_error;
 }
 
-static const char *op_name(uint32_t kind) {
-  /* by pattern, then tpc_norm_quant */
-  static const char *const norm_names[3][4] = {
-      {"all_reduce_norm ADD_NORM", "all_reduce_norm ADD_NORM fp8 PER_TENSOR", "all_reduce_norm ADD_NORM fp8 PER_TOKEN",
-       "all_reduce_norm ADD_NORM fp8 PER_TOKEN_GROUP"},
-      {"all_reduce_norm NORM_ADD", "all_reduce_norm NORM_ADD fp8 PER_TENSOR", "all_reduce_norm NORM_ADD fp8 PER_TOKEN",
-       "all_reduce_norm NORM_ADD fp8 PER_TOKEN_GROUP"},
-      {"all_reduce_norm NORM_ADD_NORM", "all_reduce_norm NORM_ADD_NORM fp8 PER_TENSOR",
-       "all_reduce_norm NORM_ADD_NORM fp8 PER_TOKEN", "all_reduce_norm NORM_ADD_NORM fp8 PER_TOKEN_GROUP"}};
-  if (TPC_KIND_BASE_OP(kind) == TPC_OP_ALL_REDUCE_NORM && TPC_KIND_PATTERN(kind) < 3)
-    return norm_names[TPC_KIND_PATTERN(kind)][TPC_KIND_QUANT(kind)];
+/* The op of a kind word, named into buf (a fused norm by its pattern and FP8 epilogue). */
+static const char *op_name(uint32_t kind, char *buf, size_t len) {
+  static const char *const patterns[] = {"ADD_NORM",       "NORM_ADD",       "NORM_ADD_NORM",
+                                         "ADD_LAYER_NORM", "LAYER_NORM_ADD", "LAYER_NORM_ADD_LAYER_NORM"};
+  static const char *const quants[] = {"", " fp8 PER_TENSOR", " fp8 PER_TOKEN", " fp8 PER_TOKEN_GROUP"};
+  if (TPC_KIND_BASE_OP(kind) == TPC_OP_ALL_REDUCE_NORM && TPC_KIND_PATTERN(kind) < 6) {
+    snprintf(buf, len, "all_reduce_norm %s%s", patterns[TPC_KIND_PATTERN(kind)], quants[TPC_KIND_QUANT(kind)]);
+    return buf;
+  }
   switch (TPC_KIND_OP(kind)) {
     case TPC_OP_ALL_REDUCE: return "all_reduce";
     case TPC_OP_ALL_GATHER: return "all_gather";
@@ -104,7 +102,8 @@ static tpc_result describe(tpc_comm *comm, int rank, uint64_t comm_id, uint64_t 
       return tpc_fail(comm, TPC_ERR_TIMEOUT,
                       "rank %d: peer %d did not arrive within %.3f s (op #%u on comm_id %llu); %s",
                       rank, e->peer, timeout_ns / 1e9, e->epoch, (unsigned long long)comm_id, tail);
-    case TPC_ERR_MISMATCH:
+    case TPC_ERR_MISMATCH: {
+      char peer_op[64], own_op[64];
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_MISMATCH,
                         "rank %d: peer %d found that the ranks called different ops at op #%u on "
@@ -113,8 +112,9 @@ static tpc_result describe(tpc_comm *comm, int rank, uint64_t comm_id, uint64_t 
                       "rank %d: peer %d called a different op at op #%u on comm_id %llu: the %s "
                       "differs (peer: %s %s of %u bytes, this rank: %s %s of %u bytes); %s",
                       rank, e->peer, e->epoch, (unsigned long long)comm_id, differing_field(e),
-                      op_name(e->peer_kind), algo_name(e->peer_kind), e->peer_bytes,
-                      op_name(e->own_kind), algo_name(e->own_kind), e->own_bytes, tail);
+                      op_name(e->peer_kind, peer_op, sizeof peer_op), algo_name(e->peer_kind), e->peer_bytes,
+                      op_name(e->own_kind, own_op, sizeof own_op), algo_name(e->own_kind), e->own_bytes, tail);
+    }
     case TPC_ERR_CLOSED:
       if (e->reported)
         return tpc_fail(comm, TPC_ERR_CLOSED,

@@ -100,14 +100,15 @@ static inline uint32_t tpc_kind_word(int op, int algo, int dtype, uint64_t row_b
   return (uint32_t)(op & 0xff) | (uint32_t)(algo & 0xff) << 8 | (uint32_t)(dtype & 0xff) << 16 | row_fold << 24;
 }
 #define TPC_KIND_OP(kind) ((kind) & 0xffu)
-/* The fused norm's op byte also carries its tpc_norm_pattern in the high
- * nibble (ops.c), so ranks that call different patterns fail as a mismatch
- * of the op instead of computing different outputs from the same sums. */
-#define TPC_KIND_NORM_OP(op, pattern) ((op) | (pattern) << 4)
-/* ... and its tpc_norm_quant in the top two bits (patterns take two) */
+/* The fused norm's op byte also carries its tpc_norm_pattern in bits 3 to 5
+ * (the ops fit in the low three: tpc_collective), so ranks that call
+ * different patterns fail as a mismatch of the op instead of computing
+ * different outputs from the same sums. */
+#define TPC_KIND_NORM_OP(op, pattern) ((op) | (pattern) << 3)
+/* ... and its tpc_norm_quant in the top two bits */
 #define TPC_KIND_NORM_QUANT_OP(op, pattern, quant) (TPC_KIND_NORM_OP(op, pattern) | (quant) << 6)
-#define TPC_KIND_BASE_OP(kind) ((kind) & 0x0fu)
-#define TPC_KIND_PATTERN(kind) (((kind) >> 4) & 0x03u)
+#define TPC_KIND_BASE_OP(kind) ((kind) & 0x07u)
+#define TPC_KIND_PATTERN(kind) (((kind) >> 3) & 0x07u)
 #define TPC_KIND_QUANT(kind) (((kind) >> 6) & 0x03u)
 #define TPC_KIND_ALGO(kind) (((kind) >> 8) & 0xffu)
 #define TPC_KIND_DTYPE(kind) (((kind) >> 16) & 0xffu)
@@ -157,6 +158,10 @@ typedef struct {
   uint64_t scale_row_stride;  /* floats between two rows' scales */
   uint64_t scale_group_stride; /* floats between two groups' scales of a row */
   uint64_t poison2;           /* the input dtype's 8-byte NaN: out2 and out3 on failure (poison is e4m3's) */
+  /* The LayerNorm patterns and the residual scale (tpc_norm_spec) */
+  const void *bias;           /* the (first) norm's bias, one row, or NULL: no add (LayerNorm only) */
+  const void *next_bias;      /* the second norm's (LAYER_NORM_ADD_LAYER_NORM), or NULL */
+  float residual_scale;       /* m: the term added to the residual is m times it; 1.0f elsewhere */
 } tpc_kernel_args;
 
 static inline size_t tpc_round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

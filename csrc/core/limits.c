@@ -170,28 +170,49 @@ tpc_result tpc_kernel_check(const tpc_kernel_limits *l, int op, int algo, int dt
   return TPC_OK;
 }
 
-static const char *const pattern_names[] = {"ADD_NORM", "NORM_ADD", "NORM_ADD_NORM"};
+static const char *const pattern_names[] = {"ADD_NORM",       "NORM_ADD",       "NORM_ADD_NORM",
+                                            "ADD_LAYER_NORM", "LAYER_NORM_ADD", "LAYER_NORM_ADD_LAYER_NORM"};
 
-tpc_result tpc_norm_check(int pattern, const void *next_weight, float eps, float next_eps, float weight_offset,
-                          char *why, size_t len) {
-  if (pattern < TPC_PATTERN_ADD_NORM || pattern > TPC_PATTERN_NORM_ADD_NORM)
+tpc_result tpc_norm_check(const tpc_norm_spec *norm, char *why, size_t len) {
+  if (!norm) return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: NULL norm");
+  const int pattern = (int)norm->pattern;
+  if (pattern < TPC_PATTERN_ADD_NORM || pattern > TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: unknown pattern %d (%d to %d: ADD_NORM to %s)",
+                  pattern, TPC_PATTERN_ADD_NORM, TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM,
+                  pattern_names[TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM]);
+  const char *name = pattern_names[pattern];
+  const int layer = pattern >= TPC_PATTERN_ADD_LAYER_NORM;
+  const int second = pattern == TPC_PATTERN_NORM_ADD_NORM || pattern == TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM;
+  /* an RMSNorm always has a weight; a LayerNorm's weight and bias are optional */
+  if (!layer && !norm->weight)
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: pattern %s (an RMSNorm) takes a weight", name);
+  if (!layer && (norm->bias || norm->next_bias))
     return refuse(TPC_ERR_INVALID_ARG, why, len,
-                  "all_reduce_norm: unknown pattern %d (ADD_NORM %d, NORM_ADD %d or NORM_ADD_NORM %d)", pattern,
-                  TPC_PATTERN_ADD_NORM, TPC_PATTERN_NORM_ADD, TPC_PATTERN_NORM_ADD_NORM);
-  /* the second norm's weight is what NORM_ADD_NORM reads, and only it */
-  const int second = pattern == TPC_PATTERN_NORM_ADD_NORM;
-  if (second != (next_weight != NULL))
-    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: pattern %s takes %s next_weight",
-                  pattern_names[pattern], second ? "a" : "no");
+                  "all_reduce_norm: pattern %s is an RMSNorm: it takes no bias (a LayerNorm pattern does)", name);
+  if (!second && (norm->next_weight || norm->next_bias))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: pattern %s takes no next_weight or next_bias",
+                  name);
+  if (pattern == TPC_PATTERN_NORM_ADD_NORM && !norm->next_weight)
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: pattern %s takes a next_weight", name);
   /* written as negations so that NaN fails them too */
-  if (!(eps >= 0.0f && eps <= 1.0f))
-    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: eps %g is not in [0, 1]", (double)eps);
-  if (second && !(next_eps >= 0.0f && next_eps <= 1.0f))
-    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: next_eps %g is not in [0, 1]", (double)next_eps);
+  if (!(norm->eps >= 0.0f && norm->eps <= 1.0f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: eps %g is not in [0, 1]", (double)norm->eps);
+  if (second && !(norm->next_eps >= 0.0f && norm->next_eps <= 1.0f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: next_eps %g is not in [0, 1]",
+                  (double)norm->next_eps);
   /* the weight is w or 1 + w (Gemma's convention): nothing else is a convention anyone uses */
-  if (weight_offset != 0.0f && weight_offset != 1.0f)
+  if (norm->weight_offset != 0.0f && norm->weight_offset != 1.0f)
     return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: weight_offset %g is not 0 or 1",
-                  (double)weight_offset);
+                  (double)norm->weight_offset);
+  /* 1 + w of no w would be a weight of ones the caller did not give */
+  if (norm->weight_offset != 0.0f && (!norm->weight || (second && !norm->next_weight)))
+    return refuse(TPC_ERR_INVALID_ARG, why, len,
+                  "all_reduce_norm: weight_offset %g needs every norm's weight; a LayerNorm without weight takes 0",
+                  (double)norm->weight_offset);
+  /* m - m is 0 for every finite m, NaN for inf and NaN */
+  if (!(norm->residual_scale - norm->residual_scale == 0.0f))
+    return refuse(TPC_ERR_INVALID_ARG, why, len, "all_reduce_norm: residual_scale %g is not finite",
+                  (double)norm->residual_scale);
   return TPC_OK;
 }
 

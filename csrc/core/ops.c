@@ -180,26 +180,27 @@ static int overlap(const void *a, size_t an, const void *b, size_t bn) {
 }
 
 /* The fused norm family, with the FP8 epilogue or without (quant NONE: tpc_all_reduce_norm). */
-tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, tpc_norm_quant quant,
-                                     const void *in, const void *residual, const void *weight,
-                                     const void *next_weight, void *normed, void *stream_out, void *codes,
-                                     float *scales, size_t scale_row_stride, size_t scale_group_stride,
-                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps,
-                                     float next_eps, float weight_offset, void *stream) {
+tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, const tpc_norm_spec *norm, tpc_norm_quant quant,
+                                     const void *in, const void *residual, void *normed, void *stream_out,
+                                     void *codes, float *scales, size_t scale_row_stride, size_t scale_group_stride,
+                                     float scale_floor, size_t nbytes, size_t row_bytes, tpc_dtype dtype,
+                                     void *stream) {
   const int quantizing = quant != TPC_QUANT_NONE;
   /* the first output: the codes when quantizing (normed may then be NULL) */
   void *out = quantizing ? codes : normed;
   tpc_result r = begin_op(comm, in, out, stream);
   if (r != TPC_OK) return r;
-  if (!residual || !weight || !stream_out)
-    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: NULL residual, weight or stream output");
+  if (!residual || !stream_out)
+    return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: NULL residual or stream output");
   char why[256];
-  r = tpc_norm_check((int)pattern, next_weight, eps, next_eps, weight_offset, why, sizeof why);
+  r = tpc_norm_check(norm, why, sizeof why);
   const size_t element = dtype == TPC_FLOAT32 ? 4 : 2;
   if (r == TPC_OK)
     r = tpc_norm_quant_check((int)quant, row_bytes / element, scale_row_stride, scale_group_stride, scale_floor,
                              TPC_BUILD_PLATFORM == TPC_PLATFORM_ROCM, why, sizeof why);
   if (r != TPC_OK) return tpc_fail(comm, r, "%s", why);
+  const tpc_norm_pattern pattern = norm->pattern;
+  const int second = pattern == TPC_PATTERN_NORM_ADD_NORM || pattern == TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM;
   if (quantizing) {
     if (!scales) return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: NULL scales");
     if ((uintptr_t)scales % 4 != 0)
@@ -213,34 +214,39 @@ tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, t
             ? 4
             : 4 * (1 + (rows ? rows - 1 : 0) * scale_row_stride +
                    (quant == TPC_QUANT_PER_TOKEN_GROUP && groups ? groups - 1 : 0) * scale_group_stride);
-    const void *args[] = {in, residual, weight, next_weight, normed, stream_out};
-    const size_t sizes[] = {nbytes, nbytes, row_bytes, row_bytes, nbytes, nbytes};
-    for (int i = 0; i < 6; ++i)
+    const void *args[] = {in, residual, norm->weight, norm->next_weight, normed, stream_out, norm->bias,
+                          norm->next_bias};
+    const size_t sizes[] = {nbytes, nbytes, row_bytes, row_bytes, nbytes, nbytes, row_bytes, row_bytes};
+    for (int i = 0; i < 8; ++i)
       if (overlap(codes, nbytes / element, args[i], sizes[i]) ||
           (quant != TPC_QUANT_PER_TENSOR && overlap(scales, scale_bytes, args[i], sizes[i])))
         return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: the codes or scales overlap another argument");
     if (overlap(codes, nbytes / element, scales, scale_bytes))
       return tpc_fail(comm, TPC_ERR_INVALID_ARG, "all_reduce_norm: the codes and the scales overlap");
   }
-  /* NULL (next_weight, normed where not written) is aligned: it passes */
-  const void *const ptrs[] = {in, residual, weight, out, stream_out, next_weight, quantizing ? normed : NULL};
-  r = check_kernel(comm, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, (int)dtype, nbytes, row_bytes, ptrs, 7);
+  /* NULL (an absent vector, normed where not written) is aligned: it passes */
+  const void *const ptrs[] = {in,          residual,         norm->weight,   out, stream_out, norm->next_weight,
+                              norm->bias, norm->next_bias, quantizing ? normed : NULL};
+  r = check_kernel(comm, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, (int)dtype, nbytes, row_bytes, ptrs, 9);
   if (r != TPC_OK) return r;
   tpc_kernel_args a;
   /* the codes take one byte a value: e4m3's NaN bytes poison them, the dtype's NaN the rest */
   fill_args(comm, &a, in, out, nbytes, quantizing ? nbytes / element : nbytes, row_bytes, dtype,
             TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, quantizing ? 0x7f7f7f7f7f7f7f7full : reduce_nan[dtype]);
   a.residual = residual;
-  a.weight = weight;
+  a.weight = norm->weight;
+  a.bias = norm->bias;
   a.out2 = stream_out;
-  a.eps = eps;
-  a.next_weight = next_weight;
-  a.next_eps = pattern == TPC_PATTERN_NORM_ADD_NORM ? next_eps : 0.0f;
+  a.eps = norm->eps;
+  a.next_weight = norm->next_weight;
+  a.next_bias = norm->next_bias;
+  a.next_eps = second ? norm->next_eps : 0.0f;
+  a.residual_scale = norm->residual_scale;
   a.pattern = (int32_t)pattern;
   a.kind = tpc_kind_word(TPC_KIND_NORM_QUANT_OP(TPC_OP_ALL_REDUCE_NORM, (int)pattern, (int)quant), TPC_ALGO_PACKET,
                          dtype, row_bytes);
   /* -0 + w is w exactly (signed zeros included): offset 0 computes what the kernel did before it had one */
-  a.weight_offset = weight_offset == 1.0f ? 1.0f : -0.0f;
+  a.weight_offset = norm->weight_offset == 1.0f ? 1.0f : -0.0f;
   if (quantizing) {
     a.quant = (int32_t)quant;
     a.out3 = normed;
@@ -253,13 +259,11 @@ tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, tpc_norm_pattern pattern, t
   return launch_on_device(comm, TPC_OP_ALL_REDUCE_NORM, &a, TPC_ALGO_PACKET, stream);
 }
 
-tpc_result tpc_all_reduce_norm(tpc_comm *comm, tpc_norm_pattern pattern, const void *in, const void *residual,
-                               const void *weight, const void *next_weight, void *normed, void *stream_out,
-                               size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps, float next_eps,
-                               float weight_offset, void *stream) {
-  return tpc_all_reduce_norm_quant(comm, pattern, TPC_QUANT_NONE, in, residual, weight, next_weight, normed,
-                                   stream_out, NULL, NULL, 0, 0, 0.0f, nbytes, row_bytes, dtype, eps, next_eps,
-                                   weight_offset, stream);
+tpc_result tpc_all_reduce_norm(tpc_comm *comm, const tpc_norm_spec *norm, const void *in, const void *residual,
+                               void *normed, void *stream_out, size_t nbytes, size_t row_bytes, tpc_dtype dtype,
+                               void *stream) {
+  return tpc_all_reduce_norm_quant(comm, norm, TPC_QUANT_NONE, in, residual, normed, stream_out, NULL, NULL, 0, 0,
+                                   0.0f, nbytes, row_bytes, dtype, stream);
 }
 
 tpc_result tpc_all_gather(tpc_comm *comm, const void *in, void *out, size_t nbytes,

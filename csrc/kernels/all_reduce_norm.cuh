@@ -18,19 +18,24 @@
  * is the input, since a reducing block may write out before another block
  * has read that input to push it. Then each data thread sums its units over
  * the ranks in fp32 in rank order (s) and keeps the values in registers.
- * With r the residual and w' = w + weight_offset, all in fp32:
- *   ADD_NORM       z = s + r;  out = round(z * rsqrt(mean(z^2) + eps) * w'), out2 = round(z)
- *   NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * w';  out = out2 = round(o)
- *   NORM_ADD_NORM  o as NORM_ADD;  out = round(o * rsqrt(mean(o^2) + next_eps) * (next_w + weight_offset)),
- *                  out2 = round(o)
- * Each block sums its squares in a fixed order (tpc_block_sum: a butterfly
- * per warp, then the warps in index order), so every rank with the same
- * residual computes the same bits. Nothing is rounded before the outputs:
- * each is the fp32 reference (tpcomm.reference.reference_all_reduce_norm)
- * rounded once; the add after a product is tpc_add_rn so that the
- * compiler does not contract them into an fma the reference does not do. A
- * thread reads and writes only its own units, and writes them last, so out
- * may be the input and out2 the residual (the in-place variant).
+ * With r the residual, m the residual scale and w' = w + weight_offset, all
+ * in fp32, norm is the pattern's RMSNorm v * rsqrt(mean(v^2) + eps) * w' or
+ * LayerNorm (v - mean(v)) * rsqrt(mean((v - mean(v))^2) + eps) * w' + b
+ * (an absent weight loads as 1 and an absent bias as -0: both exact no-ops):
+ *   ADD_NORM, ADD_LAYER_NORM  z = r + m*s;  out = round(norm(z)), out2 = round(z)
+ *   NORM_ADD, LAYER_NORM_ADD  o = r + m*norm(s);  out = out2 = round(o)
+ *   NORM_ADD_NORM, LAYER_NORM_ADD_LAYER_NORM
+ *                             o as above;  out = round(norm_next(o)), out2 = round(o)
+ * Each block sums in a fixed order (tpc_block_sum: a butterfly per warp,
+ * then the warps in index order): the squares (RMSNorm), or the values and
+ * then their squared distances from that mean, from registers (LayerNorm).
+ * So every rank with the same residual computes the same bits. Nothing is
+ * rounded before the outputs: each is the fp32 reference
+ * (tpcomm.reference.reference_all_reduce_norm) rounded once; every add after
+ * a product is tpc_add_rn so that the compiler does not contract them into
+ * an fma the reference does not do (m = 1 multiplies exactly: the bits of no
+ * m). A thread reads and writes only its own units, and writes them last, so
+ * out may be the input and out2 the residual (the in-place variant).
  *
  * 16-bit dtypes only: a unit holds 4 values. A row holds at most
  * TPC_NORM_MAX_ROW_BYTES (tpcomm.h): TPC_NORM_THREADS data threads with
@@ -98,6 +103,69 @@ TPC_DEVICE void tpc_norm_load(const void *row, uint64_t u, int dtype, float add,
   tpc_accumulate(v, words, 2, dtype);
 }
 
+/* tpc_norm_load of a LayerNorm's optional vector: `absent` where row is NULL
+ * (a uniform branch: the pointer is the launch's). */
+TPC_DEVICE void tpc_norm_vector(const void *row, uint64_t u, int dtype, float add, float absent, float *v) {
+  if (!row) {
+    for (int j = 0; j < 4; ++j) v[j] = absent;
+    return;
+  }
+  tpc_norm_load(row, u, dtype, add, v);
+}
+
+/* Unit u's w' and b of a norm: RMSNorm reads its weight (b unused); a
+ * LayerNorm's absent weight is 1 (weight_offset is then 0) and absent bias
+ * -0, so that y * w' + b is y exactly. */
+template <bool LAYER>
+TPC_DEVICE void tpc_norm_affine(const tpc_kernel_args &a, const void *weight, const void *bias, uint64_t u, float *w,
+                                float *b) {
+  if (LAYER) {
+    tpc_norm_vector(weight, u, a.dtype, a.weight_offset, 1.0f, w);
+    tpc_norm_vector(bias, u, a.dtype, -0.0f, -0.0f, b);
+  } else {
+    tpc_norm_load(weight, u, a.dtype, a.weight_offset, w);
+    for (int j = 0; j < 4; ++j) b[j] = -0.0f;
+  }
+}
+
+/* One value of the norm: v * scale * w (RMSNorm) or (v - mean) * scale * w + b
+ * (LayerNorm), in the reference's order. */
+template <bool LAYER>
+TPC_DEVICE float tpc_norm_value(float v, float mean, float scale, float w, float b) {
+  return LAYER ? tpc_add_rn((v - mean) * scale * w, b) : v * scale * w;
+}
+
+/* The row's rsqrt(mean(v^2) + eps) (RMSNorm; *mean = 0) or, with *mean =
+ * mean(v), rsqrt(mean((v - mean)^2) + eps) (LayerNorm: a second block sum,
+ * of the centred squares from registers), over this thread's valid units of
+ * v. Every thread of the block calls it; *broken as tpc_block_sum's. */
+template <bool LAYER>
+TPC_DEVICE float tpc_norm_scale(const float (&v)[TPC_NORM_UNITS][4], unsigned t, unsigned data_threads,
+                                uint64_t row_units, float inv_n, float eps, int failed, int *broken, unsigned *sums,
+                                float *mean) {
+  float part = 0.0f;
+  int broken_mean = 0;
+  *mean = 0.0f;
+  if (LAYER) {
+#pragma unroll
+    for (int k = 0; k < TPC_NORM_UNITS; ++k)
+      if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
+        for (int j = 0; j < 4; ++j) part += v[k][j];
+    *mean = tpc_block_sum(part, failed, &broken_mean, (*sums)++) * inv_n;
+    part = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < TPC_NORM_UNITS; ++k)
+    if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
+      for (int j = 0; j < 4; ++j) {
+        const float d = LAYER ? v[k][j] - *mean : v[k][j];
+        part += d * d;
+      }
+  const float total = tpc_block_sum(part, failed, broken, (*sums)++);
+  *broken |= broken_mean;
+  return rsqrtf(total * inv_n + eps);
+}
+
 /* The launch bound caps registers so that a full block (17 warps) fits: the
  * register file is split over 4 schedulers, so 98 registers a thread, what
  * the compiler picks unbounded, allow only 16 warps (launch error 701;
@@ -124,6 +192,9 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
 template <int PATTERN, int QUANT>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
+  constexpr bool layer = PATTERN >= TPC_PATTERN_ADD_LAYER_NORM;
+  constexpr bool add_first = PATTERN == TPC_PATTERN_ADD_NORM || PATTERN == TPC_PATTERN_ADD_LAYER_NORM;
+  constexpr bool second = PATTERN == TPC_PATTERN_NORM_ADD_NORM || PATTERN == TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM;
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, 0, tpc_no_prefetch(), &p, tpc_norm_refuse)) return;
   tpc_op &op = p.op;
@@ -134,7 +205,8 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const uint64_t row_units = a.row_bytes / TPC_PACKET_DATA_BYTES;
   const uint64_t rows = a.nbytes / a.row_bytes;
   const float inv_n = 1.0f / (float)(row_units * 4);
-  const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual;
+  const float m = a.residual_scale;
+  const uint2 *in = (const uint2 *)a.in;
   uint2 *out2 = (uint2 *)a.out2;
   const int spread = gridDim.x > rows; /* the same in every block */
 
@@ -156,86 +228,79 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
         tpc_packet_push(&a, op.epoch, base + u, [&](int) { return v; });
       }
 
-    /* v: z (ADD_NORM) or s, then o; what the first norm normalises */
+    /* v: z (add_first) or s, then o; what the first norm normalises */
     float v[TPC_NORM_UNITS][4];
-    float squares = 0.0f;
 #pragma unroll
     for (int k = 0; k < TPC_NORM_UNITS; ++k) {
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
       tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, v[k]);
-      if (PATTERN == TPC_PATTERN_ADD_NORM) {
-        const uint2 r = residual[base + u];
-        const uint32_t words[2] = {r.x, r.y};
-        tpc_accumulate(v[k], words, 2, a.dtype);
+      if (add_first) {
+        float r[4];
+        tpc_norm_load(a.residual, base + u, a.dtype, -0.0f, r);
+        for (int j = 0; j < 4; ++j) v[k][j] = tpc_add_rn(r[j], m * v[k][j]);
       }
-      for (int j = 0; j < 4; ++j) squares += v[k][j] * v[k][j];
     }
 
     int broken = 0;
-    const float scale = rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
+    float mean;
+    const float scale = tpc_norm_scale<layer>(v, t, data_threads, row_units, inv_n, a.eps, op.failed, &broken, &sums,
+                                              &mean);
     uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
-    if (PATTERN == TPC_PATTERN_ADD_NORM) {
+    if constexpr (add_first) {
 #pragma unroll
       for (int k = 0; k < TPC_NORM_UNITS; ++k) {
         const uint64_t u = t + (uint64_t)k * data_threads;
         if (t >= data_threads || u >= row_units) continue;
-        float w[4];
-        tpc_norm_load(a.weight, u, a.dtype, a.weight_offset, w);
-        float normed[4];
-        for (int j = 0; j < 4; ++j) normed[j] = v[k][j] * scale * w[j];
+        float w[4], b[4], normed[4];
+        tpc_norm_affine<layer>(a, a.weight, a.bias, u, w, b);
+        for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<layer>(v[k][j], mean, scale, w[j], b[j]);
         uint32_t n[2], s[2];
         tpc_round(normed, n, 2, a.dtype);
         tpc_round(v[k], s, 2, a.dtype);
         out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
         tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
       }
-      if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
-      continue;
-    }
-
-    /* NORM_ADD and NORM_ADD_NORM: o = r + s * scale * w', kept in v */
-    float squares2 = 0.0f;
+    } else {
+      /* o = r + m * norm(s), kept in v */
 #pragma unroll
-    for (int k = 0; k < TPC_NORM_UNITS; ++k) {
-      const uint64_t u = t + (uint64_t)k * data_threads;
-      if (t >= data_threads || u >= row_units) continue;
-      float w[4], r[4];
-      tpc_norm_load(a.weight, u, a.dtype, a.weight_offset, w);
-      tpc_norm_load(residual, base + u, a.dtype, -0.0f, r);
-      for (int j = 0; j < 4; ++j) v[k][j] = tpc_add_rn(r[j], v[k][j] * scale * w[j]);
-      if (PATTERN == TPC_PATTERN_NORM_ADD) {
-        uint32_t o[2];
-        tpc_round(v[k], o, 2, a.dtype);
-        out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(o[0], o[1]);
-        tpc_norm_put<QUANT>(a, base + u, o, broken, v[k], &amax);
-      } else {
-        for (int j = 0; j < 4; ++j) squares2 += v[k][j] * v[k][j];
+      for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+        const uint64_t u = t + (uint64_t)k * data_threads;
+        if (t >= data_threads || u >= row_units) continue;
+        float w[4], b[4], r[4];
+        tpc_norm_affine<layer>(a, a.weight, a.bias, u, w, b);
+        tpc_norm_load(a.residual, base + u, a.dtype, -0.0f, r);
+        for (int j = 0; j < 4; ++j)
+          v[k][j] = tpc_add_rn(r[j], m * tpc_norm_value<layer>(v[k][j], mean, scale, w[j], b[j]));
+        if constexpr (!second) {
+          uint32_t o[2];
+          tpc_round(v[k], o, 2, a.dtype);
+          out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(o[0], o[1]);
+          tpc_norm_put<QUANT>(a, base + u, o, broken, v[k], &amax);
+        }
       }
-    }
-    if (PATTERN == TPC_PATTERN_NORM_ADD) {
-      if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
-      continue;
-    }
-
-    /* NORM_ADD_NORM: the second norm, over o, in the same fixed order */
-    int broken2 = 0;
-    const float scale2 = rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
-    broken |= broken2;
+      if constexpr (second) {
+        /* the second norm, over o, in the same fixed order */
+        int broken2 = 0;
+        float mean2;
+        const float scale2 = tpc_norm_scale<layer>(v, t, data_threads, row_units, inv_n, a.next_eps, op.failed,
+                                                   &broken2, &sums, &mean2);
+        broken |= broken2;
 #pragma unroll
-    for (int k = 0; k < TPC_NORM_UNITS; ++k) {
-      const uint64_t u = t + (uint64_t)k * data_threads;
-      if (t >= data_threads || u >= row_units) continue;
-      float w[4];
-      tpc_norm_load(a.next_weight, u, a.dtype, a.weight_offset, w);
-      float normed[4];
-      for (int j = 0; j < 4; ++j) normed[j] = v[k][j] * scale2 * w[j];
-      uint32_t n[2], s[2];
-      tpc_round(normed, n, 2, a.dtype);
-      tpc_round(v[k], s, 2, a.dtype);
-      out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
-      tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
+        for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+          const uint64_t u = t + (uint64_t)k * data_threads;
+          if (t >= data_threads || u >= row_units) continue;
+          float w[4], b[4], normed[4];
+          tpc_norm_affine<layer>(a, a.next_weight, a.next_bias, u, w, b);
+          for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<layer>(v[k][j], mean2, scale2, w[j], b[j]);
+          uint32_t n[2], s[2];
+          tpc_round(normed, n, 2, a.dtype);
+          tpc_round(v[k], s, 2, a.dtype);
+          out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
+          tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
+        }
+      }
     }
     if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
   }

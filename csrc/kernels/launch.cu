@@ -223,8 +223,10 @@ extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *str
 #define TPC_NORM_QUANTS(P)                                                                               \
   {tpc_all_reduce_norm_kernel<P, TPC_QUANT_NONE>, tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TENSOR>, \
    tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TOKEN>, tpc_all_reduce_norm_kernel<P, TPC_QUANT_PER_TOKEN_GROUP>}
-  static const tpc_kernel kernels[3][4] = {TPC_NORM_QUANTS(TPC_PATTERN_ADD_NORM), TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD),
-                                            TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD_NORM)};
+  static const tpc_kernel kernels[6][4] = {
+      TPC_NORM_QUANTS(TPC_PATTERN_ADD_NORM),       TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD),
+      TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD_NORM),  TPC_NORM_QUANTS(TPC_PATTERN_ADD_LAYER_NORM),
+      TPC_NORM_QUANTS(TPC_PATTERN_LAYER_NORM_ADD), TPC_NORM_QUANTS(TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)};
 #undef TPC_NORM_QUANTS
   return tpc_launch(kernels[args->pattern][args->quant] /* a tpc_all_reduce_norm_kernel */, g, args, stream);
 }

@@ -32,7 +32,9 @@ from .torch_collectives import torch_path
 # The public ops whose calls are checked; a header names its op by index here.
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_add_rms_norm", "all_reduce_rms_norm_add",
        "all_reduce_rms_norm_add_rms_norm", "all_reduce_add_rms_norm_fp8", "all_reduce_rms_norm_add_fp8",
-       "all_reduce_rms_norm_add_rms_norm_fp8")
+       "all_reduce_rms_norm_add_rms_norm_fp8", "all_reduce_add_layer_norm", "all_reduce_layer_norm_add",
+       "all_reduce_layer_norm_add_layer_norm", "all_reduce_add_layer_norm_fp8", "all_reduce_layer_norm_add_fp8",
+       "all_reduce_layer_norm_add_layer_norm_fp8")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
           torch.float8_e5m2)

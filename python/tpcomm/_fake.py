@@ -28,12 +28,13 @@ def register():
 
     @torch.library.register_fake(f"{NAMESPACE}::all_reduce_norm_out")
     def _all_reduce_norm_out_fake(input, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, normed,
-                                  stream_out, comm_id):
+                                  stream_out, comm_id, bias=None, next_bias=None, residual_scale=1.0):
         return None
 
     @torch.library.register_fake(f"{NAMESPACE}::all_reduce_norm_quant_out")
     def _all_reduce_norm_quant_out_fake(input, residual, weight, next_weight, eps, next_eps, weight_offset, pattern,
-                                        quant, scale_floor, normed, stream_out, codes, scales, comm_id):
+                                        quant, scale_floor, normed, stream_out, codes, scales, comm_id, bias=None,
+                                        next_bias=None, residual_scale=1.0):
         return None
 
     @torch.library.register_fake(f"{NAMESPACE}::reduce_scatter")

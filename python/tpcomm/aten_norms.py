@@ -14,9 +14,15 @@ The norm of z (dtype d, fp32 where d is fp32 and no cast appears):
 
 casts being aten._to_copy (dtype only, or the input's own layout and
 device: aot_eager) or prims.convert_element_type (inductor), a product in
-either order. Every node of the chain but z must have no user outside it,
-so that the rewrite can remove the chain whole.
+either order. A LayerNorm (layer_norm): aten.native_layer_norm's first
+output, as aot_eager writes F.layer_norm, on z or z cast to fp32 and cast
+back, or as inductor decomposes it (var_mean; _decomposed), or model
+code's LayerNorm in aten ops (Cohere's). Every node of the chain but
+z must have no user outside it, so that the rewrite can remove the chain
+whole.
 """
+import operator
+
 import torch
 
 _A = torch.ops.aten
@@ -167,3 +173,126 @@ def identity(node):
         return False
     before, after = _value(node.args[0]), _value(node)
     return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
+
+
+def _centred(z, dtype):
+    """Each c * rsqrt(mean(c^2) + eps), c = h - mean(h) (h as in _upcast; a
+    sub AOT may have kept twice): (n, eps, the chain's nodes to erase)."""
+    ups = [(z, None)] if dtype == torch.float32 else [(u, u) for u in z.users if _cast_to(u, z, torch.float32)]
+    for h, up in ups:
+        means = [u for u in h.users if _call(u, (_A.mean.dim,)) and u.args[0] is h and _last_dim_kept(u, _value(h))]
+        for mean in means:
+            subs = list(mean.users)
+            if not subs or any(not _call(c, (_A.sub.Tensor,)) or tuple(c.args) != (h, mean) or c.kwargs for c in subs) \
+                    or (up is not None and set(up.users) != {mean, *subs}):
+                continue
+            for square in [u for c in subs for u in c.users if _call(u, (_A.pow.Tensor_Scalar,)) and u.args[1] == 2]:
+                var = _only_user(square)
+                plus = var and _only_user(var)
+                root = plus and _only_user(plus)
+                if not (_call(var, (_A.mean.dim,)) and _last_dim_kept(var, _value(square)) and _call(plus, _ADD)
+                        and plus.args[0] is var and isinstance(plus.args[1], float)
+                        and _call(root, (_A.rsqrt.default,))):
+                    continue
+                n = _only_user(root)
+                if any(_product(n, c, root) for c in subs) and all(set(c.users) <= {square, n} for c in subs):
+                    yield n, plus.args[1], [n, root, plus, var, square] + subs + [mean] + ([up] if up else [])
+
+
+def _weighted(n, dtype):
+    """A LayerNorm's weight tail on n: cast(w32 * n, dtype), w32 the weight
+    cast to fp32 (Cohere), w * cast(n, dtype) (_llama) or cast(n, dtype)
+    alone: (weight or None, the node replaced, nodes erased), or None."""
+    times = _only_user(n)
+    if _call(times, _MUL) and not times.kwargs and len(times.args) == 2 and n in times.args:
+        wf = times.args[1] if times.args[0] is n else times.args[0]
+        out = _to_dtype(times, dtype, output=True)
+        if isinstance(wf, torch.fx.Node) and wf is not n and out is not None:
+            erased = [times] + ([out] if out is not times else [])
+            if _cast_to(wf, wf.args[0] if wf.args else None, torch.float32) and len(wf.users) == 1:
+                return wf.args[0], out, erased + [wf]
+            return wf, out, erased
+    found = _llama(n, dtype)
+    if found is not None:
+        return found
+    down = _to_dtype(n, dtype, output=True)
+    return (None, down, [down]) if down is not None and down is not n else None
+
+
+def _decomposed(z, dtype):
+    """The LayerNorm inductor's decomposition writes (before its post-grad pass):
+    h = cast(z, fp32); var, mean = var_mean(h, [-1], correction=0, keepdim=True);
+    n = (h - mean) * rsqrt(var + eps) [* weight] [+ bias], cast to dtype.
+    (weight or None, bias or None, eps, node replaced, nodes erased), or None."""
+    ups = [(z, None)] if dtype == torch.float32 else [(u, u) for u in z.users if _cast_to(u, z, torch.float32)]
+    for h, up in ups:
+        for vm in [u for u in h.users if _call(u, (_A.var_mean.correction,)) and u.args[0] is h]:
+            value = _value(h)
+            last_dim = [-1] + ([value.dim() - 1] if value is not None else [])
+            if dict(vm.kwargs) != {"correction": 0, "keepdim": True} or len(vm.args) != 2 \
+                    or not isinstance(vm.args[1], (list, tuple)) or len(vm.args[1]) != 1 \
+                    or vm.args[1][0] not in last_dim or len(vm.users) != 2:
+                continue
+            parts = {g.args[1]: g for g in vm.users if _call(g, (operator.getitem,)) and len(g.users) == 1}
+            if set(parts) != {0, 1}:
+                continue
+            var, mean = parts[0], parts[1]
+            sub, plus = _only_user(mean), _only_user(var)
+            root = _only_user(plus) if _call(plus, _ADD) else None
+            n = _only_user(root) if _call(root, (_A.rsqrt.default,)) else None
+            if not (_call(sub, (_A.sub.Tensor,)) and tuple(sub.args) == (h, mean) and not sub.kwargs
+                    and plus.args[0] is var and isinstance(plus.args[1], float) and n is not None
+                    and _product(n, sub, root) and len(sub.users) == 1
+                    and (up is None or set(up.users) == {vm, sub})):
+                continue
+            chain = [n, root, plus, var, mean, sub, vm] + ([up] if up is not None else [])
+            last, params = n, {}
+            for name, ops in (("weight", _MUL), ("bias", _ADD)):
+                user = _only_user(last)
+                if _call(user, ops) and not user.kwargs and len(user.args) == 2 and last in user.args:
+                    other = user.args[1] if user.args[0] is last else user.args[0]
+                    if other is not last and _value(other) is not None and _value(other).dim() == 1:  # (hidden,)
+                        params[name], last = other, user
+                        chain.insert(0, user)
+            out = _to_dtype(last, dtype, output=True)
+            if out is None or out is n:
+                continue
+            return params.get("weight"), params.get("bias"), plus.args[1], out, \
+                ([out] if out is not last else []) + chain
+    return None
+
+
+def layer_norm(z, dtype, hidden):
+    """(weight or None, bias or None, eps, node replaced, nodes erased) of
+    aten.native_layer_norm(z, [hidden], weight, bias, eps)[0], z possibly cast
+    to fp32 first and the result cast back to dtype (OLMo's F.layer_norm in
+    fp32), as AOT writes F.layer_norm, or of model code's LayerNorm in aten
+    ops (_centred, then _weighted: Cohere's); or None. The weight's and bias's dtype
+    and shape are the caller's to check."""
+    starts = [(z, [])] + [(up, [up]) for up in z.users if _cast_to(up, z, torch.float32) and len(up.users) == 1]
+    for source, erased in starts:
+        for norm in source.users:
+            if not _call(norm, (_A.native_layer_norm.default,)) or norm.kwargs or len(norm.args) != 5 \
+                    or norm.args[0] is not source or list(norm.args[1]) != [hidden] \
+                    or not isinstance(norm.args[4], float):
+                continue
+            out = _only_user(norm)
+            if not (_call(out, (operator.getitem,)) and out.args == (norm, 0)):
+                continue
+            if source is not z:
+                down = _only_user(out)
+                if not _cast_to(down, out, dtype):
+                    continue
+                erased, out = [down, out, norm] + erased, down
+            else:
+                erased = [out, norm]
+            return norm.args[2], norm.args[3], norm.args[4], out, erased
+    found = _decomposed(z, dtype)
+    if found is not None:
+        return found
+    for n, eps, chain in _centred(z, dtype):  # model code's LayerNorm, decomposed (Cohere)
+        found = _weighted(n, dtype)
+        if found is not None:
+            weight, out, erased = found
+            return weight, None, eps, out, erased + chain
+    return None

@@ -16,21 +16,25 @@ as DTensor's redistribute (transformers 4.x's row-parallel layers).
 In the graph Dynamo captures, every (torch's own all_reduce included, which
 tpcomm.graph_pass first puts on tpcomm)
 
-    z = residual + torch.ops.tpcomm.custom_all_reduce(y, group_name)      (either order of the add)
-    h = torch.nn.functional.rms_norm(z, (hidden,), weight, eps)      (torch.nn.RMSNorm calls it)
-      or Llama-style model code (Hugging Face's LlamaRMSNorm and its copies):
-    h = weight * (z.to(float32) * torch.rsqrt(z.to(float32).pow(2).mean(-1, keepdim=True) + eps)).to(z.dtype)
+    z = residual + torch.ops.tpcomm.custom_all_reduce(y, group_name) [* m]    (either order of each)
+    h = norm(z)      (an RMSNorm or LayerNorm as tpcomm.dynamo_norms finds them:
+                      F.rms_norm, Llama's, Gemma's; F.layer_norm, nn.LayerNorm, Cohere's)
 
-becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual, weight,
-eps, group_name), where the shapes and dtypes Dynamo recorded allow it: y and
-residual of one shape and dtype, weight of that dtype and of the last
-dimension's length, an explicit weight, eps a number or none (torch's
-default then, _default_eps), and every value the rewrite removes (the
+becomes h, z = torch.ops.tpcomm.custom_all_reduce_add_rms_norm(y, residual,
+weight, eps, group_name) (an RMSNorm with weight w and no multiplier) or
+torch.ops._tpcomm.all_reduce_norm(..., pattern, group_name, bias=,
+residual_scale=m) (the others; norm_patterns.Pattern), and likewise the
+norm before the add (residual + norm(all_reduce(y)) [* m], NORM_ADD) and
+on both sides of it (NORM_ADD_NORM, both norms of one kind), where the
+shapes and dtypes Dynamo recorded allow it: y and
+residual of one shape and dtype, weight (and bias) of that dtype and of the last
+dimension's length, an explicit weight for an RMSNorm, eps a number or none (torch's
+default then), m a number or a symbolic float (not a tensor), and every value the rewrite removes (the
 all-reduce's result, what lies between it and the add, the norm's inner
 nodes and casts) used only inside the pattern: the fused op has no output
 for it. Other users of z take the fused op's z. What does not match is
 left as it is (other spellings of a norm included: write them with
-F.rms_norm, or call Communicator.all_reduce_add_rms_norm).
+F.rms_norm / F.layer_norm, or call Communicator.all_reduce_add_rms_norm).
 The fused op computes in fp32 from the sum to the norm and rounds once, where
 the unfused model rounds z first (and the Llama-style norm rounds again
 before the weight): the normed values can differ from the model's in the
@@ -49,121 +53,13 @@ import operator
 import torch
 
 from . import aten_norms, ops  # noqa: F401 - ops registers torch.ops.tpcomm.custom_all_reduce and the fused ops
+from .dynamo_norms import any_norm as _any_norm, as_eps as _eps, example as _example, is_call as _is_call
+from .dynamo_norms import only_user as _only_user
 from .norm_patterns import STATS_KEY, Pattern
 
 _ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
 _ADD = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
-_RMS_NORM = (torch.rms_norm, torch.nn.functional.rms_norm, torch.ops.aten.rms_norm.default)
-
-
-def _example(node):
-    """The tensor Dynamo (example_value) or AOT autograd (val) recorded for node, or None."""
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _norm_args(norm):
-    """(input, normalized_shape, weight, eps) of an rms_norm call (eps None
-    where the call gives none), or None."""
-    names = ("input", "normalized_shape", "weight", "eps")
-    values = {"eps": None}
-    values.update(zip(names, norm.args))
-    values.update({k: v for k, v in norm.kwargs.items() if k in names})
-    if set(values) != set(names):
-        return None
-    return tuple(values[n] for n in names)
-
-
-def _eps(value):
-    """value as the fused op's eps: a float, or the node of a 0-dim float
-    tensor's .item() (see the module's doc); else None."""
-    if isinstance(value, float):
-        return value
-    if isinstance(value, torch.fx.Node) and _is_method(value, "item"):
-        source = _example(value.args[0]) if isinstance(value.args[0], torch.fx.Node) else None
-        if source is not None and source.dim() == 0 and source.dtype.is_floating_point:
-            return value
-    return None
-
-
-def _default_eps(dtype):
-    """The eps torch's rms_norm takes when given none (torch.nn.RMSNorm's
-    default): the machine epsilon of the type it computes in, fp32 for
-    fp16 / bf16 / fp32 inputs and fp64 for fp64."""
-    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
-
-
-def _functional_norm(z, dtype, hidden):
-    """z's F.rms_norm(z, (hidden,), weight, eps) user, z of `dtype`: (weight,
-    eps, the node to replace, the nodes to erase), or None."""
-    for norm in z.users:
-        if norm.op != "call_function" or norm.target not in _RMS_NORM:
-            continue
-        args = _norm_args(norm)
-        if args is None:
-            continue
-        source, shape, weight, eps = args
-        if eps is None:
-            eps = _default_eps(dtype)
-        if source is z and isinstance(weight, torch.fx.Node) and _eps(eps) is not None and tuple(shape) == (hidden,):
-            return weight, eps, norm, [norm]
-    return None
-
-
-def _is_method(node, name, *args, **kwargs):
-    return (node.op == "call_method" and node.target == name and tuple(node.args[1:]) == args
-            and dict(node.kwargs) == kwargs)
-
-
-def _is_call(node, targets):
-    return node.op == "call_function" and node.target in targets
-
-
-def _only_user(node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _normalised(z, eps_ok):
-    """Each h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) of model code
-    with h = z.float() (or z.to(float32)), one per user of z that starts one:
-    yields (scaled, eps, the chain's nodes from scaled back to h). eps_ok(eps)
-    says which eps the caller takes."""
-    for up in z.users:
-        if not (_is_method(up, "to", torch.float32) or _is_method(up, "float")) or len(up.users) != 2:
-            continue
-        square = next((u for u in up.users if _is_method(u, "pow", 2)), None)
-        scaled = next((u for u in up.users if _is_call(u, (operator.mul, torch.mul))), None)
-        mean = square and _only_user(square)
-        if scaled is None or mean is None or not (_is_method(mean, "mean", -1, keepdim=True)
-                                                  or _is_method(mean, "mean", -1, True)):
-            continue
-        plus = _only_user(mean)
-        if plus is None or not _is_call(plus, (operator.add, torch.add)) or plus.args[0] is not mean \
-                or not eps_ok(plus.args[1]) or plus.kwargs:
-            continue
-        root = _only_user(plus)
-        if root is None or not _is_call(root, (torch.rsqrt,)) or _only_user(root) is not scaled \
-                or set(scaled.args) != {up, root} or scaled.kwargs:
-            continue
-        yield scaled, plus.args[1], [scaled, root, plus, mean, square, up]
-
-
-def _written_norm(z, dtype):
-    """The norm of Llama-style model code (Hugging Face's LlamaRMSNorm and its
-    copies) on z: h * rsqrt(mean(h^2) + eps) (_normalised), back to z's dtype,
-    times weight. (weight, eps, the node to replace, the nodes to erase), or
-    None."""
-    for scaled, eps, chain in _normalised(z, lambda e: _eps(e) is not None):
-        down = _only_user(scaled)
-        if down is None or not _is_method(down, "to", dtype):
-            continue
-        out = _only_user(down)
-        if out is None or not _is_call(out, (operator.mul, torch.mul)) or down not in out.args or out.kwargs:
-            continue
-        weight = out.args[1] if out.args[0] is down else out.args[0]
-        if isinstance(weight, torch.fx.Node):
-            return weight, eps, out, [out, down] + chain
-    return None
+_MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 
 
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
@@ -214,38 +110,9 @@ def _reapplied(graph, y, chain):
     return y
 
 
-def _gemma_norm(z):
-    """The norm of Gemma-style model code on z: h * rsqrt(mean(h^2) + eps)
-    (_normalised) times (1.0 + weight.float()), .type_as(z). (weight, eps, the
-    node to replace, the nodes to erase), or None."""
-    for scaled, eps, chain in _normalised(z, lambda e: isinstance(e, float)):
-        times = _only_user(scaled)
-        if times is None or not _is_call(times, (operator.mul, torch.mul)) or times.args[0] is not scaled \
-                or times.kwargs:
-            continue
-        offset = times.args[1]
-        if not (isinstance(offset, torch.fx.Node) and _is_call(offset, (operator.add, torch.add))
-                and offset.args[0] == 1.0 and len(offset.users) == 1 and not offset.kwargs):
-            continue
-        wf = offset.args[1]
-        if not (isinstance(wf, torch.fx.Node) and _is_method(wf, "float") and len(wf.users) == 1):
-            continue
-        out = _only_user(times)
-        if out is None or not (out.op == "call_method" and out.target == "type_as" and out.args == (times, z)):
-            continue
-        return wf.args[0], eps, out, [out, times, offset, wf] + chain
-    return None
-
-
-def _any_norm(z, dtype, hidden):
-    """(weight, eps, weight_offset, node replaced, nodes erased) of an RMSNorm of z, or None."""
-    found = _functional_norm(z, dtype, hidden) or _written_norm(z, dtype)
-    if found is not None:
-        return found[0], found[1], 0.0, found[2], found[3]
-    found = _gemma_norm(z)
-    if found is not None:
-        return found[0], found[1], 1.0, found[2], found[3]
-    return aten_norms.find(z, dtype)
+def _pattern(position, kind):
+    """The pattern of an RMSNorm `position` (ADD_NORM, NORM_ADD, NORM_ADD_NORM) for a norm of `kind`."""
+    return position if kind == "rms" else Pattern[position.name.replace("NORM", "LAYER_NORM")]
 
 
 def _weight_ok(weight, ty, order, before):
@@ -253,37 +120,74 @@ def _weight_ok(weight, ty, order, before):
     return tw is not None and tw.dtype == ty.dtype and tuple(tw.shape) == (ty.shape[-1],) and order[weight] < order[before]
 
 
-def _match_sandwich(ar, a, ty, group, order):
-    """ar (through identities, as a) -> RMSNorm -> add of a residual
-    [-> the next RMSNorm]: (pattern, args of _tpcomm.all_reduce_norm but the group,
-    the add, {node replaced: output index}, nodes erased), or None."""
+def _params_ok(kind, weight, bias, ty, order, before):
+    """A norm's weight and bias as the fused op takes them: each of ty's dtype and last dimension,
+    made before `before`; LayerNorm's optional, RMSNorm's weight required."""
+    return (weight is not None or kind == "layer") and all(
+        t is None or _weight_ok(t, ty, order, before) for t in (weight, bias))
+
+
+def _scaled(node):
+    """(node's one user node * m, m) where m is a number or a symbolic float
+    (.item() of a 0-dim tensor, as _eps): the residual scale; else (node, 1.0).
+    A tensor factor is no scale."""
+    mul = _only_user(node)
+    if mul is None or not _is_call(mul, _MUL) or mul.kwargs or len(mul.args) != 2 or node not in mul.args \
+            or mul.args[0] is mul.args[1]:
+        return node, 1.0
+    m = mul.args[1] if mul.args[0] is node else mul.args[0]
+    if isinstance(m, (int, float)) and not isinstance(m, bool):
+        return mul, float(m)
+    return (mul, m) if isinstance(m, torch.fx.Node) and _eps(m) is not None else (node, 1.0)
+
+
+def _add_of(node):
+    """(node's one user, an add of it and another node, that other node), or None."""
+    add = _only_user(node)
+    if add is None or add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    return (add, other) if isinstance(other, torch.fx.Node) and other is not node else None
+
+
+def _residual_ok(residual, ty):
+    tr = _example(residual)
+    return tr is not None and tr.shape == ty.shape and tr.dtype == ty.dtype
+
+
+def _match_sandwich(a, ty, order):
+    """a -> norm [* m] -> add of a residual [-> the next norm of the same kind]: (pattern, args
+    (residual, weight, next_weight, eps, next_eps, weight_offset), the op's keyword args, the add,
+    {node replaced: output index}, nodes erased), or None."""
     norm = _any_norm(a, ty.dtype, ty.shape[-1])
     if norm is None:
         return None
-    weight, eps, offset, out, erased = norm
-    add = _only_user(out)
-    if add is None or add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
+    kind, weight, bias, eps, offset, out, erased = norm
+    term, scale = _scaled(out)
+    found = _add_of(term)
+    if found is None or not _residual_ok(found[1], ty) or not isinstance(eps, float) \
+            or not _params_ok(kind, weight, bias, ty, order, found[0]):
         return None
-    residual = add.args[1] if add.args[0] is out else add.args[0]
-    tr = _example(residual)
-    if not isinstance(residual, torch.fx.Node) or residual is out or tr is None or tr.shape != ty.shape \
-            or tr.dtype != ty.dtype or not isinstance(eps, float) or not _weight_ok(weight, ty, order, add):
-        return None
-    y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
+    (add, residual), erased = found, erased + ([term] if term is not out else [])
+    extra = {k: v for k, v in (("bias", bias), ("residual_scale", scale)) if v is not None and v != 1.0}
     after = _any_norm(add, ty.dtype, ty.shape[-1])
     if after is not None:
-        w2, eps2, offset2, out2, erased2 = after
-        if offset2 == offset and isinstance(eps2, float) and _weight_ok(w2, ty, order, add):
-            return (Pattern.NORM_ADD_NORM, (y, residual, weight, w2, eps, eps2, offset), add,
+        kind2, w2, b2, eps2, offset2, out2, erased2 = after
+        if kind2 == kind and offset2 == offset and isinstance(eps2, float) \
+                and _params_ok(kind, w2, b2, ty, order, add):
+            extra.update({"next_bias": b2} if b2 is not None else {})
+            return (_pattern(Pattern.NORM_ADD_NORM, kind), (residual, weight, w2, eps, eps2, offset), extra, add,
                     {out2: 0, add: 1}, erased2 + erased)
-    return Pattern.NORM_ADD, (y, residual, weight, None, eps, eps, offset), add, {add: 1}, erased
+    return _pattern(Pattern.NORM_ADD, kind), (residual, weight, None, eps, eps, offset), extra, add, {add: 1}, erased
 
 
 def _match(ar, order):
     """One all_reduce (through identities) and the add and norm(s) around
     it: (pattern, (y, residual, weight, next_weight, eps, next_eps,
-    weight_offset), group, the node the fused op goes after, {node replaced:
-    the fused op's output index}, the nodes erased with ar), or None."""
+    weight_offset), the op's keyword args (bias, next_bias, residual_scale
+    where not their defaults), group, the node the fused op goes after,
+    {node replaced: the fused op's output index}, the nodes erased with ar),
+    or None."""
     a, chain = _through_identities(ar)
     y = ar.args[0] if len(ar.args) > 0 else ar.kwargs.get("x")
     group = ar.args[1] if len(ar.args) > 1 else ar.kwargs.get("group_name")
@@ -291,31 +195,30 @@ def _match(ar, order):
     if ty is None or ta is None or not isinstance(group, str) or ta.dim() < 1 or ta.dtype != ty.dtype:
         return None
     ty = ta  # the consumer's shape: y goes in with the chain's layout changes applied
-    add = _only_user(a)
-    if add is None or add.op != "call_function" or add.target not in _ADD or add.kwargs or len(add.args) != 2:
-        sandwich = _match_sandwich(ar, a, ty, group, order)
+    term, scale = _scaled(a)
+    found = _add_of(term)
+    if found is None:
+        sandwich = _match_sandwich(a, ty, order)
         if sandwich is None:
             return None
-        pattern, args, anchor, replaced, erased = sandwich
-        return pattern, args, group, anchor, replaced, erased + chain
-    residual = add.args[1] if add.args[0] is a else add.args[0]
-    if residual is a or not isinstance(residual, torch.fx.Node):
-        return None
-    tr = _example(residual)
-    if tr is None or ty.shape != tr.shape or ty.dtype != tr.dtype:
+        pattern, args, extra, anchor, replaced, erased = sandwich
+        return pattern, (y,) + args, extra, group, anchor, replaced, erased + chain
+    add, residual = found
+    if not _residual_ok(residual, ty):
         return None
     norm = _any_norm(add, ty.dtype, ty.shape[-1])
     if norm is None:
         return None
-    weight, eps, offset, out, erased = norm
-    if not _weight_ok(weight, ty, order, add):  # the fused op goes where the add is: its inputs must exist there
+    kind, weight, bias, eps, offset, out, erased = norm
+    if not _params_ok(kind, weight, bias, ty, order, add):  # the fused op goes where the add is
         return None
     # Dynamo reads a symbolic eps (.item()) where the norm uses it, after the add: the read moves
     # before the add (fuse), which its tensor must precede
     if isinstance(eps, torch.fx.Node) and (offset or order[eps.args[0]] > order[add]):
         return None
-    return Pattern.ADD_NORM, (y, residual, weight, None, eps, eps, offset), group, add, {out: 0, add: 1}, \
-        erased + chain
+    extra = {k: v for k, v in (("bias", bias), ("residual_scale", scale)) if v is not None and v != 1.0}
+    return _pattern(Pattern.ADD_NORM, kind), (y, residual, weight, None, eps, eps, offset), extra, group, add, \
+        {out: 0, add: 1}, erased + chain + ([term] if term is not a else [])
 
 
 def _self_contained(replaced, erased):
@@ -353,21 +256,22 @@ def fuse(gm: torch.fx.GraphModule) -> dict:
             continue
         order = {node: i for i, node in enumerate(graph.nodes)}
         found = _match(ar, order)
-        if found is None or not _self_contained(found[4], list(found[5]) + [ar]):
+        if found is None or not _self_contained(found[5], list(found[6]) + [ar]):
             continue  # matched in full before anything changes: never a half-rewritten graph
-        pattern, (y, residual, weight, next_weight, eps, next_eps, offset), group, anchor, replaced, erased = found
+        pattern, (y, residual, weight, next_weight, eps, next_eps, offset), extra, group, anchor, replaced, \
+            erased = found
         chain = [n for n in erased if n in _through_identities(ar)[1]]
         y = _reapplied(graph, y, chain)
         if isinstance(eps, torch.fx.Node) and order[eps] > order[anchor]:
             anchor.prepend(eps)
         with graph.inserting_after(anchor):
-            if pattern == Pattern.ADD_NORM and not offset:
+            if pattern == Pattern.ADD_NORM and not offset and not extra:
                 call = graph.call_function(torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default,
                                            (y, residual, weight, eps, group))
-            else:
+            else:  # the keyword arguments only where not their defaults: RMSNorm's calls as before
                 call = graph.call_function(torch.ops._tpcomm.all_reduce_norm.default,
                                            (y, residual, weight, next_weight, eps, next_eps, offset, int(pattern),
-                                            group))
+                                            group), extra)
         outputs = {}
         for index in (1, 0):
             with graph.inserting_after(call):

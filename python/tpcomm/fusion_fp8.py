@@ -63,6 +63,7 @@ _NORMED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _PUBLIC = torch.ops.tpcomm.custom_all_reduce_add_rms_norm.default
 _PRIVATE = torch.ops._tpcomm.all_reduce_norm.default
+_RMS_PATTERNS = (Pattern.ADD_NORM, Pattern.NORM_ADD, Pattern.NORM_ADD_NORM)  # the FP8 op's: no LayerNorm
 _LOW, _HIGH = (lambda v: _is_number(v, -FP8_MAX)), (lambda v: _is_number(v, FP8_MAX))  # e4m3's saturation
 _DIV_FUNCTIONS = (operator.truediv, torch.div, torch.true_divide)
 _CLAMP_FUNCTIONS = (torch.clamp, torch.clip)
@@ -294,7 +295,7 @@ def _norm_call(call):
     if call.target is _PUBLIC and len(call.args) == 5:
         x, residual, weight, eps, group = call.args
         pattern, args = Pattern.ADD_NORM, (x, residual, weight, None, eps, eps, 0.0)
-    elif call.target is _PRIVATE and len(call.args) == 9:
+    elif call.target is _PRIVATE and len(call.args) == 9 and call.args[7] in _RMS_PATTERNS:
         pattern, args, group = Pattern(call.args[7]), tuple(call.args[:7]), call.args[8]
     else:
         return None

@@ -40,7 +40,7 @@ import operator
 
 import torch
 
-from . import _registry, fusion, fusion_fp8, ops, unfused_report  # noqa: F401 - ops: torch.ops.tpcomm.*
+from . import _registry, fusion, fusion_fp8, ops, parallel_merge, unfused_report  # noqa: F401 - ops: torch.ops.tpcomm.*
 from .norm_patterns import STATS_KEY
 
 _F = torch.ops._c10d_functional
@@ -54,8 +54,9 @@ _WAIT = (_F.wait_tensor, _F.wait_tensor.default)
 _KEPT_META = ("example_value", "val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-# the collectives, then the fusion patterns, then those patterns with their FP8 quantization
-COUNTED = COLLECTIVES + tuple(STATS_KEY.values()) + tuple(fusion_fp8.COUNT_KEY.values())
+# the collectives, then the fusion patterns, then those patterns with their FP8 quantization, then the
+# parallel blocks' pairs of all-reduces made one
+COUNTED = COLLECTIVES + tuple(STATS_KEY.values()) + tuple(fusion_fp8.COUNT_KEY.values()) + (parallel_merge.STATS_KEY,)
 
 
 def _bound(node, names):
@@ -225,7 +226,8 @@ def rewrite_collectives(graph: torch.fx.Graph) -> dict:
 
 def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True, report: bool = True) -> None:
     """rewrite_collectives, then (with fuse, where the graph's module is a
-    GraphModule) the add + RMSNorm fusion and its FP8 quantization
+    GraphModule) the parallel blocks' all-reduces merged
+    (tpcomm.parallel_merge), the add + norm fusion and its FP8 quantization
     (tpcomm.fusion_fp8); adds what they rewrote into counts (keys COUNTED:
     a fused call with its quantization counts under the pattern's "_fp8"
     key, not the pattern's). With fuse and report, all-reduces left unfused
@@ -235,6 +237,8 @@ def apply(graph: torch.fx.Graph, counts: dict, fuse: bool = True, report: bool =
         counts[what] += n
     module = graph.owning_module
     if fuse and isinstance(module, torch.fx.GraphModule):
+        # before the fusion, which fuses the one all-reduce left with its add and norm
+        counts[parallel_merge.STATS_KEY] += parallel_merge.merge(graph)
         for key, n in fusion.fuse(module).items():
             counts[key] += n
         # after the norm fusion, whose fused calls it extends: a call it rewrites moves to its _fp8 key

@@ -34,29 +34,33 @@ class Fp8Norm(typing.NamedTuple):
     normed: "torch.Tensor | None"  # the normed output in the input's dtype, where asked for
 
 
-def route(comm, pattern, x, weight, next_weight, weight_offset):
+def route(comm, pattern, x, weight, next_weight, weight_offset, bias=None, next_bias=None, residual_scale=1.0):
     """How run() takes this call: "fused" or "unfused"."""
-    how = norm_patterns.route(comm, pattern, x, weight, next_weight, weight_offset)
+    how = norm_patterns.route(comm, pattern, x, weight, next_weight, weight_offset, bias, next_bias, residual_scale)
     return routing.norm_fp8(how, comm._caps is not None and comm._caps.line_kernels)
 
 
 def run(comm, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale=None,
-        scale_floor=None, column_major_scales=False, return_normed=False):
+        scale_floor=None, column_major_scales=False, return_normed=False, bias=None, next_bias=None,
+        residual_scale=1.0):
     """Fp8Norm of `pattern` over comm's group with the FP8 epilogue `quant`
     (a tpcomm.fp8.Quant, its int or name); scale_floor None: the mode's
-    default. Raises before anything collective for bad arguments or a
+    default; bias, next_bias, residual_scale as tpcomm.norm_patterns.run
+    takes them. Raises before anything collective for bad arguments or a
     closed Communicator."""
-    for tensor, what in ((x, "input"), (residual, "residual"), (weight, "weight"), (next_weight, "next_weight"),
-                         (scale, "scale")):
+    vectors = (weight, next_weight, bias, next_bias)
+    for tensor, what in zip((x, residual, *vectors, scale),
+                            ("input", "residual", "weight", "next_weight", "bias", "next_bias", "scale")):
         if tensor is not None:
             comm._check_input(tensor, what)
-    norm_patterns.check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset)
+    norm_patterns.check_args(pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, bias, next_bias,
+                             residual_scale)
     quant, floor = fp8.check_args(quant, x, scale, scale_floor, column_major_scales)
-    pattern = Pattern(pattern)
-    how = route(comm, pattern, x, weight, next_weight, weight_offset)
-    args = (comm, how, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale, floor,
-            bool(column_major_scales), bool(return_normed))
-    if _autograd.needs_grad(*(t for t in (x, residual, weight, next_weight, scale) if t is not None)):
+    pattern, residual_scale = Pattern(pattern), norm_patterns.fp32_scale(residual_scale)
+    how = route(comm, pattern, x, weight, next_weight, weight_offset, bias, next_bias, residual_scale)
+    args = (comm, how, pattern, quant, x, residual, vectors, eps, next_eps, weight_offset, residual_scale, scale,
+            floor, bool(column_major_scales), bool(return_normed))
+    if _autograd.needs_grad(*(t for t in (x, residual, *vectors, scale) if t is not None)):
         out = _autograd.without_backward(_run, STATS_KEY[pattern], *args)
     else:
         out = _run(*args)
@@ -64,20 +68,23 @@ def run(comm, pattern, quant, x, residual, weight, next_weight, eps, next_eps, w
     return Fp8Norm(*out)
 
 
-def _run(comm, how, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale, floor,
+def _run(comm, how, pattern, quant, x, residual, vectors, eps, next_eps, weight_offset, residual_scale, scale, floor,
          column_major_scales, return_normed):
-    """(codes, scales, stream, normed or None) by route `how`: every output contiguous but column-major scales."""
+    """(codes, scales, stream, normed or None) by route `how`: every output
+    contiguous but column-major scales. vectors: (weight, next_weight, bias,
+    next_bias), each None where not given."""
+    weight, next_weight, bias, next_bias = vectors
     xc, rc = x.contiguous(), residual.contiguous()
     if how == "fused":
         normed = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if return_normed else None
         stream = torch.empty(rc.shape, dtype=rc.dtype, device=rc.device)
         codes, scales = fp8.empty_outputs(xc, quant, scale, column_major_scales)
-        comm.kernels.all_reduce_norm_quant(pattern, quant, xc, rc, weight.contiguous(),
-                                           None if next_weight is None else next_weight.contiguous(), eps, next_eps,
-                                           weight_offset, floor, normed, stream, codes, scales)
+        w, nw, b, nb = (None if v is None else v.contiguous() for v in vectors)
+        comm.kernels.all_reduce_norm_quant(pattern, quant, xc, rc, w, nw, eps, next_eps, weight_offset, floor, normed,
+                                           stream, codes, scales, b, nb, residual_scale=residual_scale)
         return codes, scales, stream, normed
     sums = add_rms_norm.uncounted(comm, "all_reduce", xc.float(), call=(STATS_KEY[pattern], x))
     normed, stream = norm_patterns.from_sums(pattern, sums, rc, weight, next_weight, eps, next_eps, weight_offset,
-                                             x.dtype)
+                                             x.dtype, bias, next_bias, residual_scale)
     codes, scales = fp8.quantize_checked(normed, quant, scale, floor, column_major_scales)
     return codes, scales, stream, normed if return_normed else None

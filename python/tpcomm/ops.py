@@ -112,19 +112,23 @@ def custom_all_reduce_add_rms_norm(x, residual, weight, eps, group_name):
     return communicator_for(group_name).all_reduce_add_rms_norm(x, residual, weight, eps)
 
 
-def _all_reduce_norm_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+def _all_reduce_norm_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name,
+                          bias=None, next_bias=None, residual_scale=1.0):
     return torch.empty_like(x), torch.empty_like(residual)
 
 
-@_op("all_reduce_norm(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, float eps, float next_eps, "
-     "float weight_offset, int pattern, str group_name) -> (Tensor, Tensor)", _all_reduce_norm_fake, _INTERNAL)
-def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name):
+@_op("all_reduce_norm(Tensor x, Tensor residual, Tensor? weight, Tensor? next_weight, float eps, float next_eps, "
+     "float weight_offset, int pattern, str group_name, Tensor? bias=None, Tensor? next_bias=None, "
+     "float residual_scale=1.0) -> (Tensor, Tensor)", _all_reduce_norm_fake, _INTERNAL)
+def _all_reduce_norm(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, group_name, bias=None,
+                     next_bias=None, residual_scale=1.0):
     """Private: the fusion pattern `pattern` (tpcomm.norm_patterns.Pattern)
-    of the all-reduce of x with the residual add and RMSNorm(s) around it,
-    (normed, stream) as new tensors. tpcomm.fusion puts it in a graph; model
-    code calls the public all_reduce_add_rms_norm."""
+    of the all-reduce of x with the residual add (its term scaled by
+    residual_scale) and the RMSNorm(s) or LayerNorm(s) around it, (normed,
+    stream) as new tensors. tpcomm.fusion puts it in a graph; model code
+    calls the public all_reduce_add_rms_norm."""
     return norm_patterns.run(communicator_for(group_name), pattern, x, residual, weight, next_weight, eps,
-                             next_eps, weight_offset)
+                             next_eps, weight_offset, bias, next_bias, residual_scale)
 
 
 def _private_floor(quant, scale_floor):
@@ -140,24 +144,27 @@ def _fp8_fake(x, residual, quant, scale, scale_floor, column_major_scales):
 
 
 def _all_reduce_norm_fp8_fake(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, quant, scale,
-                              scale_floor, column_major_scales, return_normed, group_name):
+                              scale_floor, column_major_scales, return_normed, group_name, bias=None, next_bias=None,
+                              residual_scale=1.0):
     codes, scales, stream = _fp8_fake(x, residual, quant, scale, _private_floor(quant, scale_floor),
                                       column_major_scales)
     return codes, scales, stream, x.new_empty(x.shape if return_normed else (0,))
 
 
-@_op("all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor weight, Tensor? next_weight, float eps, float next_eps, "
+@_op("all_reduce_norm_fp8(Tensor x, Tensor residual, Tensor? weight, Tensor? next_weight, float eps, float next_eps, "
      "float weight_offset, int pattern, int quant, Tensor? scale, float scale_floor, bool column_major_scales, "
-     "bool return_normed, str group_name) -> (Tensor codes, Tensor scales, Tensor stream, Tensor normed)",
-     _all_reduce_norm_fp8_fake, _INTERNAL)
+     "bool return_normed, str group_name, Tensor? bias=None, Tensor? next_bias=None, float residual_scale=1.0) "
+     "-> (Tensor codes, Tensor scales, Tensor stream, Tensor normed)", _all_reduce_norm_fp8_fake, _INTERNAL)
 def _all_reduce_norm_fp8(x, residual, weight, next_weight, eps, next_eps, weight_offset, pattern, quant, scale,
-                         scale_floor, column_major_scales, return_normed, group_name):
+                         scale_floor, column_major_scales, return_normed, group_name, bias=None, next_bias=None,
+                         residual_scale=1.0):
     """Private: all_reduce_norm with the FP8 epilogue `quant`
     (tpcomm.fp8.Quant; scale_floor unused by PER_TENSOR) on its normed
     output: (codes, scales, stream, normed), normed empty (numel 0) unless
     return_normed (tpcomm.norm_fp8)."""
     out = norm_fp8.run(communicator_for(group_name), pattern, quant, x, residual, weight, next_weight, eps, next_eps,
-                       weight_offset, scale, _private_floor(quant, scale_floor), column_major_scales, return_normed)
+                       weight_offset, scale, _private_floor(quant, scale_floor), column_major_scales, return_normed,
+                       bias, next_bias, residual_scale)
     return out.codes, out.scales, out.summed, out.normed if return_normed else x.new_empty(0)
 
 

@@ -31,28 +31,44 @@ def reference_add_rms_norm(inputs, residual, weight, eps):
 
 
 def reference_all_reduce_norm(inputs, residual, weight, eps, pattern, weight_offset=0.0, next_weight=None,
-                              next_eps=None):
+                              next_eps=None, bias=None, next_bias=None, residual_scale=1.0):
     """(normed, stream) of tpcomm.norm_patterns' `pattern` for the ranks'
-    `inputs`, in their dtype: s = (((-0 + x_0) + x_1) + ...) in fp32, then
-      ADD_NORM       z = s + r, (z * rsqrt(mean(z^2) + eps) * (w + offset), z)
-      NORM_ADD       o = r + s * rsqrt(mean(s^2) + eps) * (w + offset), (o, o)
-      NORM_ADD_NORM  o as NORM_ADD, (o * rsqrt(mean(o^2) + next_eps) * (next_w + offset), o)
-    all in fp32, each output rounded once."""
+    `inputs`, in their dtype: s = (((-0 + x_0) + x_1) + ...) in fp32, m =
+    residual_scale rounded to fp32, w' = w + offset, then
+      ADD_NORM        z = r + m*s, (z * rsqrt(mean(z^2) + eps) * w', z)
+      NORM_ADD        o = r + m*(s * rsqrt(mean(s^2) + eps) * w'), (o, o)
+      NORM_ADD_NORM   o as NORM_ADD, (o * rsqrt(mean(o^2) + next_eps) * (next_w + offset), o)
+    and with ln(v) = (v - mean(v)) * rsqrt(mean((v - mean(v))^2) + eps) [* w'] [+ b]
+      ADD_LAYER_NORM  z = r + m*s, (ln(z), z)
+      LAYER_NORM_ADD  o = r + m*ln(s), (o, o)
+      LAYER_NORM_ADD_LAYER_NORM  o as LAYER_NORM_ADD, (ln(o) with next_w, next_b, next_eps, o)
+    all in fp32, each output rounded once. Written out here, not taken from
+    tpcomm.norm_patterns, so the tests hold the op to an independent text."""
     s = rank_order_sum(inputs)
     r = residual.float()
     dtype = inputs[0].dtype
+    m = float(torch.tensor(float(residual_scale), dtype=torch.float32))
+    pattern = int(pattern)
+    layer = pattern >= 3
 
-    def norm(v, w, e):  # offset 0 adds nothing: +0 would turn a weight of -0.0 into +0.0
-        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * (w.float() + weight_offset if weight_offset
-                                                                       else w.float())
+    def scaled(w):  # offset 0 adds nothing: +0 would turn a weight of -0.0 into +0.0
+        return w.float() + weight_offset if weight_offset else w.float()
 
-    if int(pattern) == 0:
-        z = s + r
-        return norm(z, weight, eps).to(dtype), z.to(dtype)
-    o = r + norm(s, weight, eps)
-    if int(pattern) == 1:
+    def norm(v, w, b, e):
+        if not layer:
+            return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * scaled(w)
+        d = v - v.mean(-1, keepdim=True)
+        y = d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + e)
+        y = y if w is None else y * scaled(w)
+        return y if b is None else y + b.float()
+
+    if pattern in (0, 3):
+        z = r + m * s
+        return norm(z, weight, bias, eps).to(dtype), z.to(dtype)
+    o = r + m * norm(s, weight, bias, eps)
+    if pattern in (1, 4):
         return o.to(dtype), o.to(dtype)
-    return norm(o, next_weight, next_eps).to(dtype), o.to(dtype)
+    return norm(o, next_weight, next_bias, next_eps).to(dtype), o.to(dtype)
 
 
 _INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}

@@ -9,9 +9,10 @@ the graph it last rewrites), from each tpcomm.custom_all_reduce left in it:
   in it: the rest is in another graph (a graph break lies between them,
   Dynamo's reasons quoted), where nothing can fuse with it; said only when
   Dynamo has counted a graph break (else the sum is the model's output);
-* pattern not matched: the sum's add to another tensor reaches a norm
-  (rsqrt, rms_norm), or the sum reaches a norm whose result reaches such an
-  add (a sandwich norm), yet tpcomm.fusion left it.
+* pattern not matched: the sum's add to another tensor (or that of its
+  product by a number, s * m) reaches a norm (rsqrt, rms_norm, layer_norm),
+  or the sum reaches a norm whose result reaches such an add (a sandwich
+  norm), yet tpcomm.fusion left it.
 
 "Reaches" follows users for a few steps, never past a node that mixes rows
 or features (a matmul, attention, an embedding) or a tpcomm op (what comes
@@ -29,7 +30,8 @@ from ._log import logger
 
 _ALL_REDUCE = (torch.ops.tpcomm.custom_all_reduce, torch.ops.tpcomm.custom_all_reduce.default)
 _NORMS = (torch.rsqrt, torch.ops.aten.rsqrt.default, torch.rms_norm, torch.nn.functional.rms_norm,
-          torch.ops.aten.rms_norm.default)
+          torch.ops.aten.rms_norm.default, torch.nn.functional.layer_norm, torch.layer_norm,
+          torch.ops.aten.layer_norm.default, torch.ops.aten.native_layer_norm.default)
 _ADDS = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
 _MIXING = ("linear", "mm", "matmul", "attention", "embedding", "conv")
 _LAYOUT = ("view", "reshape", "contiguous", "clone")  # methods that give their input's values
@@ -47,6 +49,13 @@ def _is_tensor_add(node):
     adds = (node.op == "call_function" and node.target in _ADDS) or (node.op == "call_method"
                                                                       and node.target == "add")
     return adds and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2
+
+
+def _scaled(node):
+    """Whether node multiplies one tensor by a number."""
+    return node.op == "call_function" and node.target in (operator.mul, torch.mul) and len(node.args) == 2 \
+        and sum(isinstance(a, torch.fx.Node) for a in node.args) == 1 \
+        and any(isinstance(a, (int, float)) for a in node.args)
 
 
 def _mixes(node):
@@ -85,6 +94,7 @@ def kinds(graph: torch.fx.Graph) -> dict:
         if ar.op != "call_function" or ar.target not in _ALL_REDUCE:
             continue
         sums = _as_is(ar)
+        sums += [u for n in sums for u in n.users if _scaled(u)]  # the residual multiplier's s * m
         adds = [u for n in sums for u in n.users if _is_tensor_add(u)]
         norms = _reaches(ar, _is_norm)
         if any(_reaches(add, _is_norm) for add in adds) or any(_reaches(norm, _is_tensor_add) for norm in norms):

@@ -133,6 +133,9 @@ void test_describe(void) {
   const uint32_t norm_fp8_bf16 = tpc_kind_word(
       TPC_KIND_NORM_QUANT_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_ADD_NORM, TPC_QUANT_PER_TOKEN_GROUP), TPC_ALGO_PACKET,
       TPC_BFLOAT16, 256);
+  const uint32_t layer_fp8_bf16 = tpc_kind_word(
+      TPC_KIND_NORM_QUANT_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, TPC_QUANT_PER_TOKEN),
+      TPC_ALGO_PACKET, TPC_BFLOAT16, 256);
 
   static const struct {
     int code, peer, reported;
@@ -161,6 +164,10 @@ void test_describe(void) {
       {TPC_ERR_MISMATCH, 1, 0, 17, 256, 256, 9,
        {"the op differs", "peer: all_reduce_norm ADD_NORM fp8 PER_TOKEN_GROUP packet",
         "this rank: all_reduce_norm ADD_NORM packet", NULL}},
+      /* a LayerNorm pattern (the op byte's third pattern bit) against an RMS one */
+      {TPC_ERR_MISMATCH, 1, 0, 17, 256, 256, 10,
+       {"the op differs", "peer: all_reduce_norm LAYER_NORM_ADD_LAYER_NORM fp8 PER_TOKEN packet",
+        "this rank: all_reduce_norm NORM_ADD packet", NULL}},
       /* a peer found the mismatch and told this rank */
       {TPC_ERR_MISMATCH, 1, 1, 18, 0, 0, 0, {"peer 1 found that the ranks called different ops at op #18", NULL, NULL, NULL}},
       /* a peer aborted */
@@ -180,6 +187,7 @@ void test_describe(void) {
       case 7: peer_kind = norm_bf16; own_kind = ar_pk_bf16; break;
       case 8: peer_kind = norm_add_bf16; own_kind = norm_bf16; break;
       case 9: peer_kind = norm_fp8_bf16; own_kind = norm_bf16; break;
+      case 10: peer_kind = layer_fp8_bf16; own_kind = norm_add_bf16; break;
     }
     fill_record(rec, cases[i].code, cases[i].peer, cases[i].epoch, cases[i].reported,
                 (uint32_t)cases[i].peer_bytes_, peer_kind, (uint32_t)cases[i].own_bytes_, own_kind);

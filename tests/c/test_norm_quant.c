@@ -12,9 +12,9 @@ static tpc_result quant_call(tpc_comm *c, int quant, const void *in, void *norme
                              size_t row_stride, size_t group_stride, float floor_, size_t nbytes, size_t row_bytes) {
   unsigned char *res = scratch_in + MAX_BYTES, *weight = scratch_in + 2 * MAX_BYTES;
   unsigned char *res_out = scratch_out + MAX_BYTES;
-  return tpc_all_reduce_norm_quant(c, TPC_PATTERN_ADD_NORM, (tpc_norm_quant)quant, in, res, weight, NULL, normed,
-                                   res_out, codes, scales, row_stride, group_stride, floor_, nbytes, row_bytes,
-                                   TPC_BFLOAT16, 1e-6f, 0.0f, 0.0f, STREAM_A);
+  const tpc_norm_spec s = {TPC_PATTERN_ADD_NORM, weight, NULL, NULL, NULL, 1e-6f, 0.0f, 0.0f, 1.0f};
+  return tpc_all_reduce_norm_quant(c, &s, (tpc_norm_quant)quant, in, res, normed, res_out, codes, scales, row_stride,
+                                   group_stride, floor_, nbytes, row_bytes, TPC_BFLOAT16, STREAM_A);
 }
 
 void test_all_reduce_norm_quant(void) {
@@ -99,9 +99,9 @@ void test_all_reduce_norm_quant(void) {
   /* PER_TENSOR reads its scale: no strides, no floor; NORM_ADD_NORM with the normed output too */
   unsigned char *res = scratch_in + MAX_BYTES, *weight = scratch_in + 2 * MAX_BYTES;
   unsigned char *next_weight = scratch_in + 3 * MAX_BYTES, *res_out = scratch_out + MAX_BYTES;
-  CHECK_RC(c, tpc_all_reduce_norm_quant(c, TPC_PATTERN_NORM_ADD_NORM, TPC_QUANT_PER_TENSOR, in, res, weight,
-                                        next_weight, normed, res_out, codes, scales + 1, 0, 0, 0.0f, 512, ROW,
-                                        TPC_FLOAT16, 1e-6f, 1e-5f, 1.0f, STREAM_A),
+  const tpc_norm_spec sandwich = {TPC_PATTERN_NORM_ADD_NORM, weight, NULL, next_weight, NULL, 1e-6f, 1e-5f, 1.0f, 1.0f};
+  CHECK_RC(c, tpc_all_reduce_norm_quant(c, &sandwich, TPC_QUANT_PER_TENSOR, in, res, normed, res_out, codes,
+                                        scales + 1, 0, 0, 0.0f, 512, ROW, TPC_FLOAT16, STREAM_A),
            TPC_OK);
   CHECK_PTR(a->out3, normed);
   CHECK_PTR(a->scales, scales + 1); /* 4-byte alignment is enough for the scales */
@@ -115,7 +115,22 @@ void test_all_reduce_norm_quant(void) {
   /* PER_TOKEN: its group stride is not read, and left 0 */
   CHECK_RC(c, quant_call(c, TPC_QUANT_PER_TOKEN, in, normed, codes, scales, 1, 7, floor_, 512, ROW), TPC_OK);
   CHECK_EQ(a->scale_group_stride, 0);
-  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 3);
+  /* a LayerNorm's epilogue; its bias must not lie under the codes either */
+  unsigned char *bias = weight + MAX_BYTES / 2; /* past the weight's row, in its slot */
+  const tpc_norm_spec ln = {TPC_PATTERN_LAYER_NORM_ADD, NULL, bias, NULL, NULL, 1e-6f, 0.0f, 0.0f, 0.25f};
+  CHECK_RC(c, tpc_all_reduce_norm_quant(c, &ln, TPC_QUANT_PER_TOKEN, in, res, NULL, res_out, codes, scales, 1, 1,
+                                        floor_, 512, ROW, TPC_BFLOAT16, STREAM_A),
+           TPC_OK);
+  CHECK_PTR(a->bias, bias);
+  CHECK(a->residual_scale == 0.25f);
+  CHECK_EQ(TPC_KIND_PATTERN(a->kind), TPC_PATTERN_LAYER_NORM_ADD);
+  CHECK_EQ(TPC_KIND_QUANT(a->kind), TPC_QUANT_PER_TOKEN);
+  const tpc_norm_spec under = {TPC_PATTERN_LAYER_NORM_ADD, NULL, codes + 16, NULL, NULL, 1e-6f, 0.0f, 0.0f, 1.0f};
+  CHECK_RC(c, tpc_all_reduce_norm_quant(c, &under, TPC_QUANT_PER_TOKEN, in, res, NULL, res_out, codes, scales, 1, 1,
+                                        floor_, 512, ROW, TPC_BFLOAT16, STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "the codes or scales overlap another argument");
+  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 4);
   /* NONE through the new call is tpc_all_reduce_norm: the epilogue's fields stay empty */
   CHECK_RC(c, quant_call(c, TPC_QUANT_NONE, in, normed, codes, scales, 1, 1, floor_, 512, ROW), TPC_OK);
   CHECK_EQ(a->quant, 0);

@@ -101,11 +101,18 @@ void test_reduce_scatter_f32(void) {
   CHECK_ALL_RELEASED();
 }
 
+/* A norm without biases and with residual scale 1 */
+static tpc_norm_spec rms_spec(int pattern, const void *weight, const void *next_weight, float eps, float next_eps,
+                              float offset) {
+  const tpc_norm_spec s = {(tpc_norm_pattern)pattern, weight, NULL, next_weight, NULL, eps, next_eps, offset, 1.0f};
+  return s;
+}
+
 /* tpc_all_reduce_norm with pattern ADD_NORM, weight offset 0 and no next_weight */
 static tpc_result add_norm(tpc_comm *c, const void *in, const void *res, const void *weight, void *normed,
                            void *res_out, size_t nbytes, size_t row_bytes, tpc_dtype dtype, float eps) {
-  return tpc_all_reduce_norm(c, TPC_PATTERN_ADD_NORM, in, res, weight, NULL, normed, res_out, nbytes, row_bytes, dtype,
-                             eps, 0.0f, 0.0f, STREAM_A);
+  const tpc_norm_spec s = rms_spec(TPC_PATTERN_ADD_NORM, weight, NULL, eps, 0.0f, 0.0f);
+  return tpc_all_reduce_norm(c, &s, in, res, normed, res_out, nbytes, row_bytes, dtype, STREAM_A);
 }
 
 void test_all_reduce_norm(void) {
@@ -144,29 +151,49 @@ void test_all_reduce_norm(void) {
     CHECK_MSG(c, cases[i].needle);
   }
   CHECK_RC(c, add_norm(c, in, NULL, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f), TPC_ERR_INVALID_ARG);
-  CHECK_MSG(c, "NULL residual, weight or stream output");
-  /* the family's own rules: pattern, next_weight iff NORM_ADD_NORM (aligned), next_eps, weight_offset */
+  CHECK_MSG(c, "NULL residual or stream output");
+  CHECK_RC(c, tpc_all_reduce_norm(c, NULL, in, res, normed, res_out, 64, 64, TPC_BFLOAT16, STREAM_A),
+           TPC_ERR_INVALID_ARG);
+  CHECK_MSG(c, "all_reduce_norm: NULL norm");
+  /* the family's own rules (tpc_norm_check): the pattern, which vectors it takes (aligned), the
+   * scalars. Vectors: 0 absent, 1 given, 2 given 8 bytes off. */
   static const struct {
-    int pattern;
-    int next; /* 0: no next_weight, 1: next_weight, 2: next_weight 8 bytes off */
-    float next_eps, offset;
+    int pattern, weight, bias, next, next_bias;
+    float next_eps, offset, scale;
     const char *needle;
   } rules[] = {
-      {3, 0, 0.0f, 0.0f, "all_reduce_norm: unknown pattern 3 (ADD_NORM 0, NORM_ADD 1 or NORM_ADD_NORM 2)"},
-      {-1, 0, 0.0f, 0.0f, "unknown pattern -1"},
-      {TPC_PATTERN_ADD_NORM, 1, 0.0f, 0.0f, "all_reduce_norm: pattern ADD_NORM takes no next_weight"},
-      {TPC_PATTERN_NORM_ADD, 1, 0.0f, 0.0f, "all_reduce_norm: pattern NORM_ADD takes no next_weight"},
-      {TPC_PATTERN_NORM_ADD_NORM, 0, 0.0f, 0.0f, "all_reduce_norm: pattern NORM_ADD_NORM takes a next_weight"},
-      {TPC_PATTERN_NORM_ADD_NORM, 1, 2.0f, 0.0f, "all_reduce_norm: next_eps 2 is not in [0, 1]"},
-      {TPC_PATTERN_NORM_ADD_NORM, 1, 0.0f / 0.0f, 0.0f, "nan is not in [0, 1]"},
-      {TPC_PATTERN_NORM_ADD_NORM, 2, 1e-6f, 0.0f, "all_reduce_norm: every tensor must be 16-byte aligned"},
-      {TPC_PATTERN_NORM_ADD, 0, 0.0f, 0.5f, "all_reduce_norm: weight_offset 0.5 is not 0 or 1"},
-      {TPC_PATTERN_ADD_NORM, 0, 0.0f, -1.0f, "weight_offset -1 is not 0 or 1"},
+      {6, 1, 0, 0, 0, 0.0f, 0.0f, 1.0f, "all_reduce_norm: unknown pattern 6 (0 to 5: ADD_NORM to LAYER_NORM_ADD_LAYER_NORM)"},
+      {-1, 1, 0, 0, 0, 0.0f, 0.0f, 1.0f, "unknown pattern -1"},
+      {TPC_PATTERN_ADD_NORM, 1, 0, 1, 0, 0.0f, 0.0f, 1.0f, "all_reduce_norm: pattern ADD_NORM takes no next_weight or next_bias"},
+      {TPC_PATTERN_NORM_ADD, 1, 0, 1, 0, 0.0f, 0.0f, 1.0f, "pattern NORM_ADD takes no next_weight or next_bias"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0, 0, 0, 0.0f, 0.0f, 1.0f, "all_reduce_norm: pattern NORM_ADD_NORM takes a next_weight"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0, 1, 0, 2.0f, 0.0f, 1.0f, "all_reduce_norm: next_eps 2 is not in [0, 1]"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0, 1, 0, 0.0f / 0.0f, 0.0f, 1.0f, "nan is not in [0, 1]"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0, 2, 0, 1e-6f, 0.0f, 1.0f, "all_reduce_norm: every tensor must be 16-byte aligned"},
+      {TPC_PATTERN_NORM_ADD, 1, 0, 0, 0, 0.0f, 0.5f, 1.0f, "all_reduce_norm: weight_offset 0.5 is not 0 or 1"},
+      {TPC_PATTERN_ADD_NORM, 1, 0, 0, 0, 0.0f, -1.0f, 1.0f, "weight_offset -1 is not 0 or 1"},
+      {TPC_PATTERN_ADD_NORM, 0, 0, 0, 0, 0.0f, 0.0f, 1.0f, "all_reduce_norm: pattern ADD_NORM (an RMSNorm) takes a weight"},
+      {TPC_PATTERN_NORM_ADD, 1, 1, 0, 0, 0.0f, 0.0f, 1.0f, "pattern NORM_ADD is an RMSNorm: it takes no bias"},
+      {TPC_PATTERN_NORM_ADD_NORM, 1, 0, 1, 1, 0.0f, 0.0f, 1.0f, "pattern NORM_ADD_NORM is an RMSNorm: it takes no bias"},
+      {TPC_PATTERN_ADD_LAYER_NORM, 1, 1, 0, 1, 0.0f, 0.0f, 1.0f, "pattern ADD_LAYER_NORM takes no next_weight or next_bias"},
+      {TPC_PATTERN_LAYER_NORM_ADD, 0, 0, 1, 0, 0.0f, 0.0f, 1.0f, "pattern LAYER_NORM_ADD takes no next_weight or next_bias"},
+      {TPC_PATTERN_ADD_LAYER_NORM, 0, 1, 0, 0, 0.0f, 1.0f, 1.0f, "weight_offset 1 needs every norm's weight"},
+      {TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, 1, 0, 0, 1, 0.0f, 1.0f, 1.0f, "weight_offset 1 needs every norm's weight"},
+      {TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, 0, 0, 0, 0, -1.0f, 0.0f, 1.0f, "next_eps -1 is not in [0, 1]"},
+      {TPC_PATTERN_ADD_LAYER_NORM, 0, 2, 0, 0, 0.0f, 0.0f, 1.0f, "every tensor must be 16-byte aligned"},
+      {TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, 1, 1, 1, 2, 0.0f, 0.0f, 1.0f, "every tensor must be 16-byte aligned"},
+      {TPC_PATTERN_LAYER_NORM_ADD, 1, 1, 0, 0, 0.0f, 0.0f, 1.0f / 0.0f, "all_reduce_norm: residual_scale inf is not finite"},
+      {TPC_PATTERN_ADD_NORM, 1, 0, 0, 0, 0.0f, 0.0f, 0.0f / 0.0f, "residual_scale nan is not finite"},
   };
+  /* the biases lie past the weights' rows in their scratch slots */
+  unsigned char *bias = weight + MAX_BYTES / 2, *next_bias = next_weight + MAX_BYTES / 2;
   for (size_t i = 0; i < sizeof rules / sizeof rules[0]; ++i) {
-    const void *next = rules[i].next ? next_weight + (rules[i].next == 2 ? 8 : 0) : NULL;
-    CHECK_RC(c, tpc_all_reduce_norm(c, (tpc_norm_pattern)rules[i].pattern, in, res, weight, next, normed, res_out, 64,
-                                    64, TPC_BFLOAT16, 1e-6f, rules[i].next_eps, rules[i].offset, STREAM_A),
+#define VEC(given, base) ((given) ? (const void *)((base) + ((given) == 2 ? 8 : 0)) : NULL)
+    const tpc_norm_spec s = {(tpc_norm_pattern)rules[i].pattern, VEC(rules[i].weight, weight), VEC(rules[i].bias, bias),
+                             VEC(rules[i].next, next_weight), VEC(rules[i].next_bias, next_bias), 1e-6f,
+                             rules[i].next_eps, rules[i].offset, rules[i].scale};
+#undef VEC
+    CHECK_RC(c, tpc_all_reduce_norm(c, &s, in, res, normed, res_out, 64, 64, TPC_BFLOAT16, STREAM_A),
              TPC_ERR_INVALID_ARG);
     CHECK_MSG(c, rules[i].needle);
   }
@@ -188,9 +215,8 @@ void test_all_reduce_norm(void) {
   CHECK_PTR(fake.last_args.out2, res_out);
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 2);
   /* NORM_ADD with weight 1 + w; next_eps out of range is not its concern */
-  CHECK_RC(c, tpc_all_reduce_norm(c, TPC_PATTERN_NORM_ADD, in, res, weight, NULL, normed, res_out, 128, 64,
-                                  TPC_BFLOAT16, 1e-6f, 5.0f, 1.0f, STREAM_A),
-           TPC_OK);
+  tpc_norm_spec s = rms_spec(TPC_PATTERN_NORM_ADD, weight, NULL, 1e-6f, 5.0f, 1.0f);
+  CHECK_RC(c, tpc_all_reduce_norm(c, &s, in, res, normed, res_out, 128, 64, TPC_BFLOAT16, STREAM_A), TPC_OK);
   CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_NORM_ADD);
   CHECK(fake.last_args.weight_offset == 1.0f);
   CHECK(fake.last_args.next_eps == 0.0f);
@@ -198,9 +224,11 @@ void test_all_reduce_norm(void) {
   /* the pattern rides in the header's op byte: ranks calling different patterns mismatch */
   CHECK_EQ(fake.last_args.kind, tpc_kind_word(TPC_KIND_NORM_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_NORM_ADD),
                                               TPC_ALGO_PACKET, TPC_BFLOAT16, 64));
-  CHECK_RC(c, tpc_all_reduce_norm(c, TPC_PATTERN_NORM_ADD_NORM, in, res, weight, next_weight, in, res, 128, 128,
-                                  TPC_FLOAT16, 1e-6f, 1e-5f, 0.0f, STREAM_A),
-           TPC_OK);
+  s = rms_spec(TPC_PATTERN_NORM_ADD_NORM, weight, next_weight, 1e-6f, 1e-5f, 0.0f);
+  s.residual_scale = -0.5f;
+  CHECK_RC(c, tpc_all_reduce_norm(c, &s, in, res, in, res, 128, 128, TPC_FLOAT16, STREAM_A), TPC_OK);
+  CHECK(fake.last_args.residual_scale == -0.5f);
+  CHECK_PTR(fake.last_args.bias, NULL);
   CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_NORM_ADD_NORM);
   CHECK_PTR(fake.last_args.next_weight, next_weight);
   CHECK(fake.last_args.next_eps == 1e-5f);
@@ -210,11 +238,41 @@ void test_all_reduce_norm(void) {
   CHECK_EQ(TPC_KIND_PATTERN(fake.last_args.kind), TPC_PATTERN_NORM_ADD_NORM);
   CHECK_EQ(TPC_KIND_BASE_OP(fake.last_args.kind), TPC_OP_ALL_REDUCE_NORM);
   CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 4);
+  /* the LayerNorm patterns: every vector optional, each passed as given */
+  const tpc_norm_spec ln = {TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM, weight, bias, next_weight, next_bias, 1e-5f, 1e-3f,
+                            1.0f, 2.0f};
+  CHECK_RC(c, tpc_all_reduce_norm(c, &ln, in, res, normed, res_out, 128, 64, TPC_BFLOAT16, STREAM_A), TPC_OK);
+  CHECK_EQ(fake.last_args.pattern, TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM);
+  CHECK_PTR(fake.last_args.weight, weight);
+  CHECK_PTR(fake.last_args.bias, bias);
+  CHECK_PTR(fake.last_args.next_weight, next_weight);
+  CHECK_PTR(fake.last_args.next_bias, next_bias);
+  CHECK(fake.last_args.eps == 1e-5f && fake.last_args.next_eps == 1e-3f && fake.last_args.weight_offset == 1.0f);
+  CHECK(fake.last_args.residual_scale == 2.0f);
+  /* pattern 5 needs the op byte's three pattern bits: it stays apart from every other pattern */
+  CHECK_EQ(TPC_KIND_PATTERN(fake.last_args.kind), TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM);
+  CHECK_EQ(TPC_KIND_BASE_OP(fake.last_args.kind), TPC_OP_ALL_REDUCE_NORM);
+  CHECK_EQ(TPC_KIND_QUANT(fake.last_args.kind), TPC_QUANT_NONE);
+  for (int p = 0; p < 6; ++p)
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t op = TPC_KIND_NORM_QUANT_OP(TPC_OP_ALL_REDUCE_NORM, p, q);
+      CHECK(op <= 0xffu && TPC_KIND_PATTERN(op) == (uint32_t)p && TPC_KIND_QUANT(op) == (uint32_t)q &&
+            TPC_KIND_BASE_OP(op) == TPC_OP_ALL_REDUCE_NORM);
+    }
+  const tpc_norm_spec bare = {TPC_PATTERN_LAYER_NORM_ADD, NULL, NULL, NULL, NULL, 1e-5f, 7.0f, 0.0f, 1.0f};
+  CHECK_RC(c, tpc_all_reduce_norm(c, &bare, in, res, normed, res_out, 128, 64, TPC_FLOAT16, STREAM_A), TPC_OK);
+  CHECK_PTR(fake.last_args.weight, NULL);
+  CHECK_PTR(fake.last_args.bias, NULL);
+  CHECK(fake.last_args.next_eps == 0.0f); /* not its concern: no second norm */
+  CHECK(fake.last_args.residual_scale == 1.0f);
+  CHECK_EQ(fake.calls[FK_LAUNCH_ALL_REDUCE_NORM], 6);
   /* the other ops leave the norm's fields empty */
   CHECK_RC(c, tpc_all_reduce(c, in, normed, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_PTR(fake.last_args.residual, NULL);
   CHECK_PTR(fake.last_args.out2, NULL);
   CHECK_PTR(fake.last_args.next_weight, NULL);
+  CHECK_PTR(fake.last_args.bias, NULL);
+  CHECK_PTR(fake.last_args.next_bias, NULL);
   CHECK_EQ(fake.last_args.pattern, 0);
   fake_fail_nth(FK_LAUNCH_ALL_REDUCE_NORM, 1, 78);
   CHECK_RC(c, add_norm(c, in, res, weight, normed, res_out, 64, 64, TPC_BFLOAT16, 1e-6f), TPC_ERR_RUNTIME);

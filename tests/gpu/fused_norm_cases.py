@@ -1,10 +1,21 @@
 """What the GPU tests of the fused kernel family share
 (tests/gpu/test_norm_patterns_gpu.py, tests/gpu/test_fp8_norm_gpu.py): the
-communicator with the fused kernel on, the cases (every pattern x weight
-x dtype x shape, each with a seed of its own, on the "fused" route), an op
-made late on a random rank with its inputs overwritten right after it, the
-reference check, the same bits on every rank and the closing counts. A
-helper module, not a test module."""
+communicator with the fused kernel on, the cases (every pattern x its
+vectors (weight w or 1 + w, a LayerNorm's weight and bias each present or
+absent) x dtype x shape, each with a seed of its own and a residual scale m
+of 1, 0.75 or -1.5 in turn, on the "fused" route), an op made late on a
+random rank with its inputs overwritten right after it, the reference
+check, the same bits on every rank and the closing counts. A helper module,
+not a test module.
+
+The ranks' rows are integers: a row of values in [-2, 2] summing to 0 plus
+one integer c in [-1, 1] (per rank and row). So the sum s over up to 8 ranks
+is an integer row whose mean is an integer, s - mean(s) too, and every row
+sum of s, of s^2 and of (s - mean)^2 (at most 16384 x 24^2 < 2^24) is exact
+in any order; a row of a power of two values makes the means exact. The
+first norm's scale (RMSNorm's or LayerNorm's) is then the reference's bits:
+see check_reference for what that makes exact."""
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -13,13 +24,17 @@ import torch.distributed as dist
 import tpcomm
 from gpu_checks import delay_random_rank, overwrite
 from tpcomm.config import Config
-from tpcomm.norm_patterns import Pattern
+from tpcomm.norm_patterns import LAYER_NORM, NEXT_NORM, Pattern
 from tpcomm.reference import reference_all_reduce_norm, ulp_distance
 
 MiB = 1024 * 1024
 EPS, NEXT_EPS = 1e-5, 1e-6
 MAX_HIDDEN = tpcomm._lib.NORM_MAX_ROW_BYTES // 2  # 16-bit values in the kernel's longest row
 SHAPES = [(1, 2048), (3, 2048), (8, 2048), (1, MAX_HIDDEN)]
+SCALES = (1.0, 0.75, -1.5)  # the residual scale m, by seed in turn
+# (weight given, bias given, weight_offset) of each pattern's cases
+RMS_VECTORS = ((True, False, 0.0), (True, False, 1.0))
+LAYER_VECTORS = ((True, True, 0.0), (True, True, 1.0), (False, True, 0.0), (True, False, 0.0), (False, False, 0.0))
 
 
 def fused_comm():
@@ -43,6 +58,23 @@ def shared(shape, dtype, seed):
     return residual, weight, next_weight
 
 
+def biases(shape, dtype, seed):
+    """A bias and a next bias, the same on every rank."""
+    g = torch.Generator(device="cuda").manual_seed(7 * seed + 3)
+    return tuple(torch.randn(shape[-1:], generator=g, device="cuda").to(dtype) for _ in range(2))
+
+
+def rank_input(shape, dtype, seed, rank):
+    """Integer rows: values in [-2, 2] summing to 0 (a half and its negation,
+    in an order shared by the ranks) plus an integer c in [-1, 1] per row."""
+    g = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    half = torch.randint(-2, 3, (rows, n // 2), generator=g, device="cuda")
+    c = torch.randint(-1, 2, (rows, 1), generator=g, device="cuda")
+    order = torch.randperm(n, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+    return (torch.cat((half, -half), 1)[:, order] + c).view(shape).to(dtype)
+
+
 def bits(t):
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -57,33 +89,46 @@ class Case(NamedTuple):
     pattern: Pattern
     offset: float
     inner: object  # the item of `inner` (None without)
-    x: torch.Tensor  # this rank's input: integers in [-2, 2]
+    x: torch.Tensor  # this rank's input: integers in [-3, 3] (rank_input)
     residual: torch.Tensor
-    weight: torch.Tensor
-    nw: Optional[torch.Tensor]  # the next weight, NORM_ADD_NORM's only
+    weight: Optional[torch.Tensor]  # None: a LayerNorm without weight
+    nw: Optional[torch.Tensor]  # the next weight where the pattern has a second norm and a weight
     what: str
+    bias: Optional[torch.Tensor]  # a LayerNorm's, or None
+    nb: Optional[torch.Tensor]  # the next bias, beside a bias of a pattern with a second norm
+    m: float  # the residual scale
+
+    def norm_args(self):
+        """What the private op takes after group_name: bias, next_bias, residual_scale."""
+        return self.bias, self.nb, self.m
 
 
 def cases(comm, rank, world, route, inner=(None,)):
-    """Every pattern x offset (weight w, 1 + w) x dtype (bfloat16, float16) x
-    shape of SHAPES x item of `inner` (enum members, named in `what`), in that
-    order, each with a seed of its own; route(comm, pattern, x, weight, nw,
-    offset) asserted "fused" before each is yielded."""
+    """Every pattern x its vectors (RMS_VECTORS, LAYER_VECTORS) x dtype
+    (bfloat16, float16) x shape of SHAPES x item of `inner` (enum members,
+    named in `what`), in that order, each with a seed of its own and m =
+    SCALES[seed % 3]; route(comm, pattern, x, weight, nw, offset, bias, nb, m)
+    asserted "fused" before each is yielded."""
     seed = 0
     for pattern in Pattern:
-        for offset in (0.0, 1.0):
+        layer = pattern in LAYER_NORM
+        for has_weight, has_bias, offset in LAYER_VECTORS if layer else RMS_VECTORS:
             for dtype in (torch.bfloat16, torch.float16):
                 for shape in SHAPES:
                     for item in inner:
                         seed += 1
-                        g = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
-                        x = torch.randint(-2, 3, shape, generator=g, device="cuda").to(dtype)
+                        x = rank_input(shape, dtype, seed, rank)
                         residual, weight, next_weight = shared(shape, dtype, seed)
-                        nw = next_weight if pattern == Pattern.NORM_ADD_NORM else None
-                        what = (f"{pattern.name} weight {'1 + w' if offset else 'w'} "
+                        bias, next_bias = biases(shape, dtype, seed)
+                        second = pattern in NEXT_NORM
+                        weight, nw = (weight, next_weight if second else None) if has_weight else (None, None)
+                        bias, nb = (bias, next_bias if second else None) if has_bias else (None, None)
+                        m = SCALES[seed % len(SCALES)]
+                        what = (f"{pattern.name} weight {('1 + w' if offset else 'w') if has_weight else 'none'} "
+                                f"bias {'b' if has_bias else 'none'} m {m} "
                                 f"{'' if item is None else item.name + ' '}{dtype} {shape} at {world} ranks")
-                        assert route(comm, pattern, x, weight, nw, offset) == "fused", what
-                        yield Case(pattern, offset, item, x, residual, weight, nw, what)
+                        assert route(comm, pattern, x, weight, nw, offset, bias, nb, m) == "fused", what
+                        yield Case(pattern, offset, item, x, residual, weight, nw, what, bias, nb, m)
 
 
 def late(rank, world, rng, x, residual, op):
@@ -97,13 +142,16 @@ def late(rank, world, rng, x, residual, op):
 
 
 def check_reference(case, kept_x, kept_r, normed, stream):
-    """The stream output the reference's bits, the normed output within 1 ulp
-    of it (bit for bit for NORM_ADD); kept_x and kept_r: the inputs as they
-    were before the op."""
+    """The stream output the reference's bits (z = r + m*s is rounded from
+    the same fp32 values; o = r + m*norm(s) takes the first norm's exact
+    scale, see the module's doc), the normed output within 1 ulp of it (the
+    norm of z or o sums values that are not integers, in the kernel's order),
+    bit for bit for NORM_ADD and LAYER_NORM_ADD (normed is o); kept_x and
+    kept_r: the inputs as they were before the op."""
     ref_normed, ref_stream = reference_all_reduce_norm(gathered(kept_x), kept_r, case.weight, EPS, case.pattern,
-                                                       case.offset, case.nw, NEXT_EPS)
+                                                       case.offset, case.nw, NEXT_EPS, case.bias, case.nb, case.m)
     assert int(ulp_distance(stream, ref_stream).max()) == 0, f"stream {case.what}"
-    normed_ulps = 0 if case.pattern == Pattern.NORM_ADD else 1
+    normed_ulps = 0 if case.pattern in (Pattern.NORM_ADD, Pattern.LAYER_NORM_ADD) else 1
     assert int(ulp_distance(normed, ref_normed).max()) <= normed_ulps, f"normed {case.what}"
 
 

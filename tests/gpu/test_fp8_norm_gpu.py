@@ -1,9 +1,11 @@
 """The FP8 epilogues of the fused kernel family (tpcomm.norm_fp8, route
 "fused") on real GPUs, through the private op
 torch.ops._tpcomm.all_reduce_norm_fp8 (and the public
-custom_all_reduce_add_rms_norm_fp8 for ADD_NORM with weight w): every
-pattern x mode (per tensor, per token, per token group of 128) x weight (w,
-1 + w), in bfloat16 and float16, 1, 3 and 8 rows of 2048 and one row of
+custom_all_reduce_add_rms_norm_fp8 for ADD_NORM with weight w and m = 1):
+every pattern x mode (per tensor, per token, per token group of 128) x its
+vectors and residual scale (tests/gpu/fused_norm_cases.py: weight w or 1 + w,
+a LayerNorm's weight and bias present or absent, m of 1, 0.75, -1.5), in
+bfloat16 and float16, 1, 3 and 8 rows of 2048 and one row of
 TPC_NORM_MAX_ROW_BYTES; a random rank late before every op and the inputs
 overwritten right after it; every call on the "fused" route, counted once
 under its pattern's fp8 key.
@@ -11,8 +13,8 @@ under its pattern's fp8 key.
 The kernel quantizes its own normed output rounded to the dtype, so with
 return_normed=True the normed output is held to the bound
 tests/gpu/test_norm_patterns_gpu.py holds it to (the reference within 1 ulp,
-bit for bit for NORM_ADD; the stream output bit for bit: the inputs are
-integers in [-2, 2], see there) and the codes and scales are
+bit for bit for NORM_ADD and LAYER_NORM_ADD; the stream output bit for bit:
+the inputs are integer rows, see there) and the codes and scales are
 tpcomm.fp8.quantize of that normed output bit for bit (NaN codes compared by
 position: the kernel writes 0x7f, torch keeps the sign). Without
 return_normed, with the scales column-major, the same codes and scales. The
@@ -54,11 +56,13 @@ def _static_scale(quant, value):
     return torch.tensor([value], device="cuda") if quant == Quant.PER_TENSOR else None
 
 
-def _fp8_call(comm, pattern, quant, x, residual, weight, nw, offset, scale, floor, column_major, return_normed):
-    """(codes, scales, stream, normed or None) through the private op."""
+def _fp8_call(comm, pattern, quant, x, residual, weight, nw, offset, scale, floor, column_major, return_normed,
+              norm_args=(None, None, 1.0)):
+    """(codes, scales, stream, normed or None) through the private op; norm_args: (bias, next_bias, residual_scale)."""
     codes, scales, stream, normed = torch.ops._tpcomm.all_reduce_norm_fp8(
         x, residual, weight, nw, EPS, NEXT_EPS, offset, int(pattern), int(quant), scale,
-        fp8.DEFAULT_FLOOR.get(quant, 0.0) if floor is None else floor, column_major, return_normed, comm.group_name)
+        fp8.DEFAULT_FLOOR.get(quant, 0.0) if floor is None else floor, column_major, return_normed, comm.group_name,
+        *norm_args)
     assert return_normed or normed.numel() == 0
     return codes, scales, stream, normed if return_normed else None
 
@@ -68,11 +72,11 @@ def body_epilogues(rank, world):
     rng = shared_rng(13)
     expected = collections.Counter()
     for case in cases(comm, rank, world, norm_fp8.route, inner=Quant):
-        pattern, offset, quant, x, residual, weight, nw, what = case
+        pattern, offset, quant, x, residual, weight, nw, what = case[:8]
         scale = _static_scale(quant, 0.0125)
         kept_x, kept_r = x.clone(), residual.clone()
         codes, scales, stream, normed = late(rank, world, rng, x, residual, lambda: _fp8_call(
-            comm, pattern, quant, x, residual, weight, nw, offset, scale, None, False, True))
+            comm, pattern, quant, x, residual, weight, nw, offset, scale, None, False, True, case.norm_args()))
         expected[(STATS_KEY[pattern], "fused")] += 1
         check_reference(case, kept_x, kept_r, normed, stream)
         want_codes, want_scales = fp8.quantize(normed, quant, scale)
@@ -83,13 +87,14 @@ def body_epilogues(rank, world):
         # without the normed output, the scales column-major (but per tensor's one scale)
         column_major = quant != Quant.PER_TENSOR
         x, residual = kept_x.clone(), kept_r.clone()
-        if pattern == Pattern.ADD_NORM and not offset:
+        if pattern == Pattern.ADD_NORM and not offset and case.m == 1.0:
             codes2, scales2, stream2 = late(rank, world, rng, x, residual, lambda: (
                 torch.ops.tpcomm.custom_all_reduce_add_rms_norm_fp8(
                     x, residual, weight, EPS, NAMES[quant], scale, None, column_major, comm.group_name)))
         else:
             codes2, scales2, stream2, _ = late(rank, world, rng, x, residual, lambda: _fp8_call(
-                comm, pattern, quant, x, residual, weight, nw, offset, scale, None, column_major, False))
+                comm, pattern, quant, x, residual, weight, nw, offset, scale, None, column_major, False,
+                case.norm_args()))
         expected[(STATS_KEY[pattern], "fused")] += 1
         want_codes, want_scales = fp8.quantize(normed, quant, scale, None, column_major)
         assert_same_bits(codes2, want_codes, f"codes without normed {what}")

@@ -1,11 +1,13 @@
 """Transformers families on tpcomm's kernels (tests/hf_families.py: tiny
 random models loaded with their own TP plan), bf16, one forward of a prompt
 per mode: Qwen3 (pre-norm: each row-parallel all-reduce, then the residual
-add and the next RMSNorm: ADD_NORM) and Gemma3 (the sandwich norm, weight
+add and the next RMSNorm: ADD_NORM), Gemma3 (the sandwich norm, weight
 1 + w: an RMSNorm of the all-reduce's sum, the residual add, the next
-RMSNorm: NORM_ADD_NORM). The hidden size (384) puts every all-reduce and
-fused call within the fused kernel's limits, and every RMSNorm has weights
-of its own (hf_families.save_model's norm_spread), so a norm given the wrong
+RMSNorm: NORM_ADD_NORM), Granite (ADD_NORM with the residual multiplier),
+OLMo (ADD_LAYER_NORM, no weight or bias) and Cohere (parallel attention +
+MLP: the two all-reduces merged, then ADD_LAYER_NORM). The hidden size (384) puts every all-reduce and
+fused call within the fused kernel's limits, and every norm has weights
+(and LayerNorm biases) of its own (hf_families.save_model's norm_spread), so a norm given the wrong
 weight or weight offset changes the logits. The model is loaded and then
 given to tpcomm.skip_backward_hooks_without_grad, as a user does (the
 q_norm / k_norm hooks of transformers 5.3 to 5.21 would break the graph).
@@ -68,10 +70,14 @@ from tpcomm import functional_collectives  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ("qwen3", "gemma3")
+FAMILIES = ("qwen3", "gemma3", "granite", "olmo", "cohere")
+# the key each family's fused calls count under (hf_families.expected derives it; this pins it)
+FUSED_KEY = {"qwen3": "all_reduce_add_rms_norm", "gemma3": "all_reduce_rms_norm_add_rms_norm",
+             "granite": "all_reduce_add_rms_norm", "olmo": "all_reduce_add_layer_norm",
+             "cohere": "all_reduce_add_layer_norm"}
 SHAPE = dict(hidden_size=384, intermediate_size=768, num_attention_heads=6, num_key_value_heads=6, head_dim=64,
              vocab_size=384, max_position_embeddings=64)  # heads, MLP and vocabulary split evenly over 2 and 3 ranks
-NORM_SPREAD = 0.5    # RMSNorm weights: init + U(-0.5, 0.5)
+NORM_SPREAD = 0.5    # norm weights and biases: init + U(-0.5, 0.5)
 PROMPT = (2, 8)      # batch, positions
 
 
@@ -167,9 +173,9 @@ def _family_body(rank, world, family, root, inner, on_gpu):
     want = hf_families.expected(model)
     rows, gathers, embeddings = want["row_parallel_per_forward"], want["gathered_per_forward"], \
         want["embedding_all_reduces"]
-    fused_key = want["fused_key"]
+    fused_key, merged = want["fused_key"], want["merged_per_forward"]
     assert rows > 0 and gathers > 0, want
-    assert fused_key == ("all_reduce_rms_norm_add_rms_norm" if family == "gemma3" else "all_reduce_add_rms_norm")
+    assert fused_key == FUSED_KEY[family] and merged == (len(model.model.layers) if family == "cohere" else 0), want
     ids = torch.randint(0, SHAPE["vocab_size"], PROMPT, generator=torch.Generator().manual_seed(1)).to(device)
     ref32 = _fp32_logits(family, model_dir, ids, device)
     with _torch_gathers(group, device):
@@ -207,16 +213,19 @@ def _family_body(rank, world, family, root, inner, on_gpu):
         before = hf_families.calls(comm)
         logits = _logits(compiled, ids)
     calls = hf_families.calls_since(comm, before)
-    assert counts[fused_key] == rows and counts["all_gather"] == gathers, (what, counts)
+    # a parallel block's two all-reduces merged into one (Cohere), then fused
+    assert counts[fused_key] == rows - merged and counts["all_reduce_merged"] == merged \
+        and counts["all_gather"] == gathers, (what, counts)
     _assert_on({k: n for k, n in calls.items() if not k.startswith(fused_key + "/")},
                {"all_reduce": embeddings, "all_gather": gathers}, what, on_gpu)
     fused = {k: n for k, n in calls.items() if k.startswith(fused_key + "/")}
-    assert sum(fused.values()) == rows, (what, calls)
+    assert sum(fused.values()) == rows - merged, (what, calls)
     _same_on_all_ranks(logits, group, what)
     _check_accuracy(what, logits, torch_bf16, ref32)
     route = "fused" if on_gpu else "unfused"  # CPU ranks have no kernel
-    assert fused == {f"{fused_key}/{route}": rows}, (
-        f"{what}: expected all {rows} row-parallel all-reduces fused as {fused_key} on the route {route!r}, got "
+    assert fused == {f"{fused_key}/{route}": rows - merged}, (
+        f"{what}: expected all {rows} row-parallel all-reduces ({merged} pairs merged) fused as {fused_key} on "
+        f"the route {route!r}, got "
         f"{fused}; 'unfused' means routing.norm_pattern refused the call (dtype, row length, packet cap)")
     comm.close()
 

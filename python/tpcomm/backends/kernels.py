@@ -82,18 +82,21 @@ class Kernels:
         return self.all_reduce_runner(x.dtype, algo)(x, out)
 
     def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, weight_offset, normed,
-                        stream_out):
+                        stream_out, bias=None, next_bias=None, residual_scale=1.0):
         """The fused kernel family on fusion pattern `pattern` (tpcomm.norm_patterns):
         writes normed and stream_out (they may be x and residual); every tensor
-        contiguous, of x's 16-bit dtype; next_weight None but for NORM_ADD_NORM."""
+        contiguous, of x's 16-bit dtype; the vectors (weight, next_weight,
+        bias, next_bias) None where the pattern has none (the C core's rules:
+        tpc_norm_check); residual_scale m multiplies the term added to the residual."""
         try:
             self._norm_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
-                           int(pattern), normed, stream_out, self.comm_id)
+                           int(pattern), normed, stream_out, self.comm_id, bias, next_bias, float(residual_scale))
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
     def all_reduce_norm_quant(self, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset,
-                              scale_floor, normed, stream_out, codes, scales):
+                              scale_floor, normed, stream_out, codes, scales, bias=None, next_bias=None,
+                              residual_scale=1.0):
         """all_reduce_norm with an FP8 epilogue `quant` (tpcomm.fp8.Quant) on
         its normed output: writes codes (e4m3, x's shape, contiguous) and, but
         for PER_TENSOR, whose one-element fp32 scale it reads, scales (fp32,
@@ -102,7 +105,7 @@ class Kernels:
         try:
             self._norm_quant_out(x, residual, weight, next_weight, float(eps), float(next_eps), float(weight_offset),
                                  int(pattern), int(quant), float(scale_floor), normed, stream_out, codes, scales,
-                                 self.comm_id)
+                                 self.comm_id, bias, next_bias, float(residual_scale))
         except RuntimeError as e:
             raise _lib.translated(e) from None
 
@@ -125,3 +128,4 @@ class Kernels:
             return self._reduce_scatter_f32(parts, self.comm_id, self._codes["reduce_scatter"][algo])
         except RuntimeError as e:
             raise _lib.translated(e) from None
+
