@@ -112,7 +112,8 @@ def _extension():
     gpu_home = ROCM_HOME if rocm else os.environ.get("CUDA_HOME") or CUDA_HOME
     gpu_include = os.path.join(gpu_home, "include")
     clang = None if rocm else os.environ.get("TPCOMM_CUDA_CLANG")
-    sources = ["csrc/binding/ops.cpp"] if clang else [KERNEL_SOURCE, "csrc/binding/ops.cpp"]
+    binding = ["csrc/binding/ops.cpp", "csrc/binding/norm_ops.cpp"]
+    sources = binding if clang else [KERNEL_SOURCE, *binding]
     ext = CUDAExtension(
         name="tpcomm._C",
         sources=sources,

@@ -3,8 +3,9 @@
 # tpcomm kernel and band (scripts/sanitize_ranks.py lists the cases: all_reduce
 # packet/line/bulk, all_gather packet flat and general/line/bulk,
 # reduce_scatter packet/bulk in both output dtypes, the fused norm family's
-# patterns spread and in place and its FP8 epilogues), on one GPU: the ranks share it, rank 0 runs under the tool and
-# the others plain. World 2 runs the one-shot bulk all-reduce, world 3 the
+# RMSNorm and LayerNorm patterns spread and in place, with biases and residual
+# scales, and its FP8 epilogues), on one GPU: the ranks share it, rank 0 runs
+# under the tool and the others plain. World 2 runs the one-shot bulk all-reduce, world 3 the
 # two-shot ones and the general (n > 2) paths of the rest; the streamed
 # reduce-scatter and all-gather run at both.
 #

@@ -197,9 +197,10 @@ def test_fused_kernel_switch_is_part_of_the_agreed_configuration(monkeypatch):
 def test_internal_op_schema_and_fake():
     tpcomm.load()
     schema = torch.ops._tpcomm.all_reduce_norm_out.default._schema
-    assert str(schema) == ("_tpcomm::all_reduce_norm_out(Tensor input, Tensor residual, Tensor weight, "
+    assert str(schema) == ("_tpcomm::all_reduce_norm_out(Tensor input, Tensor residual, Tensor? weight, "
                            "Tensor? next_weight, float eps, float next_eps, float weight_offset, int pattern, "
-                           "Tensor(a!) normed, Tensor(b!) stream_out, int comm_id) -> ()")
+                           "Tensor(a!) normed, Tensor(b!) stream_out, int comm_id, Tensor? bias=None, "
+                           "Tensor? next_bias=None, float residual_scale=1.) -> ()")
     written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["normed", "stream_out"]
     with _testing.stand_in(2) as comm, FakeTensorMode():
@@ -209,6 +210,11 @@ def test_internal_op_schema_and_fake():
             out = torch.ops._tpcomm.all_reduce_norm_out(x, torch.empty_like(x), w, next_weight, 1e-6, 1e-6, 1.0,
                                                         pattern, torch.empty_like(x), torch.empty_like(x),
                                                         comm.comm_id)
+            assert out is None
+        for pattern, next_weight in ((3, None), (4, None), (5, w)):  # a LayerNorm's optional vectors, and m
+            out = torch.ops._tpcomm.all_reduce_norm_out(x, torch.empty_like(x), None, next_weight, 1e-6, 1e-6, 0.0,
+                                                        pattern, torch.empty_like(x), torch.empty_like(x),
+                                                        comm.comm_id, w, None, 0.5)
             assert out is None
 
 

@@ -31,10 +31,10 @@
  * then their squared distances from that mean, from registers (LayerNorm).
  * So every rank with the same residual computes the same bits. Nothing is
  * rounded before the outputs: each is the fp32 reference
- * (tpcomm.reference.reference_all_reduce_norm) rounded once; every add after
- * a product is tpc_add_rn so that the compiler does not contract them into
- * an fma the reference does not do (m = 1 multiplies exactly: the bits of no
- * m). A thread reads and writes only its own units, and writes them last, so
+ * (tpcomm.reference.reference_all_reduce_norm) rounded once; m*s is
+ * tpc_mul_rn and every other add after a product tpc_add_rn, so that the
+ * compiler does not contract them into an fma the reference does not do
+ * (m = 1 multiplies exactly: the bits of no m). A thread reads and writes only its own units, and writes them last, so
  * out may be the input and out2 the residual (the in-place variant).
  *
  * 16-bit dtypes only: a unit holds 4 values. A row holds at most
@@ -135,30 +135,27 @@ TPC_DEVICE float tpc_norm_value(float v, float mean, float scale, float w, float
   return LAYER ? tpc_add_rn((v - mean) * scale * w, b) : v * scale * w;
 }
 
-/* The row's rsqrt(mean(v^2) + eps) (RMSNorm; *mean = 0) or, with *mean =
- * mean(v), rsqrt(mean((v - mean)^2) + eps) (LayerNorm: a second block sum,
- * of the centred squares from registers), over this thread's valid units of
- * v. Every thread of the block calls it; *broken as tpc_block_sum's. */
-template <bool LAYER>
-TPC_DEVICE float tpc_norm_scale(const float (&v)[TPC_NORM_UNITS][4], unsigned t, unsigned data_threads,
-                                uint64_t row_units, float inv_n, float eps, int failed, int *broken, unsigned *sums,
-                                float *mean) {
+/* A LayerNorm's rsqrt(mean((v - mean)^2) + eps), with *mean = mean(v), over
+ * this thread's valid units of v: two block sums, the values and then their
+ * squared distances from the mean, from registers. Every thread of the block
+ * calls it; *broken as tpc_block_sum's. (An RMSNorm sums its squares in the
+ * loop that makes v.) */
+TPC_DEVICE float tpc_layer_norm_scale(const float (&v)[TPC_NORM_UNITS][4], unsigned t, unsigned data_threads,
+                                      uint64_t row_units, float inv_n, float eps, int failed, int *broken,
+                                      unsigned *sums, float *mean) {
   float part = 0.0f;
-  int broken_mean = 0;
-  *mean = 0.0f;
-  if (LAYER) {
 #pragma unroll
-    for (int k = 0; k < TPC_NORM_UNITS; ++k)
-      if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
-        for (int j = 0; j < 4; ++j) part += v[k][j];
-    *mean = tpc_block_sum(part, failed, &broken_mean, (*sums)++) * inv_n;
-    part = 0.0f;
-  }
+  for (int k = 0; k < TPC_NORM_UNITS; ++k)
+    if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
+      for (int j = 0; j < 4; ++j) part += v[k][j];
+  int broken_mean = 0;
+  *mean = tpc_block_sum(part, failed, &broken_mean, (*sums)++) * inv_n;
+  part = 0.0f;
 #pragma unroll
   for (int k = 0; k < TPC_NORM_UNITS; ++k)
     if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
       for (int j = 0; j < 4; ++j) {
-        const float d = LAYER ? v[k][j] - *mean : v[k][j];
+        const float d = v[k][j] - *mean;
         part += d * d;
       }
   const float total = tpc_block_sum(part, failed, broken, (*sums)++);
@@ -206,7 +203,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const uint64_t rows = a.nbytes / a.row_bytes;
   const float inv_n = 1.0f / (float)(row_units * 4);
   const float m = a.residual_scale;
-  const uint2 *in = (const uint2 *)a.in;
+  const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual;
   uint2 *out2 = (uint2 *)a.out2;
   const int spread = gridDim.x > rows; /* the same in every block */
 
@@ -230,23 +227,28 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
 
     /* v: z (add_first) or s, then o; what the first norm normalises */
     float v[TPC_NORM_UNITS][4];
+    float squares = 0.0f; /* an RMSNorm's */
 #pragma unroll
     for (int k = 0; k < TPC_NORM_UNITS; ++k) {
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
       tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, v[k]);
-      if (add_first) {
-        float r[4];
-        tpc_norm_load(a.residual, base + u, a.dtype, -0.0f, r);
-        for (int j = 0; j < 4; ++j) v[k][j] = tpc_add_rn(r[j], m * v[k][j]);
+      if (add_first) { /* m*s rounded, then + r */
+        for (int j = 0; j < 4; ++j) v[k][j] = tpc_mul_rn(m, v[k][j]);
+        const uint2 r = residual[base + u];
+        const uint32_t words[2] = {r.x, r.y};
+        tpc_accumulate(v[k], words, 2, a.dtype);
       }
+      if (!layer)
+        for (int j = 0; j < 4; ++j) squares += v[k][j] * v[k][j];
     }
 
     int broken = 0;
-    float mean;
-    const float scale = tpc_norm_scale<layer>(v, t, data_threads, row_units, inv_n, a.eps, op.failed, &broken, &sums,
-                                              &mean);
+    float mean = 0.0f;
+    const float scale = layer ? tpc_layer_norm_scale(v, t, data_threads, row_units, inv_n, a.eps, op.failed, &broken,
+                                                     &sums, &mean)
+                              : rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
     uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
     if constexpr (add_first) {
 #pragma unroll
@@ -264,13 +266,14 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       }
     } else {
       /* o = r + m * norm(s), kept in v */
+      float squares2 = 0.0f; /* an RMSNorm's, of o */
 #pragma unroll
       for (int k = 0; k < TPC_NORM_UNITS; ++k) {
         const uint64_t u = t + (uint64_t)k * data_threads;
         if (t >= data_threads || u >= row_units) continue;
         float w[4], b[4], r[4];
         tpc_norm_affine<layer>(a, a.weight, a.bias, u, w, b);
-        tpc_norm_load(a.residual, base + u, a.dtype, -0.0f, r);
+        tpc_norm_load(residual, base + u, a.dtype, -0.0f, r);
         for (int j = 0; j < 4; ++j)
           v[k][j] = tpc_add_rn(r[j], m * tpc_norm_value<layer>(v[k][j], mean, scale, w[j], b[j]));
         if constexpr (!second) {
@@ -278,14 +281,18 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
           tpc_round(v[k], o, 2, a.dtype);
           out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(o[0], o[1]);
           tpc_norm_put<QUANT>(a, base + u, o, broken, v[k], &amax);
+        } else if (!layer) {
+          for (int j = 0; j < 4; ++j) squares2 += v[k][j] * v[k][j];
         }
       }
       if constexpr (second) {
         /* the second norm, over o, in the same fixed order */
         int broken2 = 0;
-        float mean2;
-        const float scale2 = tpc_norm_scale<layer>(v, t, data_threads, row_units, inv_n, a.next_eps, op.failed,
-                                                   &broken2, &sums, &mean2);
+        float mean2 = 0.0f;
+        const float scale2 =
+            layer ? tpc_layer_norm_scale(v, t, data_threads, row_units, inv_n, a.next_eps, op.failed, &broken2, &sums,
+                                         &mean2)
+                  : rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
         broken |= broken2;
 #pragma unroll
         for (int k = 0; k < TPC_NORM_UNITS; ++k) {

@@ -308,6 +308,17 @@ TPC_DEVICE float tpc_add_rn(float a, float b) {
 #endif
 }
 
+/* a * b rounded once, never fused with an add that follows into an fma: the
+ * fused norm's z = r + m*s, where the add is tpc_accumulate's plain `+`. */
+TPC_DEVICE float tpc_mul_rn(float a, float b) {
+#ifdef TPC_HIP
+#pragma clang fp contract(off)
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 /* v of the lane whose index differs from this one's in the bits of `mask`
  * (within 32 lanes); every lane of the warp takes part. */
 TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {

@@ -33,9 +33,9 @@ one launch of it (csrc/kernels/all_reduce_norm.cuh, route "fused") where
 ADD_NORM would: fp16/bf16, every weight of the input's dtype, the input
 within the packet cap, a row of at most TPC_NORM_MAX_ROW_BYTES,
 Config.fused_kernel on (tpcomm.routing.norm_pattern decides). Its stream
-output is the reference bit for bit for ADD_NORM and within 1 ulp for the
-others (o takes the norm of s, whose mean of squares the kernel sums in
-another order), its normed output within 1 ulp. ADD_NORM with weight_offset
+output is the reference bit for bit for ADD_NORM and ADD_LAYER_NORM and
+within 1 ulp for the others (o takes the norm of s, whose sums the kernel
+takes in another order), its normed output within 1 ulp. ADD_NORM with weight_offset
 0 and m = 1 is Communicator.all_reduce_add_rms_norm, whose "split" route
 also takes prefill sizes. Anything else runs "unfused": the all-reduce in
 fp32 through the Communicator's route (uncounted: the call counts once,

@@ -106,15 +106,18 @@ class Case(NamedTuple):
 def cases(comm, rank, world, route, inner=(None,)):
     """Every pattern x its vectors (RMS_VECTORS, LAYER_VECTORS) x dtype
     (bfloat16, float16) x shape of SHAPES x item of `inner` (enum members,
-    named in `what`), in that order, each with a seed of its own and m =
-    SCALES[seed % 3]; route(comm, pattern, x, weight, nw, offset, bias, nb, m)
+    named in `what`), in that order (a LayerNorm pattern's vectors and shapes
+    each in one of the dtypes, alternately), each with a seed of its own and
+    m = SCALES[seed % 3]; route(comm, pattern, x, weight, nw, offset, bias, nb, m)
     asserted "fused" before each is yielded."""
     seed = 0
     for pattern in Pattern:
         layer = pattern in LAYER_NORM
-        for has_weight, has_bias, offset in LAYER_VECTORS if layer else RMS_VECTORS:
-            for dtype in (torch.bfloat16, torch.float16):
-                for shape in SHAPES:
+        for v, (has_weight, has_bias, offset) in enumerate(LAYER_VECTORS if layer else RMS_VECTORS):
+            for d, dtype in enumerate((torch.bfloat16, torch.float16)):
+                for s, shape in enumerate(SHAPES):
+                    if layer and (v + d + s) % 2:
+                        continue  # a LayerNorm's vectors x shapes in one dtype each, alternately: half the cases
                     for item in inner:
                         seed += 1
                         x = rank_input(shape, dtype, seed, rank)

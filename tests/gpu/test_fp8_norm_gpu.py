@@ -104,7 +104,7 @@ def body_epilogues(rank, world):
 
 
 def test_fp8_epilogues_on_the_fused_kernel():
-    multiproc.run_gpu(body_epilogues, timeout=600)
+    multiproc.run_gpu(body_epilogues, timeout=900)  # 108 cases x 3 modes, each twice
 
 
 def body_rows(rank, world):

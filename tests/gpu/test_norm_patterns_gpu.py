@@ -59,4 +59,4 @@ def body_patterns(rank, world):
 
 
 def test_norm_patterns_on_the_fused_kernel():
-    multiproc.run_gpu(body_patterns, timeout=300)
+    multiproc.run_gpu(body_patterns, timeout=600)  # 108 cases, each twice
