@@ -183,24 +183,26 @@ class _GlooKernels:
         self.ran.append(("reduce_scatter_f32", algo))
         return rank_order_sum(self._every(parts)).chunk(dist.get_world_size())[dist.get_rank()].contiguous()
 
-    def _norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, offset):
+    def _norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, offset, **vectors):
         normed, stream = reference_all_reduce_norm(self._every(x), residual, weight, eps, pattern, offset,
-                                                   next_weight, next_eps)
+                                                   next_weight, next_eps, **vectors)  # bias, next_bias, residual_scale
         if self.broken:
             normed = (normed.view(torch.int16) + 3).view(normed.dtype)
         return normed, stream
 
-    def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, offset, normed, stream_out):
+    def all_reduce_norm(self, pattern, x, residual, weight, next_weight, eps, next_eps, offset, normed, stream_out,
+                        bias=None, next_bias=None, residual_scale=1.0):
         self.ran.append(("fused", None))
-        n, s = self._norm(pattern, x, residual, weight, next_weight, eps, next_eps, offset)
+        n, s = self._norm(pattern, x, residual, weight, next_weight, eps, next_eps, offset, bias=bias,
+                          next_bias=next_bias, residual_scale=residual_scale)
         normed.copy_(n)
         stream_out.copy_(s)
 
     def all_reduce_norm_quant(self, pattern, quant, x, residual, weight, next_weight, eps, next_eps, offset, floor,
-                              normed, stream_out, codes, scales):
+                              normed, stream_out, codes, scales, bias=None, next_bias=None, residual_scale=1.0):
         self.ran.append(("fused", quant))
         n, s = reference_all_reduce_norm(self._every(x), residual, weight, eps, pattern, offset, next_weight,
-                                         next_eps)
+                                         next_eps, bias=bias, next_bias=next_bias, residual_scale=residual_scale)
         c, sc = fp8.quantize_checked(n, quant, scales if quant == fp8.Quant.PER_TENSOR else None, floor, False)
         if self.broken:
             c.view(torch.uint8).view(-1)[5] ^= 1

@@ -96,8 +96,8 @@ def make_norm_case(backend, op, x0, res, case_type):
             q, floor = fp8.check_args(quant, x, scale)
 
             def call(return_normed=False):  # norm_fp8's body on a route of our choosing
-                return norm_fp8._run(comm, route, Pattern.ADD_NORM, q, x, residual, weight, None, EPS, 0.0, 0.0,
-                                     scale, floor, False, return_normed)
+                return norm_fp8._run(comm, route, Pattern.ADD_NORM, q, x, residual, (weight, None, None, None), EPS,
+                                     0.0, 0.0, 1.0, scale, floor, False, return_normed)
         else:
             def call():
                 return add_rms_norm.run(comm, route, x, residual, weight, EPS, False)
