@@ -186,6 +186,27 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
   tpc_fp8_keep(n, a.dtype, x, amax);
 }
 
+/* Every unit of this thread: the norm of v (with this weight, bias, mean and
+ * scale) to the normed output, v itself rounded to the stream output. */
+template <bool LAYER, int QUANT>
+TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, const void *bias,
+                               float (&v)[TPC_NORM_UNITS][4], float mean, float scale, uint64_t base,
+                               uint64_t row_units, unsigned t, unsigned data_threads, int broken, uint32_t *amax) {
+#pragma unroll
+  for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+    const uint64_t u = t + (uint64_t)k * data_threads;
+    if (t >= data_threads || u >= row_units) continue;
+    float w[4], b[4], normed[4];
+    tpc_norm_affine<LAYER>(a, weight, bias, u, w, b);
+    for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<LAYER>(v[k][j], mean, scale, w[j], b[j]);
+    uint32_t n[2], s[2];
+    tpc_round(normed, n, 2, a.dtype);
+    tpc_round(v[k], s, 2, a.dtype);
+    ((uint2 *)a.out2)[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
+    tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], amax);
+  }
+}
+
 template <int PATTERN, int QUANT>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
@@ -251,19 +272,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                               : rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
     uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
     if constexpr (add_first) {
-#pragma unroll
-      for (int k = 0; k < TPC_NORM_UNITS; ++k) {
-        const uint64_t u = t + (uint64_t)k * data_threads;
-        if (t >= data_threads || u >= row_units) continue;
-        float w[4], b[4], normed[4];
-        tpc_norm_affine<layer>(a, a.weight, a.bias, u, w, b);
-        for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<layer>(v[k][j], mean, scale, w[j], b[j]);
-        uint32_t n[2], s[2];
-        tpc_round(normed, n, 2, a.dtype);
-        tpc_round(v[k], s, 2, a.dtype);
-        out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
-        tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
-      }
+      tpc_norm_write<layer, QUANT>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken, &amax);
     } else {
       /* o = r + m * norm(s), kept in v */
       float squares2 = 0.0f; /* an RMSNorm's, of o */
@@ -294,19 +303,8 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                          &mean2)
                   : rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
         broken |= broken2;
-#pragma unroll
-        for (int k = 0; k < TPC_NORM_UNITS; ++k) {
-          const uint64_t u = t + (uint64_t)k * data_threads;
-          if (t >= data_threads || u >= row_units) continue;
-          float w[4], b[4], normed[4];
-          tpc_norm_affine<layer>(a, a.next_weight, a.next_bias, u, w, b);
-          for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<layer>(v[k][j], mean2, scale2, w[j], b[j]);
-          uint32_t n[2], s[2];
-          tpc_round(normed, n, 2, a.dtype);
-          tpc_round(v[k], s, 2, a.dtype);
-          out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
-          tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], &amax);
-        }
+        tpc_norm_write<layer, QUANT>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t, data_threads,
+                                     broken, &amax);
       }
     }
     if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
