@@ -4,7 +4,7 @@
  *   control: by the control warp before tpc_op_begin's handoff
  *            (tpc_stream_op_begin: what the kernels do);
  *   data:    by data threads 0..7 after the handoff, before the block barrier
- *            in tpc_bulk_acquire (how the kernels once started).
+ *            in tpc_bulk_acquire (the other order).
  * Everything else is the kernels' own code: the op begins (the control warp
  * hands the control slot to the block with bar.arrive), tpc_bulk_acquire
  * waits for the peer's release (one lane of warp 0 polls, then the block

@@ -143,8 +143,8 @@ typedef struct {
   void *out2;                 /* the stream output: z (ADD_NORM) or o */
   float eps;
   int32_t out_f32;            /* reduce_scatter: out holds the fp32 sums, not rounded to the dtype */
-  /* Appended after every other field, so that no other kernel's parameter
-   * offsets move (their machine code stays as it was). */
+  /* After every other kernel's fields: their parameter offsets do not
+   * depend on the fused norm's. */
   const void *next_weight;    /* NORM_ADD_NORM: the second norm's weight, one row; NULL otherwise */
   float next_eps;             /* NORM_ADD_NORM: the second norm's eps */
   int32_t pattern;            /* a tpc_norm_pattern: the launch picks the kernel's instantiation by it */

@@ -53,7 +53,7 @@
 #ifndef TPCOMM_ALL_REDUCE_QUANT_CUH
 #define TPCOMM_ALL_REDUCE_QUANT_CUH
 
-#include "all_reduce.cuh"
+#include "two_shot.cuh"
 #include "quant_steps.cuh"
 
 typedef struct {
@@ -165,7 +165,7 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
   }
 }
 
-/* The two-shot's schedule and counts (tpc_two_shot_run, all_reduce.cuh),
+/* The two-shot's schedule and counts (tpc_two_shot_run, two_shot.cuh),
  * with the quantized phases, one instantiation per 16-bit dtype and mode
  * (launch.cu picks it from the op's dtype and algorithm). */
 template <int Dtype, int Mode>

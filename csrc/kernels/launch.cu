@@ -161,8 +161,7 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
     return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
   /* the streamed two-shot (three ranks or more), its steps laid over one rank's chunk */
   return tpc_launch(tpc_all_reduce_bulk_kernel,
-                    tpc_stream_geometry((args->nbytes / 16 + (uint64_t)args->world - 1) / (uint64_t)args->world), args,
-                    stream);
+                    tpc_stream_geometry(tpc_two_shot_chunk(args->nbytes / 16, args->world)), args, stream);
 }
 
 extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void *stream) {

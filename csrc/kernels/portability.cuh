@@ -36,6 +36,8 @@
 #endif
 
 #define TPC_DEVICE static __device__ __forceinline__
+/* Arithmetic the launch and the kernels share (one statement of a rule). */
+#define TPC_HOST_DEVICE static __host__ __device__ __forceinline__
 /* Rare paths (recording an error, refusing an op, the epoch wrap): one
  * out-of-line copy, so the hot path of every kernel stays a few hundred
  * instructions and its first run on each SM misses the instruction cache less. */

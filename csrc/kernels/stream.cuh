@@ -44,9 +44,9 @@
  * operations at block scope on the same aligned word, which the PTX memory
  * model never counts as a data race; racecheck models barriers, not
  * release/acquire pairs, and reports every such pair (scripts/sanitize.sh
- * accepts these and nothing else). Zeroed by data threads after the
- * handoff instead, as they once were, the counts drew reports of the
- * zeroing against the control warp's first acquire too, although the block
+ * accepts these and nothing else). Zeroing the counts by data threads after
+ * the handoff instead draws reports of the zeroing against the control
+ * warp's first acquire too, although the block
  * barrier in tpc_bulk_acquire orders the two: racecheck makes them where a
  * lane of the zeroing warp reaches that barrier after the rest of its warp
  * (the wait for a peer's release) in a block whose control warp passed the
