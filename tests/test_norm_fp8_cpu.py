@@ -144,8 +144,7 @@ def test_route_is_the_patterns_fused_route_on_cuda_builds_only():
     for pattern in Pattern:
         nw = w if pattern in NEXT_NORM else None
         for offset in (0.0, 1.0):
-            want = "fused" if pattern in routing.FUSED_PATTERNS else "unfused"
-            assert norm_fp8.route(c, pattern, decode, w, nw, offset) == want, (pattern, offset)
+            assert norm_fp8.route(c, pattern, decode, w, nw, offset) == "fused", (pattern, offset)
             assert norm_fp8.route(c, pattern, prefill, w, nw, offset) == "unfused"  # "split" for ADD_NORM, w
             assert norm_fp8.route(routing_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
             assert norm_fp8.route(routing_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
@@ -186,8 +185,8 @@ def test_fused_route_hands_the_kernel_its_outputs_and_counts_once():
     residual = torch.randn(4, 256, dtype=torch.bfloat16)
     w, nw = torch.randn(256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16)
     scale = torch.tensor(0.5)
-    calls, fused = 0, [p for p in Pattern if p in routing.FUSED_PATTERNS]
-    for pattern in fused:
+    calls = 0
+    for pattern in Pattern:
         next_weight = nw if pattern in NEXT_NORM else None
         for quant in Quant:
             for column_major in ((False,) if quant == Quant.PER_TENSOR else (False, True)):
@@ -215,8 +214,8 @@ def test_fused_route_hands_the_kernel_its_outputs_and_counts_once():
                         assert out.scales.shape == (4, groups) and bool((out.scales == 4).all())
                         assert out.scales.stride() == ((1, 4) if column_major else (groups, 1))
     assert len(c._kernels.calls) == calls
-    n = calls // len(fused)
-    assert c.stats() == {(STATS_KEY[p], "fused"): {"calls": n, "bytes": n * x.numel() * 2} for p in fused}
+    n = calls // len(Pattern)
+    assert c.stats() == {(STATS_KEY[p], "fused"): {"calls": n, "bytes": n * x.numel() * 2} for p in Pattern}
 
 
 # -------------------------------------------------------------- errors

@@ -193,8 +193,8 @@ def test_reference_layer_norm_is_torchs():
 
 
 def test_routes_of_the_new_members():
-    """The fused kernel family takes the patterns of routing.FUSED_PATTERNS,
-    m = 1 unless routing.FUSED_RESIDUAL_SCALE; ADD_NORM with m != 1 is never
+    """The fused kernel family takes every pattern, with any residual scale;
+    ADD_NORM with m != 1 is never
     all_reduce_add_rms_norm's "split"; a bias of another dtype stays unfused."""
     bf16 = torch.bfloat16
     for add_norm in ("fused", "split", "unfused", "single rank"):
@@ -204,15 +204,13 @@ def test_routes_of_the_new_members():
                 if pattern == Pattern.ADD_NORM and m == 1.0:
                     assert got == add_norm
                 else:
-                    fusable = int(pattern) in routing.FUSED_PATTERNS and (m == 1.0 or routing.FUSED_RESIDUAL_SCALE)
-                    assert got == ("fused" if add_norm == "fused" and fusable else "unfused"), (add_norm, pattern, m)
+                    assert got == ("fused" if add_norm == "fused" else "unfused"), (add_norm, pattern, m)
     assert routing.norm_pattern("fused", Pattern.ADD_LAYER_NORM, 0.0, bf16, None, torch.float32) == "unfused"
     c, w = routing_comm(), meta((4096,))
     decode, prefill = meta((8, 4096)), meta((130, 4096))
     assert norm_patterns.route(c, Pattern.ADD_NORM, prefill, w, None, 0.0, residual_scale=0.5) == "unfused"
     for pattern in LAYER_NORM:
-        want = "fused" if int(pattern) in routing.FUSED_PATTERNS else "unfused"
-        assert norm_patterns.route(c, pattern, decode, None, None, 0.0, w) == want
+        assert norm_patterns.route(c, pattern, decode, None, None, 0.0, w) == "fused"
         assert norm_patterns.route(c, pattern, prefill, w, None, 0.0) == "unfused"
 
 

@@ -28,10 +28,10 @@ the same bits on every rank. tpcomm.reference.reference_all_reduce_norm is
 the definition the tests hold the op to. Pattern is csrc/tpcomm.h's
 tpc_norm_pattern.
 
-The patterns the fused kernel family takes (routing.FUSED_PATTERNS) run in
-one launch of it (csrc/kernels/all_reduce_norm.cuh, route "fused") where
-ADD_NORM would: fp16/bf16, every weight of the input's dtype, the input
-within the packet cap, a row of at most TPC_NORM_MAX_ROW_BYTES,
+Every pattern runs in one launch of the fused kernel family
+(csrc/kernels/all_reduce_norm.cuh, route "fused") where ADD_NORM would:
+fp16/bf16, every weight of the input's dtype, the input within the packet
+cap and the routing table's fused_norm_max_bytes, a row of at most TPC_NORM_MAX_ROW_BYTES,
 Config.fused_kernel on (tpcomm.routing.norm_pattern decides). Its stream
 output is the reference bit for bit for ADD_NORM and ADD_LAYER_NORM and
 within 1 ulp for the others (o takes the norm of s, whose sums the kernel

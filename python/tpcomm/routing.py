@@ -248,18 +248,11 @@ def fused_norm_max(routes):
     return row[0][0] if row else math.inf
 
 
-# The patterns (tpcomm.norm_patterns.Pattern) the fused kernel family
-# instantiates (launch.cu: every one), and whether it takes a residual scale other than 1.
-FUSED_PATTERNS = (C.TPC_PATTERN_ADD_NORM, C.TPC_PATTERN_NORM_ADD, C.TPC_PATTERN_NORM_ADD_NORM,
-                  C.TPC_PATTERN_ADD_LAYER_NORM, C.TPC_PATTERN_LAYER_NORM_ADD, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)
-FUSED_RESIDUAL_SCALE = True
-
-
 def norm_pattern(add_norm_route, pattern, weight_offset, dtype, *vector_dtypes, residual_scale=1.0):
     """How fusion pattern `pattern` (tpcomm.norm_patterns.Pattern) with this
     weight offset runs, from add_norm_route, what add_rms_norm() gives
-    all_reduce_add_rms_norm of the same input and weight: the patterns of
-    FUSED_PATTERNS run on the fused kernel family where ADD_NORM would
+    all_reduce_add_rms_norm of the same input and weight: every pattern runs
+    on the fused kernel family (launch.cu instantiates each) where ADD_NORM would
     ("fused"; vector_dtypes, those of the next weight and the biases where
     given, None where not, all the input's dtype); ADD_NORM with weight w and
     residual_scale 1 is all_reduce_add_rms_norm itself, "split" included; the
@@ -267,8 +260,7 @@ def norm_pattern(add_norm_route, pattern, weight_offset, dtype, *vector_dtypes, 
     unit = residual_scale == 1.0
     if int(pattern) == C.TPC_PATTERN_ADD_NORM and not weight_offset and unit:
         return add_norm_route
-    if (add_norm_route == "fused" and int(pattern) in FUSED_PATTERNS and (unit or FUSED_RESIDUAL_SCALE)
-            and all(d in (None, dtype) for d in vector_dtypes)):
+    if add_norm_route == "fused" and all(d in (None, dtype) for d in vector_dtypes):
         return "fused"
     return "unfused"
 
