@@ -41,12 +41,16 @@ def slowest_rank_us(fn, calls=10, replays=20, warmup=1):
     return round(max(worst), 2)
 
 
-def write(out, rows, world):
-    """rows, with the GPU, driver, torch, NCCL, world size, date and method, as JSON in out."""
-    env = {"gpu": torch.cuda.get_device_name(), "driver": driver(), "torch": torch.__version__,
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "world_size": world,
-           "date": datetime.date.today().isoformat(),
-           "method": "CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, us per call"}
+def environment(method, **extra):
+    """A result file's environment: GPU, driver, torch, NCCL, date, how it was
+    measured, and what else the benchmark adds."""
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver(), "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": datetime.date.today().isoformat(),
+            "method": method, **extra}
+
+
+def write(out, rows, env):
+    """rows with their environment, as JSON in out."""
     with open(out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 
@@ -60,7 +64,8 @@ def print_row(rank, label, row):
 def finish(comm, rank, world, rows, out):
     """Rank 0 writes the rows to out (if given); every rank closes comm and leaves the group."""
     if rank == 0 and out:
-        write(out, rows, world)
+        write(out, rows, environment("CUDA graph of 10 back-to-back calls, median over 20 replays, slowest rank, "
+                                     "us per call", world_size=world))
     comm.close()
     dist.destroy_process_group()
 

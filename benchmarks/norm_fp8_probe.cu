@@ -1,5 +1,5 @@
 /*
- * The FP8 epilogue's local cost on one GPU (issue 48 item 5): the fused
+ * The FP8 epilogue's local cost on one GPU: the fused
  * all-reduce + add + RMSNorm kernel (launch.cu's tpc_launch_all_reduce_norm,
  * ADD_NORM, bf16) without an epilogue and with each (per_tensor, per_token,
  * per_token_group), at 8, 32 and 256 tokens of 4096 and 8192 values.

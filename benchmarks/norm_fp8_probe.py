@@ -1,4 +1,4 @@
-"""The FP8 epilogue's local cost on one GPU (issue 48 item 5): the fused
+"""The FP8 epilogue's local cost on one GPU: the fused
 all-reduce + add + RMSNorm kernel with each FP8 epilogue against the same
 kernel without it followed by the separate quantization kernel a torch model
 runs.
@@ -26,9 +26,7 @@ stream, the median over REPLAYS replays, µs per call:
 """
 import argparse
 import ctypes
-import datetime
 import functools
-import json
 import os
 import statistics
 import subprocess
@@ -108,6 +106,16 @@ def compiled_quantize():
     return torch.compile(fp8.quantize_checked, dynamic=True)
 
 
+def scale_and_floor(quant):
+    """(scale, floor) of a mode's quantization: the given scale of per_tensor,
+    the default floor of the dynamic modes."""
+    from tpcomm import fp8
+
+    if quant == fp8.Quant.PER_TENSOR:
+        return torch.tensor([PER_TENSOR_SCALE], device="cuda"), None
+    return None, fp8.DEFAULT_FLOOR[quant]
+
+
 def same_bits(a, b):
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -123,8 +131,7 @@ def quant_rows(shapes, ranks):
         row = {"us": {}, "matches_eager": {}}
         for name in MODES:
             quant = fp8.parse_quant(name)
-            scale = torch.tensor([PER_TENSOR_SCALE], device="cuda") if quant == fp8.Quant.PER_TENSOR else None
-            floor = None if scale is not None else fp8.DEFAULT_FLOOR[quant]
+            scale, floor = scale_and_floor(quant)
             fns = [lambda x=x: quantize(x, quant, scale, floor, False) for x in xs]
             codes, scales = fns[0]()
             want_codes, want_scales = fp8.quantize_checked(xs[0], quant, scale, floor, False)
@@ -174,8 +181,7 @@ def one_graph_rows(lib, shapes, ranks):
         us = {"fused": graph_us(plain)}
         for name in MODES:
             quant = fp8.parse_quant(name)
-            scale = torch.tensor([PER_TENSOR_SCALE], device="cuda") if quant == fp8.Quant.PER_TENSOR else None
-            floor = None if scale is not None else fp8.DEFAULT_FLOOR[quant]
+            scale, floor = scale_and_floor(quant)
             lib.nfp_set(tokens, hidden, quant_of[name], None)
             us[f"fused + {name} epilogue"] = graph_us(plain)
             lib.nfp_set(tokens, hidden, quant_of["none"], ptrs)
@@ -216,15 +222,13 @@ def main():
         rows.append({"tokens": tokens, "hidden": hidden, "us": us,
                      "probe_us": {name: probe[(tokens, hidden, name)] for name in ("none",) + MODES},
                      "quant_matches_eager": alone[(tokens, hidden)]["matches_eager"]})
-    env = {"gpu": torch.cuda.get_device_name(), "driver": graph_timing.driver(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "nvcc": nvcc_version(), "ranks": args.ranks,
-           "gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(), "probe": header,
-           "method": f"{args.ranks} ranks side by side on GPU 0 (benchmarks/norm_fp8_probe.cu), each rank's calls "
-                     f"on its own stream in one CUDA graph, {CALLS} calls a stream, median of {REPLAYS} replays; "
-                     "the quantization kernel is tpcomm.fp8.quantize_checked compiled by inductor"}
+    env = graph_timing.environment(
+        f"{args.ranks} ranks side by side on GPU 0 (benchmarks/norm_fp8_probe.cu), each rank's calls on its own "
+        f"stream in one CUDA graph, {CALLS} calls a stream, median of {REPLAYS} replays; the quantization kernel "
+        "is tpcomm.fp8.quantize_checked compiled by inductor",
+        cuda=torch.version.cuda, nvcc=nvcc_version(), ranks=args.ranks, gpus=torch.cuda.device_count(), probe=header)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+        graph_timing.write(args.out, rows, env)
         print(f"wrote {args.out}")
 
 

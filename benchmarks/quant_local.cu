@@ -46,7 +46,7 @@
 #define QL_MAX_RANKS 8
 #define QL_THREADS 256
 #define QL_DTYPE TPC_BFLOAT16
-#define QL_TARGET 0.90 /* of the copy's rate (issue 50) */
+#define QL_TARGET 0.90 /* of the copy's rate: the local work should keep up with memory */
 
 static const int ql_modes[] = {TPC_QUANT_FP8, TPC_QUANT_INT8, TPC_QUANT_INT4};
 static const char *const ql_names[] = {"", "fp8", "int8", "int4"};

@@ -254,7 +254,7 @@ def add_rms_norm_routes():
 
 
 NORM_FP8_MODES = ("per_tensor", "per_token", "per_token_group")
-NORM_FP8_TARGET_PCT = 10.0  # issue 48's target: the epilogue adds at most this much to the fused kernel
+NORM_FP8_TARGET_PCT = 10.0  # the target: the epilogue adds at most this much to the fused kernel
 
 
 def norm_fp8_probe():

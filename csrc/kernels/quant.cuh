@@ -43,9 +43,8 @@
 #define TPC_E4M3_HW 1
 #endif
 
-/* Host and device: the software e4m3 path, so the identity check runs it on
- * the CPU against cuda_fp8.h's host conversion. */
-#define TPC_HOST_DEVICE static __host__ __device__ __forceinline__
+/* The software e4m3 path below is TPC_HOST_DEVICE, so the identity check
+ * runs it on the CPU against cuda_fp8.h's host conversion. */
 
 #define TPC_QUANT_TINY 5.421010862427522e-20f /* 2^-64 */
 #define TPC_QUANT_UNIT_VALUES 8 /* values of a 16-byte unit of a 16-bit dtype */

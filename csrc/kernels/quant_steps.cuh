@@ -14,13 +14,12 @@
 #define TPCOMM_QUANT_STEPS_CUH
 
 #include "quant.cuh"
-#include "stream.cuh"
+#include "two_shot.cuh"
 
-/* C, the units of a chunk: ceil(units / n) rounded up to a group's units.
- * The launch sizes its grid by it, the kernel its slots. */
+/* C, the units of a chunk: the two-shot's chunk rounded up to a group's
+ * units. The launch sizes its grid by it, the kernel its slots. */
 TPC_HOST_DEVICE uint64_t tpc_quant_chunk(uint64_t units, int world) {
-  const uint64_t per_rank = (units + (uint64_t)world - 1) / (uint64_t)world;
-  return (per_rank + TPC_QUANT_LANES - 1) / TPC_QUANT_LANES * TPC_QUANT_LANES;
+  return (tpc_two_shot_chunk(units, world) + TPC_QUANT_LANES - 1) / TPC_QUANT_LANES * TPC_QUANT_LANES;
 }
 
 /* Where the codes of a chunk lie: unit x's payload at payload + x *
