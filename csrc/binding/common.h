@@ -93,7 +93,7 @@ inline uint64_t nan_pattern(ScalarType t) {
     case ScalarType::ComplexHalf: return 0x7e007e007e007e00ull;
     case ScalarType::BFloat16: return 0x7fc07fc07fc07fc0ull;
     case ScalarType::Float8_e4m3fn:
-    case ScalarType::Float8_e5m2: return 0x7f7f7f7f7f7f7f7full;
+    case ScalarType::Float8_e5m2: return TPC_E4M3_NAN_BYTES;  // 0x7f is e5m2's NaN too
     case ScalarType::Float8_e4m3fnuz:
     case ScalarType::Float8_e5m2fnuz: return 0x8080808080808080ull;
     default: return 0;

@@ -232,7 +232,7 @@ tpc_result tpc_all_reduce_norm_quant(tpc_comm *comm, const tpc_norm_spec *norm, 
   tpc_kernel_args a;
   /* the codes take one byte a value: e4m3's NaN bytes poison them, the dtype's NaN the rest */
   fill_args(comm, &a, in, out, nbytes, quantizing ? nbytes / element : nbytes, row_bytes, dtype,
-            TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, quantizing ? 0x7f7f7f7f7f7f7f7full : reduce_nan[dtype]);
+            TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, quantizing ? TPC_E4M3_NAN_BYTES : reduce_nan[dtype]);
   a.residual = residual;
   a.weight = norm->weight;
   a.bias = norm->bias;

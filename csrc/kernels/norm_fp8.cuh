@@ -104,7 +104,7 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
       s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(tpc_warp_max_u32(m), a.scale_floor);
       if (t % 32 == 0) a.scales[row * a.scale_row_stride + (u / 32) * a.scale_group_stride] = s;
     }
-    codes[base + u] = broken ? 0x7f7f7f7fu : tpc_fp8_codes(x[k], s);
+    codes[base + u] = broken ? (uint32_t)TPC_E4M3_NAN_BYTES : tpc_fp8_codes(x[k], s);
   }
 }
 
