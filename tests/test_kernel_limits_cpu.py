@@ -1,9 +1,9 @@
 """The kernels' rules are written once, in csrc/core/limits.c: the check the
 C core runs on every op (tpc_kernel_check on tpc_kernel_limits_of's answer)
 and routing's refusals agree over a grid of ops, kernels, world sizes,
-dtypes, sizes, rows and pointer alignments; routing still takes exactly
-the calls it took when it stated the rules itself; and "bulk" runs the
-one-shot all_reduce at two ranks, the streamed two-shot from three on."""
+dtypes, sizes, rows and pointer alignments (routing asks that check, pointers
+aside); the fused norm's route is the same check of its op; and "bulk" runs
+the one-shot all_reduce at two ranks, the streamed two-shot from three on."""
 import ctypes
 import itertools
 
@@ -12,7 +12,7 @@ import torch
 
 import tpcomm
 from tpcomm import _constants as C
-from tpcomm import _dtypes, _lib, routing
+from tpcomm import _dtypes, _lib, routing, routing_table
 
 KiB, MiB = 1024, 1024 * 1024
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
@@ -81,38 +81,58 @@ def test_the_c_core_takes_exactly_what_routing_takes(lib):
     assert checked > 10000
 
 
-def _before(op, kernel, caps, dtype, nbytes, row):
-    """Whether routing took a call before its rules came from the C core
-    (its own statement of them then), for calls whose row divides the input."""
-    part = nbytes if op != "reduce_scatter" else (nbytes // caps.world_size if nbytes % caps.world_size == 0 else 0)
-    if op == "all_gather":
-        if nbytes == 0 or nbytes % 4 or row % 4:
-            return False
-    elif dtype not in _dtypes.REDUCIBLE or part == 0 or part % 16 or nbytes > caps.max_bytes:
-        return False
-    sixteen = op != "all_gather" or (nbytes % 16 == 0 and row % 16 == 0)
-    if op not in {"packet": routing.OPS, "line": routing.OPS, "two_shot": ("all_reduce",), "bulk": routing.OPS}[kernel]:
-        return False
-    if kernel in ("line", "two_shot") and not (caps.line_kernels and sixteen):
-        return False
-    if kernel == "two_shot" and nbytes <= C.TPC_LINE_STEP_BYTES * (caps.world_size - 1):
-        return False
-    if kernel != "bulk" and part > caps.packet_max_bytes:
-        return False
-    if kernel == "bulk" and op == "all_gather" and (not sixteen or nbytes * caps.world_size > caps.max_bytes):
-        return False
-    return True
+def test_routing_says_the_cores_sentence(lib):
+    """A refusal names the rule in the C core's words; the one rule routing
+    adds (a reduce_scatter splits evenly, before any kernel sees it) and a
+    dtype with no tpc_dtype say so."""
+    caps = _caps(4)[0]
+    assert routing.refusal("all_reduce", "packet", caps, torch.bfloat16, 24) == \
+        "all_reduce of 24 bytes: a positive multiple of 16 is needed (packet kernel)"
+    assert routing.refusal("all_reduce", "packet", caps, torch.bfloat16, 32 * KiB) == \
+        "all_reduce of 32768 bytes is over the packet cap of 16384"
+    assert routing.refusal("reduce_scatter", "bulk", caps, torch.float32, 66) == \
+        "reduce_scatter of 66 bytes does not split into 4 equal parts"
+    assert routing.refusal("all_reduce", "two_shot", caps, torch.float16, 448 * 3) == \
+        "two_shot all_reduce of 1344 bytes: more than 1344 bytes (a warp step of lines per rank) are needed"
+    why = routing.refusal("all_reduce", "bulk", caps, torch.int32, 64)
+    assert why.startswith("torch.int32 is not reduced by tpcomm's kernels") and "float32, float16 or bfloat16" in why
+    assert routing.refusal("all_reduce", "bulk", caps, torch.float32, 4 * MiB) == \
+        "all_reduce of 4194304 bytes is over max_bytes 1048576"
+    assert routing.refusal("all_gather", "line", _caps(4)[1], torch.int32, 64, 64) == \
+        "all_gather: the line kernel is not in this build (CUDA only)"
 
 
-def test_routing_takes_what_it_took_before(lib):
-    for world in WORLDS:
-        for caps, op, kernel, dtype in itertools.product(_caps(world), routing.OPS, routing.KERNELS, DTYPES):
-            for nbytes in _sizes(caps):
-                for row in _rows(op, nbytes):
-                    if op == "all_gather" and (row == 0 or nbytes % row):
-                        continue  # a tensor's rows always divide it
-                    got = routing.refusal(op, kernel, caps, dtype, nbytes, row) is None
-                    assert got == _before(op, kernel, caps, dtype, nbytes, row), (op, kernel, caps, dtype, nbytes, row)
+NORM_ROW = C.TPC_NORM_MAX_ROW_BYTES
+
+
+@pytest.mark.parametrize("world", (2, 3, 8))
+def test_the_fused_norm_takes_what_the_cores_norm_check_takes(lib, world):
+    """all_reduce_add_rms_norm runs fused exactly where the core's check of
+    TPC_OP_ALL_REDUCE_NORM passes (and the routes' fused cap allows): 16-bit
+    floats, rows of 16-byte multiples up to TPC_NORM_MAX_ROW_BYTES, the input
+    within the packet cap; the edges are stated here too."""
+    caps = routing.Caps(world, 4 * MiB, 256 * KiB, True)
+    routes = routing_table.effective_routes(routing_table.load_table(), world)
+    limits = _lib.kernel_limits(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, world, caps.max_bytes,
+                                caps.packet_max_bytes, C.TPC_PLATFORM_CUDA)
+    fused_max = routing.fused_norm_max(routes)
+    checked = fused = 0
+    for dtype in DTYPES:
+        for row in (8, 16, 24, 48, 2048, NORM_ROW - 16, NORM_ROW, NORM_ROW + 16):
+            for rows in (1, 2, world, 64, 256):
+                nbytes = row * rows
+                got = routing.add_rms_norm(routes, caps, True, dtype, dtype, nbytes, row)
+                ptrs = (ctypes.c_void_p * 4)(BASE, BASE + 64 * KiB, BASE + 128 * KiB, BASE + 192 * KiB)
+                code = lib.tpc_kernel_check(ctypes.byref(limits), C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET,
+                                            _dtypes.CODE.get(dtype, 7), nbytes, row, ptrs, 4, None, 0)
+                core = code == _lib.OK and nbytes <= fused_max
+                stated = (dtype in (torch.float16, torch.bfloat16) and row % 16 == 0 and row <= NORM_ROW
+                          and nbytes <= min(caps.packet_max_bytes, fused_max))
+                assert (got == "fused") == core == stated, (dtype, row, rows, got)
+                checked, fused = checked + 1, fused + stated
+    assert checked > 100 and 0 < fused < checked
+    assert routing.add_rms_norm(routes, caps, True, torch.bfloat16, torch.float32, 64, 64) == "unfused"
+    assert routing.add_rms_norm(routes, None, True, torch.bfloat16, torch.bfloat16, 64, 64) == "unfused"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -209,27 +209,31 @@ def test_fallback_order_for_every_band():
 
 
 def test_refusal_names_why():
+    """The C core's sentence (tpc_kernel_check), naming the rule and numbers."""
     caps = routing.Caps(4, 1 * MiB, 64 * KiB, False)
     f32 = torch.float32
     assert routing.refusal("all_reduce", "packet", caps, f32, 1024) is None
-    assert "no line kernels in this build" in routing.refusal("all_reduce", "line", caps, f32, 1024)
+    assert "the line kernel is not in this build (CUDA only)" in routing.refusal("all_reduce", "line", caps, f32, 1024)
     lines = caps._replace(line_kernels=True)
     assert routing.refusal("reduce_scatter", "line", lines, f32, 1024) is None
-    assert "no line kernels in this build" in routing.refusal("all_reduce", "two_shot", caps, f32, 2048)
+    assert "the two_shot kernel is not in this build" in routing.refusal("all_reduce", "two_shot", caps, f32, 2048)
     assert "all_gather has no two_shot kernel" in routing.refusal("all_gather", "two_shot", lines, f32, 2048, 2048)
     assert "reduce_scatter has no two_shot kernel" in routing.refusal("reduce_scatter", "two_shot", lines, f32, 2048)
     # a warp step of lines (448 bytes) for each rank: more than 448 * 3 bytes at 4 ranks
-    assert "two_shot needs more than 1344 bytes" in routing.refusal("all_reduce", "two_shot", lines, f32, 1344)
+    assert "more than 1344 bytes" in routing.refusal("all_reduce", "two_shot", lines, f32, 1344)
     assert routing.refusal("all_reduce", "two_shot", lines, f32, 1360) is None
     assert routing.refusal("all_reduce", "two_shot", lines._replace(world_size=2), f32, 464) is None
-    assert "over packet_max_bytes" in routing.refusal("all_reduce", "two_shot", lines, f32, 64 * KiB + 16)
-    assert "over packet_max_bytes" in routing.refusal("all_reduce", "packet", caps, f32, 128 * KiB)
-    assert "over max_bytes" in routing.refusal("all_reduce", "bulk", caps, f32, 2 * MiB)
-    assert "reduce float32, float16, bfloat16, not torch.int32" in routing.refusal("all_reduce", "bulk", caps,
-                                                                               torch.int32, 64)
-    assert "multiple of 16 bytes" in routing.refusal("reduce_scatter", "bulk", caps, f32, 4 * 20)
-    assert "output of 2097152 bytes" in routing.refusal("all_gather", "bulk", caps, f32, 512 * KiB, 512 * KiB)
-    assert "4-byte units" in routing.refusal("all_gather", "packet", caps, torch.uint8, 6, 6)
+    assert "65552 bytes is over the packet cap of 65536" in routing.refusal("all_reduce", "two_shot", lines, f32,
+                                                                             64 * KiB + 16)
+    assert "over the packet cap of 65536" in routing.refusal("all_reduce", "packet", caps, f32, 128 * KiB)
+    assert "all_reduce of 2097152 bytes is over max_bytes 1048576" in routing.refusal("all_reduce", "bulk", caps, f32,
+                                                                                      2 * MiB)
+    why = routing.refusal("all_reduce", "bulk", caps, torch.int32, 64)
+    assert "torch.int32" in why and "is not float32, float16 or bfloat16" in why
+    assert "a positive multiple of 16 is needed" in routing.refusal("reduce_scatter", "bulk", caps, f32, 4 * 20)
+    assert "all_gather output of 4 x 524288 bytes is over max_bytes 1048576" in routing.refusal(
+        "all_gather", "bulk", caps, f32, 512 * KiB, 512 * KiB)
+    assert "a positive multiple of 4 is needed" in routing.refusal("all_gather", "packet", caps, torch.uint8, 6, 6)
     assert routing.refusal("all_gather", "packet", None, f32, 64, 64) == "the custom path is off"
     with pytest.raises(ValueError, match="no 'fast' kernel"):
         routing.refusal("all_reduce", "fast", caps, f32, 64)

@@ -164,9 +164,12 @@ tpc_result tpc_kernel_check(const tpc_kernel_limits *l, int op, int algo, int dt
                   op == TPC_OP_ALL_GATHER ? " per rank" : "", (unsigned long long)l->packet_cap);
   /* compared as chunk against cap = max_bytes / chunks: chunk * chunks could overflow */
   if (chunk > l->cap)
-    return refuse(TPC_ERR_TOO_LARGE, why, len, "%s%s of %llu x %zu bytes is over the cap of %llu", name,
-                  op == TPC_OP_ALL_GATHER ? " output" : "", (unsigned long long)l->chunks, chunk,
-                  (unsigned long long)l->max_bytes);
+  {
+    char chunks[32] = "";
+    if (l->chunks > 1) snprintf(chunks, sizeof chunks, "%llu x ", (unsigned long long)l->chunks);
+    return refuse(TPC_ERR_TOO_LARGE, why, len, "%s%s of %s%zu bytes is over max_bytes %llu", name,
+                  op == TPC_OP_ALL_GATHER ? " output" : "", chunks, chunk, (unsigned long long)l->max_bytes);
+  }
   return TPC_OK;
 }
 

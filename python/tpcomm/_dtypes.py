@@ -9,5 +9,3 @@ REDUCIBLE = (torch.float32, torch.float16, torch.bfloat16)
 NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 NAMES = tuple(NAME[d] for d in REDUCIBLE)
 CODE = {torch.float32: C.TPC_FLOAT32, torch.float16: C.TPC_FLOAT16, torch.bfloat16: C.TPC_BFLOAT16}
-# The 16-bit dtypes of the fused all-reduce + add + RMSNorm kernel.
-NORM_KERNEL = (torch.float16, torch.bfloat16)

@@ -165,6 +165,16 @@ def kernel_limits(op, algo, world, max_bytes, packet_max_bytes, platform):
     return limits
 
 
+def kernel_check(limits, op, algo, dtype, chunk, row):
+    """The C core's tpc_kernel_check of one call against `limits` (what
+    kernel_limits gives), pointers aside: None where the kernel takes it, else
+    the core's sentence naming the rule. dtype: a tpc_dtype, -1 for none."""
+    why = ctypes.create_string_buffer(256)
+    if load().tpc_kernel_check(ctypes.byref(limits), op, algo, dtype, chunk, row, None, 0, why, len(why)) == OK:
+        return None
+    return why.value.decode()
+
+
 _CLASS_OF_CODE = {ERR_TIMEOUT: CollectiveTimeout, ERR_MISMATCH: CollectiveMismatch, ERR_CLOSED: CommunicatorClosed}
 
 

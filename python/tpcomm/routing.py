@@ -3,10 +3,11 @@ shares (op, dtype, byte sizes, the communicator's caps and world size, the
 effective routing table), never of where a tensor lies in memory, so the ranks
 of a group always pick the same kernel.
 
-Which of tpcomm's kernels can take a call (refusal()) follows from the C
-core's statement of each kernel's rules (csrc/core/limits.c, read once per
-Caps through ctypes): the core validates every op against the same limits,
-so a rule is written once. route() walks the table's band for the size and,
+Which of tpcomm's kernels can take a call (refusal()) is the C core's
+answer: its statement of each kernel's rules (csrc/core/limits.c, read once
+per Caps) and its check of a call against them (tpc_kernel_check, through
+ctypes, once per route memo key), the check it runs on every op, so a rule
+is written once. route() walks the table's band for the size and,
 where the band's kernel cannot take the call, the kernels it falls back to;
 add_rms_norm() picks the fused op's route, norm_pattern() that of every
 fusion pattern. The C core runs the kernel it is told.
@@ -86,28 +87,41 @@ def row_bytes(shape, dim, element_size):
     return math.prod(shape[dim % len(shape):]) * element_size
 
 
-class Limits(collections.namedtuple("Limits", "code refused dtypes multiple more_than packet_cap cap")):
-    """One kernel's rules for one op (tpc_kernel_limits, csrc/tpcomm.h) and
-    the tpc_algo code it runs under."""
+class Limits(collections.namedtuple("Limits", "code limits")):
+    """One kernel's rules for one op, as the C core states them (limits: a
+    tpc_kernel_limits, csrc/tpcomm.h), and the tpc_algo code it runs under."""
+
+    @property
+    def refused(self):
+        return self.limits.refused
+
+
+def _platform(caps):
+    return C.TPC_PLATFORM_CUDA if caps.line_kernels else C.TPC_PLATFORM_ROCM
 
 
 @functools.lru_cache(maxsize=64)
 def limits(caps):
     """{(op, kernel): Limits} for a communicator of these caps, from the C
-    core (tpc_kernel_limits_of): read once per Caps, so routing makes no
-    ctypes call per collective."""
-    platform = C.TPC_PLATFORM_CUDA if caps.line_kernels else C.TPC_PLATFORM_ROCM
+    core (tpc_kernel_limits_of): read once per Caps."""
     table = {}
     for op, op_code in OP_CODES.items():
         for kernel in KERNELS + QUANTIZED:
             for code in VARIANTS.get(kernel, (ALGO_CODES[kernel],)):
                 got = _lib.kernel_limits(op_code, code, caps.world_size, caps.max_bytes, caps.packet_max_bytes,
-                                         platform)
-                table[op, kernel] = Limits(code, got.refused, got.dtypes, got.multiple, got.more_than,
-                                           got.packet_cap, got.cap)
+                                         _platform(caps))
+                table[op, kernel] = Limits(code, got)
                 if got.refused not in (C.TPC_KERNEL_NO_OP, C.TPC_KERNEL_NO_WORLD):
                     break
     return table
+
+
+@functools.lru_cache(maxsize=64)
+def norm_limits(caps):
+    """The fused norm kernel family's limits (TPC_OP_ALL_REDUCE_NORM, the
+    packet kernel) for a communicator of these caps, from the C core."""
+    return _lib.kernel_limits(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, caps.world_size, caps.max_bytes,
+                              caps.packet_max_bytes, _platform(caps))
 
 
 def algo_code(op, kernel, caps):
@@ -116,53 +130,27 @@ def algo_code(op, kernel, caps):
     return limits(caps)[op, kernel].code
 
 
-def _part(op, caps, nbytes):
-    """The input bytes per rank of one exchange (the chunk of the C core's
-    limits): a reduce_scatter sends each peer one part (0 when the parts are
-    not equal)."""
-    if op != "reduce_scatter":
-        return nbytes
-    return nbytes // caps.world_size if nbytes % caps.world_size == 0 else 0
+def _check(op_code, algo, lim, dtype, chunk, row):
+    """The C core's refusal of a call (tpc_kernel_check, pointers aside), or
+    None; a dtype with no tpc_dtype is named as torch names it."""
+    code = _dtypes.CODE.get(dtype, -1)
+    why = _lib.kernel_check(lim, op_code, algo, code, chunk, row)
+    if why is not None and code < 0 and lim.dtypes:
+        return f"{dtype} is not reduced by tpcomm's kernels ({why})"
+    return why
 
 
-def _dtype_names(mask):
-    return ", ".join(name for code, name in sorted((_dtypes.CODE[d], _dtypes.NAME[d]) for d in _dtypes.REDUCIBLE)
-                     if mask >> code & 1)
-
-
-def _refusal(op, kernel, caps, lim, dtype, nbytes, row):
-    """Why `kernel` cannot take the call by its limits `lim`, or None."""
-    if lim.refused == C.TPC_KERNEL_NO_OP:
-        return f"{op} has no {kernel} kernel"
-    if lim.refused == C.TPC_KERNEL_NO_PLATFORM:
-        if kernel in LINE_PROTOCOL:
-            return "no line kernels in this build (they rest on NVLink's whole 128-byte stores: CUDA only)"
-        return "no quantized kernels in this build (CUDA only)" if kernel in QUANTIZED else \
-            f"no {kernel} kernel in this build (CUDA only)"
-    if lim.refused != C.TPC_KERNEL_TAKES:
-        return f"the {kernel} kernel does not run at {caps.world_size} ranks"
-    if lim.dtypes and not lim.dtypes >> _dtypes.CODE.get(dtype, 64) & 1:
-        return f"{op} kernels reduce {_dtype_names(lim.dtypes)}, not {dtype}"
-    part, unit = _part(op, caps, nbytes), lim.multiple
-    if op == "all_gather":
-        if nbytes == 0 or nbytes % unit or row == 0 or row % unit:
-            return (f"the {kernel} all_gather kernel moves {unit}-byte units: size and row must be positive "
-                    f"multiples of {unit} bytes")
-        if nbytes % row:
-            return f"a row of {row} bytes does not divide {nbytes} bytes"
-    elif part == 0 or part % unit:
-        what = "each part" if op == "reduce_scatter" else "the input"
-        return f"{op} kernels need {what} a positive multiple of {unit} bytes"
-    if part > lim.cap:
-        if op == "all_gather":
-            return f"an output of {nbytes * caps.world_size} bytes is over max_bytes {caps.max_bytes}"
-        return f"{nbytes} bytes are over max_bytes {caps.max_bytes}"
-    if part <= lim.more_than:
-        return (f"{kernel} needs more than {lim.more_than} bytes "
-                f"(a warp step of lines, {C.TPC_LINE_STEP_BYTES} bytes, per rank)")
-    if part > lim.packet_cap:
-        return f"{part} bytes per rank are over packet_max_bytes {caps.packet_max_bytes}"
-    return None
+def _refusal(op, kernel, caps, dtype, nbytes, row):
+    """Why `kernel` cannot take the call, or None: the C core's check on
+    its limits. The chunk the core checks is what one rank sends: a
+    reduce_scatter's part, which must split the input evenly first."""
+    chunk = nbytes
+    if op == "reduce_scatter":
+        if nbytes % caps.world_size:
+            return f"reduce_scatter of {nbytes} bytes does not split into {caps.world_size} equal parts"
+        chunk = nbytes // caps.world_size
+    lim = limits(caps)[op, kernel]
+    return _check(OP_CODES[op], lim.code, lim.limits, dtype, chunk, row)
 
 
 def refusal(op, kernel, caps, dtype, nbytes, row=0):
@@ -172,7 +160,7 @@ def refusal(op, kernel, caps, dtype, nbytes, row=0):
         raise ValueError(f"tpcomm: no {kernel!r} kernel for {op!r} (ops {OPS}, kernels {KERNELS})")
     if caps is None:
         return "the custom path is off"
-    return _refusal(op, kernel, caps, limits(caps)[op, kernel], dtype, nbytes, row)
+    return _refusal(op, kernel, caps, dtype, nbytes, row)
 
 
 def quantized_refusal(caps, dtype, nbytes):
@@ -180,7 +168,7 @@ def quantized_refusal(caps, dtype, nbytes):
     limits are the same in every mode)."""
     if caps is None:
         return "the custom path is off"
-    return _refusal("all_reduce", QUANTIZED[0], caps, limits(caps)["all_reduce", QUANTIZED[0]], dtype, nbytes, 0)
+    return _refusal("all_reduce", QUANTIZED[0], caps, dtype, nbytes, 0)
 
 
 def quantized(routes, caps, dtype, nbytes):
@@ -206,9 +194,8 @@ def route(routes, caps, op, dtype, nbytes, row=0):
             return chosen
     by_dtype = routes[op]
     backend = choose(by_dtype.get(_dtypes.NAME.get(dtype), by_dtype["*"]), nbytes)
-    table = limits(caps)
     for kernel in FALLBACKS.get(backend, ()):
-        if _refusal(op, kernel, caps, table[op, kernel], dtype, nbytes, row) is None:
+        if _refusal(op, kernel, caps, dtype, nbytes, row) is None:
             return kernel
     return "nccl"
 
@@ -226,16 +213,20 @@ def aiter_first(op, world_size, max_bytes, nbytes, dim=0):
 
 def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
     """How all_reduce_add_rms_norm runs (row: bytes of the last dimension):
-    "fused" (one kernel: fp16/bf16, the input within the packet cap and
-    fused_norm_max(routes), a row of at most TPC_NORM_MAX_ROW_BYTES), "split"
-    (reduce-scatter kernels when the rows divide among the ranks), else
-    "unfused"."""
-    if not (caps is not None and fused_kernel and dtype in _dtypes.NORM_KERNEL and weight_dtype == dtype
-            and nbytes > 0 and row > 0 and row % 16 == 0):
+    "fused" (one kernel, where the C core's check of the fused norm op
+    passes: fp16/bf16, rows within its row limit, the input within the packet
+    cap; and within fused_norm_max(routes)), "split" (reduce-scatter kernels
+    when the rows divide among the ranks), else "unfused"."""
+    if not (caps is not None and fused_kernel and weight_dtype == dtype and nbytes > 0 and row > 0):
         return "unfused"
-    if nbytes <= min(caps.packet_max_bytes, fused_norm_max(routes)) and row <= C.TPC_NORM_MAX_ROW_BYTES:
+    lim = norm_limits(caps)
+    if (nbytes <= fused_norm_max(routes)
+            and _check(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, lim, dtype, nbytes, row) is None):
         return "fused"
-    if (nbytes // row) % caps.world_size == 0 and route(routes, caps, "reduce_scatter", dtype, nbytes) in KERNELS:
+    # split's rows are the fused kernels' rows: the same dtypes and row multiple
+    takes_rows = lim.dtypes >> _dtypes.CODE.get(dtype, 64) & 1 and row % lim.multiple == 0
+    if (takes_rows and (nbytes // row) % caps.world_size == 0
+            and route(routes, caps, "reduce_scatter", dtype, nbytes) in KERNELS):
         return "split"
     return "unfused"
 

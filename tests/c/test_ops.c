@@ -29,7 +29,7 @@ void test_reduce_scatter(void) {
       {64, 0, 0, 7, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "reduce_scatter: dtype 7 (no tpc_dtype) is not float32"},
       /* 4 chunks of 1040 bytes: over the 4096-byte cap in bulk, over the packet cap alone */
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
-      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over the cap of 4096"},
+      {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "reduce_scatter of 4 x 1040 bytes is over max_bytes 4096"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_LINE, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_TWO_SHOT, TPC_ERR_INVALID_ARG, "reduce_scatter has no two_shot kernel"},
       {64, 0, 0, TPC_FLOAT32, 9, TPC_ERR_INVALID_ARG,
@@ -314,7 +314,7 @@ void test_all_reduce_validation(void) {
       {64, 2, 2, TPC_BFLOAT16, TPC_ALGO_BULK_ONE_SHOT, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       {64, 0, 0, 3, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "all_reduce: dtype 3 (no tpc_dtype) is not float32"},
       {64, 0, 0, -1, TPC_ALGO_PACKET, TPC_ERR_INVALID_ARG, "dtype -1"},
-      {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK_ONE_SHOT, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      {MAX_BYTES + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK_ONE_SHOT, TPC_ERR_TOO_LARGE, "all_reduce of 4112 bytes is over max_bytes 4096"},
       /* bulk: the one-shot stream at two ranks, the streamed two-shot from three on (limits.c) */
       {64, 0, 0, TPC_FLOAT32, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_reduce: the bulk kernel does not run at this world size"},
       {PACKET_MAX + 16, 0, 0, TPC_FLOAT32, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap of 1024"},
@@ -457,7 +457,7 @@ void test_all_gather(void) {
       {64, 64, 4, 0, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       {64, 64, 0, 8, TPC_ALGO_BULK, TPC_ERR_INVALID_ARG, "all_gather input and output must be 16-byte aligned"},
       /* caps: bulk on the output (world * nbytes), packet on the input */
-      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 2 x 2064 bytes is over the cap of 4096"},
+      {MAX_BYTES / 2 + 16, 16, 0, 0, TPC_ALGO_BULK, TPC_ERR_TOO_LARGE, "output of 2 x 2064 bytes is over max_bytes 4096"},
       {PACKET_MAX + 4, 4, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "1028 bytes per rank is over the packet cap of 1024"},
       {PACKET_MAX + 8, 8, 0, 0, TPC_ALGO_PACKET, TPC_ERR_TOO_LARGE, "over the packet cap"},
       /* line: 16-byte sizes, rows and pointers, up to the packet cap */

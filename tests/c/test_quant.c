@@ -26,7 +26,7 @@ void test_quantized_validation(void) {
       {0, 0, TPC_FLOAT16, TPC_ALGO_QUANTIZED_INT4, TPC_ERR_INVALID_ARG, "multiple of 16"},
       {64, 8, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_FP8, TPC_ERR_INVALID_ARG, "16-byte aligned"},
       /* its slots are in the bulk region: the bulk cap, not the packet cap */
-      {MAX_BYTES + 16, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_TOO_LARGE, "over the cap of 4096"},
+      {MAX_BYTES + 16, 0, TPC_BFLOAT16, TPC_ALGO_QUANTIZED_INT8, TPC_ERR_TOO_LARGE, "all_reduce of 4112 bytes is over max_bytes 4096"},
       {64, 0, TPC_BFLOAT16, TPC_ALGO_BULK_ONE_SHOT + 1, TPC_ERR_INVALID_ARG,
        "all_reduce: unknown algorithm 9 (packet 1, bulk 2, line 3, two_shot 4, quantized_fp8/int8/int4 5-7 or bulk_one_shot 8)"},
   };

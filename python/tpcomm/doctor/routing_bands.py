@@ -55,15 +55,18 @@ def routed_bands(routes, caps, op, dtype=None):
     a torch dtype (default bfloat16, the reducing ops' usual one)."""
     import torch
 
-    from .. import _constants as C, routing
+    from .. import routing
 
     dtype = dtype or torch.bfloat16
-    world = caps.world_size
-    align = 16 * world if op == "reduce_scatter" else 16
-    limits = {limit for bands in routes[op].values() for limit, _ in bands if limit < 1 << 40}
-    limits |= {caps.max_bytes, caps.max_bytes // world, caps.packet_max_bytes, caps.packet_max_bytes * world,
-               C.TPC_LINE_STEP_BYTES * (world - 1)}
-    points = sorted({t - t % align for t in limits if t >= align})
+    # the kernels' own edges (limits.c), in input bytes per rank: a
+    # reduce_scatter's limits are per part, one of world
+    per_part = caps.world_size if op == "reduce_scatter" else 1
+    kernel_limits = [routing.limits(caps)[op, kernel].limits for kernel in routing.KERNELS]
+    align = max(lim.multiple for lim in kernel_limits) * per_part
+    edges = {limit for bands in routes[op].values() for limit, _ in bands if limit < 1 << 40}
+    edges |= {value * per_part for lim in kernel_limits for value in (lim.more_than, lim.packet_cap, lim.cap)
+              if value < 1 << 40}
+    points = sorted({t - t % align for t in edges if t >= align})
     bands = []
     for t in points:
         backend = routing.route(routes, caps, op, dtype, t, t)
