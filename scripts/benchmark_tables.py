@@ -13,15 +13,17 @@ A generated block sits between two marker comments in the Markdown file:
     <!-- /generated: NAME -->
 
 Everything outside the markers is written by hand. The numbers come only
-from the JSON; formatting reuses tpcomm.bench.report (sizes, the best NCCL
-configuration, the dispatcher check), which needs neither torch nor a GPU.
+from the JSON; formatting reuses tpcomm.bench's vocabulary (names, their
+order, sizes) and tables (the best NCCL configuration, the dispatcher check),
+which need neither torch nor a GPU.
 """
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import re
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -30,18 +32,21 @@ CONFIG = os.path.join(ROOT, "python", "tpcomm", "config.py")  # Config's default
 
 
 def _load(name):
-    """tpcomm/bench/<name>.py by path: the package's __init__ would import
-    torch and the extension, which tables do not need."""
-    path = os.path.join(ROOT, "python", "tpcomm", "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_tpcomm_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tpcomm/bench/<name>.py as a module of a stand-in package over that
+    directory, so its relative imports resolve to its siblings: tpcomm's
+    __init__ would import torch and the extension, which tables do not need."""
+    package = "_tpcomm_bench"
+    if package not in sys.modules:
+        stand_in = types.ModuleType(package)
+        stand_in.__path__ = [os.path.join(ROOT, "python", "tpcomm", "bench")]
+        sys.modules[package] = stand_in
+    return importlib.import_module(f"{package}.{name}")
 
 
-report = _load("report")
+vocabulary = _load("vocabulary")
+bench_tables = _load("tables")
 scaling = _load("scaling")
-human_bytes = report.human_bytes
+human_bytes = vocabulary.human_bytes
 SMALL_MAX = 64 * 1024  # "decode sizes": the headline's summary covers 64 B up to this many bytes per rank
 TWO_SHOT = "symm_two_shot"
 WORLDS = (2, 4)        # the committed runs (benchmarks/results/h200x<N>.json)
@@ -106,7 +111,7 @@ def headline():
     raised = False
     for n in sorted(cells):
         c = cells[n]
-        times = [_us(c.get("tpcomm")), _us(c.get("nccl")), report.best_nccl_us(c), _us(c.get(TWO_SHOT))]
+        times = [_us(c.get("tpcomm")), _us(c.get("nccl")), bench_tables.best_nccl_us(c), _us(c.get(TWO_SHOT))]
         fastest = min(t for t in times if t is not None)
         row = [f"**{_fmt(t)}**" if t == fastest else _fmt(t) for t in times]
         if n > cap and times[0] is not None:
@@ -120,7 +125,7 @@ def headline():
     small = [c for n, c in cells.items() if n <= SMALL_MAX and "tpcomm" in c]
     tp = [_us(c["tpcomm"]) for c in small]
     vs_default = [_us(c["tpcomm"]) / _us(c["nccl"]) for c in small]
-    vs_best = [_us(c["tpcomm"]) / report.best_nccl_us(c) for c in small]
+    vs_best = [_us(c["tpcomm"]) / bench_tables.best_nccl_us(c) for c in small]
     lines += ["", f"{_gpu_label(env)}, driver {env['driver']}, torch {env['torch']}, NCCL {env['nccl']}, "
                   f"{env['date']}. Up to {human_bytes(SMALL_MAX)} per rank: {_span(tp)} µs, "
                   f"{_span(vs_default)}× the time of NCCL's default and {_span(vs_best)}× that of NCCL at its best."]
@@ -166,14 +171,14 @@ def environment(world):
     lines += ["", f"Rows checked bit for bit against the reference: {len(data['rows']) - len(bad)} of "
                   f"{len(data['rows'])} match."]
     lines += ["", "Dispatcher (`tpcomm`) against the fastest backend measured at each op, dtype and size:", ""]
-    lines += [f"- {line}" for line in report.format_dispatcher_check(data["rows"]).splitlines()]
+    lines += [f"- {line}" for line in bench_tables.format_dispatcher_check(data["rows"]).splitlines()]
     return "\n".join(lines)
 
 
 def backends(world):
     """What each column is, as the run describes it."""
     described = _run(world)["env"]["backends"]
-    return "\n".join(f"- `{b}`: {described[b]}" for b in report.BACKENDS if b in described)
+    return "\n".join(f"- `{b}`: {described[b]}" for b in vocabulary.BACKENDS if b in described)
 
 
 def tables(world):
@@ -181,9 +186,9 @@ def tables(world):
     configuration in bold, and tpcomm's time over it."""
     data = _run(world)
     out = []
-    for mode in report.MODES:
-        for op in report.OPS:
-            for dtype in report.DTYPES:
+    for mode in vocabulary.MODES:
+        for op in vocabulary.OPS:
+            for dtype in vocabulary.DTYPES:
                 cells = _cells(data, op, dtype, mode)
                 if cells:
                     out.append(_table(op, dtype, mode, cells))
@@ -192,20 +197,20 @@ def tables(world):
 
 def _table(op, dtype, mode, cells):
     present = {b for c in cells.values() for b in c}
-    cols = [b for b in report.BACKENDS if b in present]
+    cols = [b for b in vocabulary.BACKENDS if b in present]
     lines = [f"**{op}** {dtype}, {'CUDA graph' if mode == 'graph' else 'eager'}, µs per op", "",
              "| bytes per rank | " + " | ".join(cols) + " | tpcomm / best NCCL |",
              "|" + "---:|" * (len(cols) + 2)]
     for n in sorted(cells):
         c = cells[n]
-        best = report.best_nccl_us(c)
+        best = bench_tables.best_nccl_us(c)
         row = [human_bytes(n)]
         for b in cols:
             us = _us(c.get(b))
             text = _fmt(us)
             if us is not None and c[b].get("correct") is False:
                 text += " (wrong)"
-            if b in report.NCCL_BACKENDS and us is not None and us == best:
+            if b in vocabulary.NCCL_BACKENDS and us is not None and us == best:
                 text = f"**{text}**"
             row.append(text)
         tp = _us(c.get("tpcomm"))

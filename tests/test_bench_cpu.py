@@ -14,7 +14,7 @@ import torch
 
 from multiproc import run_ranks
 import source_tree
-from tpcomm.bench import report, timing, worker
+from tpcomm.bench import bandwidth, options, results_file, tables, timing, vocabulary, worker
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -24,7 +24,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # ---------------------------------------------------------------- sizes
 def test_default_size_list_is_x4_from_64_bytes_to_64_mib():
-    s = report.size_list(64, 64 * MiB, 4)
+    s = options.size_list(64, 64 * MiB, 4)
     assert s[0] == 64 and s[-1] == 64 * MiB
     assert len(s) == 11
     assert all(b == 4 * a for a, b in zip(s, s[1:]))
@@ -32,60 +32,60 @@ def test_default_size_list_is_x4_from_64_bytes_to_64_mib():
 
 
 def test_size_list_appends_the_maximum_and_checks_its_arguments():
-    assert report.size_list(64, 1000, 4) == [64, 256, 1000]
-    assert report.size_list(64, 64, 4) == [64]
-    assert report.size_list(64, 512, 2) == [64, 128, 256, 512]
+    assert options.size_list(64, 1000, 4) == [64, 256, 1000]
+    assert options.size_list(64, 64, 4) == [64]
+    assert options.size_list(64, 512, 2) == [64, 128, 256, 512]
     for bad in ((0, 64, 4), (128, 64, 4), (64, 128, 1)):
         with pytest.raises(ValueError):
-            report.size_list(*bad)
+            options.size_list(*bad)
 
 
 def test_dtype_and_choice_parsing():
-    assert report.parse_dtypes("bf16,fp16,fp32") == ["bfloat16", "float16", "float32"]
-    assert report.parse_dtypes("bfloat16, bf16") == ["bfloat16"]
+    assert options.parse_dtypes("bf16,fp16,fp32") == ["bfloat16", "float16", "float32"]
+    assert options.parse_dtypes("bfloat16, bf16") == ["bfloat16"]
     with pytest.raises(ValueError):
-        report.parse_dtypes("int8")
-    assert report.parse_choices("nccl,tpcomm", report.BACKENDS, "backend") == ["nccl", "tpcomm"]
+        options.parse_dtypes("int8")
+    assert options.parse_choices("nccl,tpcomm", vocabulary.BACKENDS, "backend") == ["nccl", "tpcomm"]
     with pytest.raises(ValueError):
-        report.parse_choices("nccl,gloo", report.BACKENDS, "backend")
+        options.parse_choices("nccl,gloo", vocabulary.BACKENDS, "backend")
 
 
 def test_human_bytes():
-    assert report.human_bytes(64) == "64 B"
-    assert report.human_bytes(1024) == "1 KiB"
-    assert report.human_bytes(64 * MiB) == "64 MiB"
-    assert report.human_bytes(1536) == "1.5 KiB"
+    assert vocabulary.human_bytes(64) == "64 B"
+    assert vocabulary.human_bytes(1024) == "1 KiB"
+    assert vocabulary.human_bytes(64 * MiB) == "64 MiB"
+    assert vocabulary.human_bytes(1536) == "1.5 KiB"
 
 
 # ------------------------------------------------------------ bandwidth
 def test_algbw_definitions():
     # all_reduce: bytes per rank over time; all_gather: world * bytes over time
-    assert report.algbw_gbps("all_reduce", 1_000_000, 2, 10.0) == pytest.approx(100.0)
-    assert report.algbw_gbps("all_gather", 1_000_000, 2, 10.0) == pytest.approx(200.0)
-    assert report.algbw_gbps("all_gather", 1_000_000, 4, 10.0) == pytest.approx(400.0)
+    assert bandwidth.algbw_gbps("all_reduce", 1_000_000, 2, 10.0) == pytest.approx(100.0)
+    assert bandwidth.algbw_gbps("all_gather", 1_000_000, 2, 10.0) == pytest.approx(200.0)
+    assert bandwidth.algbw_gbps("all_gather", 1_000_000, 4, 10.0) == pytest.approx(400.0)
 
 
 def test_link_bytes_and_peer_fraction():
-    assert report.link_bytes("all_reduce", 1000, 2) == pytest.approx(1000)
-    assert report.link_bytes("all_reduce", 1000, 4) == pytest.approx(1500)
-    assert report.link_bytes("all_gather", 1000, 2) == pytest.approx(1000)
-    assert report.link_bytes("all_gather", 1000, 4) == pytest.approx(3000)
+    assert bandwidth.link_bytes("all_reduce", 1000, 2) == pytest.approx(1000)
+    assert bandwidth.link_bytes("all_reduce", 1000, 4) == pytest.approx(1500)
+    assert bandwidth.link_bytes("all_gather", 1000, 2) == pytest.approx(1000)
+    assert bandwidth.link_bytes("all_gather", 1000, 4) == pytest.approx(3000)
     # 1 MB over the link in 10 us is 100 GB/s: half of a 200 GB/s peer copy
-    assert report.peer_fraction("all_reduce", 1_000_000, 2, 10.0, 200.0) == pytest.approx(0.5)
-    assert report.peer_fraction("all_gather", 1_000_000, 4, 10.0, 600.0) == pytest.approx(0.5)
-    assert report.peer_fraction("all_reduce", 1_000_000, 2, 10.0, None) is None
+    assert bandwidth.peer_fraction("all_reduce", 1_000_000, 2, 10.0, 200.0) == pytest.approx(0.5)
+    assert bandwidth.peer_fraction("all_gather", 1_000_000, 4, 10.0, 600.0) == pytest.approx(0.5)
+    assert bandwidth.peer_fraction("all_reduce", 1_000_000, 2, 10.0, None) is None
 
 
 def test_add_bandwidth_only_from_one_mib():
     rows = [_row("all_reduce", "nccl", "bfloat16", 64 * KiB, "graph", 5.0),
             _row("all_reduce", "nccl", "bfloat16", 4 * MiB, "graph", 40.0),
             _row("all_gather", "nccl", "bfloat16", 4 * MiB, "graph", 40.0)]
-    report.add_bandwidth(rows, 2, 400.0)
+    bandwidth.add_bandwidth(rows, 2, 400.0)
     assert "algbw_gbps" not in rows[0] and "peer_fraction" not in rows[0]
     assert rows[1]["algbw_gbps"] == pytest.approx(4 * MiB / 40e-6 / 1e9, rel=1e-3)
     assert rows[2]["algbw_gbps"] == pytest.approx(2 * rows[1]["algbw_gbps"], rel=1e-3)
     assert rows[1]["peer_fraction"] == pytest.approx(4 * MiB / 40e-6 / 400e9, rel=1e-2)
-    no_peer = report.add_bandwidth([_row("all_reduce", "nccl", "bfloat16", 4 * MiB, "graph", 40.0)], 2, None)
+    no_peer = bandwidth.add_bandwidth([_row("all_reduce", "nccl", "bfloat16", 4 * MiB, "graph", 40.0)], 2, None)
     assert "algbw_gbps" in no_peer[0] and "peer_fraction" not in no_peer[0]
 
 
@@ -103,10 +103,10 @@ def fake_results():
              "tpcomm_line": 0.35, "tpcomm_two_shot": 0.32, "tpcomm_bulk": 0.6, "tpcomm_quantized_fp8": 0.45,
              "tpcomm_quantized_int8": 0.45, "tpcomm_quantized_int4": 0.4}
     not_run = []
-    for op in report.OPS:
+    for op in vocabulary.OPS:
         for dtype in ("bfloat16", "float32"):
-            for n in report.size_list(64, 64 * MiB, 4):
-                for b in report.BACKENDS:
+            for n in options.size_list(64, 64 * MiB, 4):
+                for b in vocabulary.BACKENDS:
                     if op != "all_reduce" and b.startswith("symm"):
                         not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
                                         "why": "all_reduce only"})
@@ -123,28 +123,28 @@ def fake_results():
                         not_run.append({"op": op, "backend": b, "dtype": dtype, "bytes_per_rank": n,
                                         "why": "over the packet cap of 1 MiB"})
                         continue
-                    for mode in report.MODES:
+                    for mode in vocabulary.MODES:
                         t = (10.0 + n / 200e3) * speed[b] * (3.0 if mode == "eager" else 1.0)
                         rows.append(_row(op, b, dtype, n, mode, round(t, 3), correct=not (b == "tpcomm_bulk" and n == 64)))
     not_run.append({"op": "all_reduce", "backend": "nccl_window", "dtype": "float16", "bytes_per_rank": 64,
                     "mode": "graph", "why": "failed to run: RuntimeError: boom"})
     env = {"date": "2026-01-01", "world_size": 2, "gpu": "NVIDIA H200", "peer_copy_gbps": 380.0}
-    report.add_bandwidth(rows, 2, env["peer_copy_gbps"])
+    bandwidth.add_bandwidth(rows, 2, env["peer_copy_gbps"])
     return {"env": env, "rows": rows, "not_run": not_run}
 
 
 def test_tables_and_not_run_and_summary_render():
     data = fake_results()
-    text = report.format_tables(data)
-    assert text.count("median us per op") == len(report.OPS) * 2 * 2  # op x dtype x mode
-    for b in report.BACKENDS:
+    text = tables.format_tables(data)
+    assert text.count("median us per op") == len(vocabulary.OPS) * 2 * 2  # op x dtype x mode
+    for b in vocabulary.BACKENDS:
         assert b in text or b in ("tpcomm_fused", "tpcomm_past_cap")  # the norm ops' (test_norm_bench_cpu)
     assert "64 MiB" in text and "algbw GB/s" in text and "380 GB/s peer copy" in text
     assert "!" in text  # the row marked incorrect
-    nr = report.format_not_run(data["not_run"])
+    nr = tables.format_not_run(data["not_run"])
     assert "symm_one_shot" in nr and "all_reduce only" in nr and "(11 sizes)" in nr
     assert "nccl_window graph" in nr and "boom" in nr
-    summary = report.format_summary(data)
+    summary = tables.format_summary(data)
     assert "INCORRECT" in summary and "speed-up over nccl" in summary
 
 
@@ -152,16 +152,16 @@ def test_tables_tolerate_missing_and_bad_values():
     data = {"env": {}, "rows": [_row("all_reduce", "nccl", "bfloat16", 64, "graph", float("nan")),
                                 _row("all_reduce", "tpcomm", "bfloat16", 64, "graph", 0.0),
                                 _row("all_reduce", "newthing", "bfloat16", 64, "eager", 3.0)], "not_run": []}
-    report.format_tables(data)
-    report.format_summary(data)
-    assert report.format_tables({"env": {}, "rows": [], "not_run": []}) == ""
+    tables.format_tables(data)
+    tables.format_summary(data)
+    assert tables.format_tables({"env": {}, "rows": [], "not_run": []}) == ""
 
 
 def test_json_round_trip_keeps_the_format(tmp_path):
     data = fake_results()
     data["rows"].append(_row("all_reduce", "nccl", "float16", 64, "graph", float("inf")))
     path = tmp_path / "sub" / "r.json"
-    report.write_json(str(path), data)
+    results_file.write_json(str(path), data)
     back = json.loads(path.read_text())
     assert set(back) == {"env", "rows", "not_run"}
     required = {"op", "backend", "dtype", "bytes_per_rank", "mode", "median_us"}
@@ -172,7 +172,8 @@ def test_json_round_trip_keeps_the_format(tmp_path):
 
 def test_default_out_path():
     """Under the working directory, in results/ (ignored by git), never the tracked benchmarks/results."""
-    assert report.default_out_path({"gpu": "NVIDIA H200", "world_size": 2}) == os.path.join("results", "h200x2.json")
+    assert (results_file.default_out_path({"gpu": "NVIDIA H200", "world_size": 2})
+            == os.path.join("results", "h200x2.json"))
     with open(os.path.join(ROOT, ".gitignore")) as f:
         assert "/results/" in f.read().split()
 
@@ -184,7 +185,7 @@ def test_plots_render_valid_pngs(tmp_path):
     stem = str(tmp_path / "h200x2")
     paths = plots.render(fake_results(), stem)
     names = sorted(os.path.basename(p) for p in paths)
-    assert names == sorted([f"h200x2_{op}_{mode}.png" for op in report.OPS for mode in report.MODES]
+    assert names == sorted([f"h200x2_{op}_{mode}.png" for op in vocabulary.OPS for mode in vocabulary.MODES]
                            + ["h200x2_speedup.png"])
     for p in paths:
         with open(p, "rb") as f:
@@ -195,12 +196,12 @@ def test_plots_render_valid_pngs(tmp_path):
 def test_plots_command_line_redraws_from_json(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "res.json"
-    report.write_json(str(path), fake_results())
+    results_file.write_json(str(path), fake_results())
     out = subprocess.run([sys.executable, "-m", "tpcomm.bench.plots", str(path)], capture_output=True, text=True,
                          timeout=300, env=_child_env(), cwd=ROOT)
     assert out.returncode == 0, out.stderr
     pngs = sorted(p.name for p in tmp_path.glob("res_*.png"))
-    assert len(pngs) == 2 * len(report.OPS) + 1, pngs
+    assert len(pngs) == 2 * len(vocabulary.OPS) + 1, pngs
     with open(tmp_path / "res_speedup.png", "rb") as f:
         assert f.read(8) == PNG_SIGNATURE
 
@@ -356,26 +357,26 @@ def test_measurement_loop_on_cpu_with_gloo(tmp_path):
     data = _run_sim(out_path)
     assert set(data) == {"env", "rows", "not_run"}
     assert data["env"]["complete"] is True
-    sizes = report.size_list(64, 4 * MiB, 16)
+    sizes = options.size_list(64, 4 * MiB, 16)
     # nccl (here gloo) is measured for every case, in both modes, checked correct, slowest rank kept
     nccl = [r for r in data["rows"] if r["backend"] == "nccl"]
-    assert len(nccl) == len(report.OPS) * 2 * len(sizes) * 2
+    assert len(nccl) == len(vocabulary.OPS) * 2 * len(sizes) * 2
     assert all(r["correct"] is True for r in nccl)
     assert {r["median_us"] for r in nccl if r["mode"] == "graph"} == {6.0}
     assert all("algbw_gbps" in r for r in nccl if r["bytes_per_rank"] >= MiB)
     assert not any("algbw_gbps" in r for r in nccl if r["bytes_per_rank"] < MiB)
     # every other backend is "not run" with a reason, for every case
     nr = data["not_run"]
-    for b in report.BACKENDS[1:]:
+    for b in vocabulary.BACKENDS[1:]:
         mine = [e for e in nr if e["backend"] == b]
-        assert len(mine) == len(report.OPS) * 2 * len(sizes), b
+        assert len(mine) == len(vocabulary.OPS) * 2 * len(sizes), b
         assert all(e["why"] for e in mine)
     assert any("register_mem_pool" in e["why"] for e in nr if e["backend"] == "nccl_window")
     assert any("custom path disabled" in e["why"] for e in nr if e["backend"] == "tpcomm")
     assert data["env"]["peer_copy_gbps"] is None and "not measured" in data["env"]["peer_copy"]
     assert isinstance(data["env"].get("nccl_kernels"), dict)
-    report.format_tables(data)
-    report.format_not_run(nr)
+    tables.format_tables(data)
+    tables.format_not_run(nr)
     if _has_matplotlib():
         from tpcomm.bench import plots
 
@@ -397,16 +398,16 @@ def test_fake_rows_through_every_output_path(tmp_path, capsys):
     the spawner prints them after a failure."""
     data = fake_results()
     path = str(tmp_path / "fake.json")
-    report.write_json(path, data)
+    results_file.write_json(path, data)
     from tpcomm.bench import __main__ as cli
 
     cli.make_plots(path)
     out = capsys.readouterr().out
     if _has_matplotlib():
-        assert out.count("wrote ") == 2 * len(report.OPS) + 1
+        assert out.count("wrote ") == 2 * len(vocabulary.OPS) + 1
     else:
         assert "no figures" in out
-    assert not math.isnan(report.read_json(path)["rows"][0]["median_us"])
+    assert not math.isnan(results_file.read_json(path)["rows"][0]["median_us"])
 
 
 # ------------------------------- the spawner's handling of failing ranks
@@ -421,7 +422,7 @@ def _fake_rank(rank, world, port, args, queue):
         data["env"]["complete"] = kind in ("ok", "crash_after")
         if kind == "raise":
             data["rows"] = data["rows"][:20]
-        report.write_json(args.out, data)
+        results_file.write_json(args.out, data)
     if kind == "raise" and rank == 1:
         raise RuntimeError("simulated failure in rank 1")
     if kind == "hang":
@@ -490,7 +491,7 @@ def test_nomix_backends_run_first_in_their_own_processes(monkeypatch, tmp_path):
     assert first == {"backends": "nccl_nomix,nccl_window_nomix", "modes": "graph", "quiet": True, "mixing": "0",
                      "merge_exists": False}
     assert second["mixing"] is None and second["merge_exists"] and not second["quiet"]
-    assert set(second["backends"].split(",")) == set(report.BACKENDS) - set(report.NOMIX_BACKENDS)
+    assert set(second["backends"].split(",")) == set(vocabulary.BACKENDS) - set(vocabulary.NOMIX_BACKENDS)
     assert "NCCL_GRAPH_MIXING_SUPPORT" not in os.environ
     calls.clear()
     cli.spawn_with_nomix(2, cli.parse_args(["--backends", "nccl,tpcomm"]))
@@ -500,12 +501,12 @@ def test_nomix_backends_run_first_in_their_own_processes(monkeypatch, tmp_path):
 
 def test_best_nccl_is_the_reference_of_the_tables():
     data = fake_results()
-    text = report.format_tables(data)
+    text = tables.format_tables(data)
     assert "x = best nccl* / tpcomm" in text
     # fake speeds: nccl_window_nomix 0.4 is the fastest NCCL, tpcomm 0.3: x = 1.33 everywhere
     first_row = [line for line in text.splitlines() if line.strip().startswith("64 B")][0]
     assert first_row.split()[-1] == "1.33", first_row
-    assert "tpcomm over the best NCCL measured" in report.format_summary(data)
+    assert "tpcomm over the best NCCL measured" in tables.format_summary(data)
 
 
 def test_merged_rows_of_the_nomix_run_land_in_the_results(tmp_path):
@@ -535,17 +536,17 @@ def test_dispatcher_is_checked_against_the_fastest_backend():
             row("tpcomm_packet", 256, 2.0), row("tpcomm", 256, 1.0, correct=False),  # a wrong row never counts
             row("tpcomm_packet", 1024, 2.0), row("tpcomm", 1024, 2.2, route="packet"),  # its own kernel, timed again
             row("tpcomm_bulk", 2048, 2.0), row("tpcomm", 2048, 2.2, route="packet")]  # another kernel: slower
-    checked = report.dispatcher_vs_fastest(rows)
+    checked = tables.dispatcher_vs_fastest(rows)
     assert [(c[2], c[5], c[7]) for c in checked] == [(64, "tpcomm_packet", pytest.approx(1.04)),
                                                    (256, "tpcomm_packet", None),
                                                    (1024, "tpcomm_packet", pytest.approx(1.1)),
                                                    (2048, "tpcomm_bulk", pytest.approx(1.1)),
                                                    (4 * MiB, "symm_two_shot", pytest.approx(1.25)),
                                                    (64 * MiB, "nccl", None)]
-    text = report.format_dispatcher_check(rows)
+    text = tables.format_dispatcher_check(rows)
     assert text.startswith("dispatcher within 5 % of the fastest backend, all_reduce graph: 1 of 6 dtype x size rows; "
                            "1 more routed to the fastest backend's own kernel (one kernel timed twice: bf16 1 KiB 1.10x)")
     assert ("slower: bf16 2 KiB 2.20 us (packet) vs tpcomm_bulk 2.00 (1.10x), "
             "bf16 4 MiB 25.00 us (bulk) vs symm_two_shot 20.00 (1.25x)") in text
     assert "no dispatcher row: bf16 256 B, bf16 64 MiB" in text
-    assert text in report.format_summary({"rows": rows})
+    assert text in tables.format_summary({"rows": rows})

@@ -14,16 +14,16 @@ import torch.distributed as dist
 import tpcomm
 from multiproc import run_ranks
 from tpcomm import fp8, routing, routing_table, tune
-from tpcomm.bench import cases, norm_cases, report
+from tpcomm.bench import cases, norm_cases, options, tables, vocabulary
 from tpcomm.bench.__main__ import parse_args
 from tpcomm.bench.inputs import make_input
 from tpcomm.reference import rank_order_sum, reference_all_reduce_norm
 
 KiB, MiB = 1024, 1024 * 1024
-NORM_OPS = report.NORM_OPS
+NORM_OPS = vocabulary.NORM_OPS
 
 
-# ------------------------------------------------------------- the report
+# ------------------------------------------ options, shapes and tables
 def test_norm_ops_are_known_to_the_command_line():
     assert NORM_OPS[0] == "all_reduce_add_rms_norm" and all(op.startswith(NORM_OPS[0]) for op in NORM_OPS)
     assert {op: norm_cases.QUANT[op] for op in NORM_OPS} == {
@@ -31,24 +31,24 @@ def test_norm_ops_are_known_to_the_command_line():
     args = parse_args(["--ops", ",".join(NORM_OPS), "--hidden", "4096,8192", "--backends",
                        "tpcomm,tpcomm_fused,tpcomm_past_cap"])
     assert args.hidden == "4096,8192"
-    assert parse_args([]).hidden == report.NORM_HIDDEN == "4096,8192"
+    assert parse_args([]).hidden == vocabulary.NORM_HIDDEN == "4096,8192"
     for b in norm_cases.NORM_BACKENDS:
-        assert b in report.BACKENDS and b in cases.TPCOMM_BACKENDS and "norm ops only" in report.BACKEND_HELP[b]
+        assert b in vocabulary.BACKENDS and b in cases.TPCOMM_BACKENDS and "norm ops only" in vocabulary.BACKEND_HELP[b]
         assert b not in tune.ROUTABLE  # timed, never a band's backend
     with pytest.raises(SystemExit):
         parse_args(["--hidden", "4096,-1"])
     with pytest.raises(ValueError, match="positive integers"):
-        report.parse_hidden("wide")
+        options.parse_hidden("wide")
 
 
 def test_norm_shapes_sweep_tokens_per_hidden_size():
-    sizes = report.size_list(64, 64 * MiB, 4)
-    got = report.shapes(NORM_OPS[0], 2, sizes, 8, [4096, 8192])
+    sizes = options.size_list(64, 64 * MiB, 4)
+    got = options.shapes(NORM_OPS[0], 2, sizes, 8, [4096, 8192])
     assert [s for s in got if s[1] == 4096] == [(t, 4096) for t in (1, 2, 8, 32, 128, 512, 2048, 8192)]
     assert [s for s in got if s[1] == 8192] == [(t, 8192) for t in (1, 4, 16, 64, 256, 1024, 4096)]
     # the collectives keep their sizes: reduce_scatter in world equal parts
-    assert report.shapes("all_reduce", 2, [64, 1000], 3, [4096]) == [(32,), (500,)]
-    assert report.shapes("reduce_scatter", 2, [64, 1000], 3, [4096]) == [(30,), (498,)]
+    assert options.shapes("all_reduce", 2, [64, 1000], 3, [4096]) == [(32,), (500,)]
+    assert options.shapes("reduce_scatter", 2, [64, 1000], 3, [4096]) == [(30,), (498,)]
 
 
 def _row(size, backend, us, op=NORM_OPS[0], hidden=4096, dtype="bfloat16", mode="graph", correct=True, **more):
@@ -63,16 +63,16 @@ def test_tables_keep_the_hidden_sizes_apart():
     not_run = [{"op": NORM_OPS[0], "backend": "nccl", "dtype": "bfloat16", "bytes_per_rank": 64 * KiB,
                 "hidden": 8192, "why": "the fused norm ops run on tpcomm only"}]
     data = {"env": {}, "rows": rows, "not_run": not_run}
-    text = report.format_tables(data)
+    text = tables.format_tables(data)
     assert text.count("median us per op") == 2
     assert "all_reduce_add_rms_norm_h4096 bfloat16 graph" in text and "all_reduce_add_rms_norm_h8192" in text
     assert "10.00" in text and "11.00" in text  # both hidden sizes' rows, neither overwriting the other
-    assert "all_reduce_add_rms_norm_h8192 nccl [bf16] 64 KiB: the fused norm ops" in report.format_not_run(not_run)
+    assert "all_reduce_add_rms_norm_h8192 nccl [bf16] 64 KiB: the fused norm ops" in tables.format_not_run(not_run)
     # the dispatcher check: routed to the fused kernel, within 5 % of it
-    (op, _, _, us, route, fastest, _, ratio), = [c for c in report.dispatcher_vs_fastest(rows)
+    (op, _, _, us, route, fastest, _, ratio), = [c for c in tables.dispatcher_vs_fastest(rows)
                                                  if c[0].endswith("h4096")]
     assert (route, fastest) == ("fused", "tpcomm_fused") and ratio == pytest.approx(5.1 / 5.0)
-    assert "dispatcher within 5 %" in report.format_summary(data)
+    assert "dispatcher within 5 %" in tables.format_summary(data)
 
 
 # ------------------------------------------------------------------ tune
@@ -152,7 +152,7 @@ def test_live_tune_asks_the_bench_for_the_norm_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_main, "main", fake_bench)
     assert tune.main(["--out", str(tmp_path / "t.json")]) == 1
     assert {"tpcomm_fused", "tpcomm_past_cap"} <= set(seen["backends"])
-    assert set(report.ALL_OPS) == set(seen["ops"])
+    assert set(vocabulary.ALL_OPS) == set(seen["ops"])
 
 
 # ------------------------------------------------------------ the cases
@@ -317,7 +317,7 @@ def test_measurement_loop_runs_the_norm_cases(tmp_path):
     nr = [e for e in data["not_run"] if e["op"] in NORM_OPS]
     assert {e["backend"] for e in nr if e["dtype"] == "bfloat16"} == {"nccl"}
     assert all("hidden" in e and e["why"] for e in nr)
-    assert "all_reduce_add_rms_norm_h512 bfloat16 graph" in report.format_tables(data)
+    assert "all_reduce_add_rms_norm_h512 bfloat16 graph" in tables.format_tables(data)
     assert tune.fused_norm_maximum(data["rows"]) == 64 * KiB  # equal fake times: the fused kernel, to the largest size
 
 

@@ -12,7 +12,7 @@ import torch
 
 from multiproc import run_ranks
 from tpcomm import quantized_reference, routing, routing_table, tune
-from tpcomm.bench import cases, report
+from tpcomm.bench import cases, tables, vocabulary
 from tpcomm.bench.inputs import make_input
 
 KiB, MiB = 1024, 1024 * 1024
@@ -27,7 +27,7 @@ def _row(size, backend, us, op="all_reduce", dtype="bfloat16", mode="graph", cor
 def test_backends_are_listed_and_described():
     assert cases.QUANTIZED_BACKENDS == QB
     for b in QB:
-        assert b in report.BACKENDS and b in cases.TPCOMM_BACKENDS and "error bound" in report.BACKEND_HELP[b]
+        assert b in vocabulary.BACKENDS and b in cases.TPCOMM_BACKENDS and "error bound" in vocabulary.BACKEND_HELP[b]
         assert b not in tune.ROUTABLE  # timed, never a band's backend
     assert tune.QUANTIZED == QB
 
@@ -98,7 +98,7 @@ def test_live_tune_asks_the_bench_for_the_quantized_backends(monkeypatch, tmp_pa
 def test_dispatcher_check_leaves_the_quantized_rows_out():
     rows = [_row(4 * MiB, "tpcomm", 50.0), _row(4 * MiB, "tpcomm_bulk", 49.0), _row(4 * MiB, QB[2], 10.0)]
     rows[0]["route"] = "bulk"
-    (op, dtype, size, us, route, fastest, fastest_us, ratio), = report.dispatcher_vs_fastest(rows)
+    (op, dtype, size, us, route, fastest, fastest_us, ratio), = tables.dispatcher_vs_fastest(rows)
     assert fastest == "tpcomm_bulk" and ratio == pytest.approx(50 / 49)
 
 

@@ -29,7 +29,7 @@ import tempfile
 
 from . import _constants as C
 from . import routing, routing_table
-from .bench import report
+from .bench.vocabulary import ALL_OPS, NORM_OPS
 
 # Benchmark backend names -> the routing table's backend names.
 ROUTABLE = {**{f"tpcomm_{kernel}": kernel for kernel in routing.KERNELS}, "nccl": "nccl"}
@@ -86,7 +86,7 @@ def fused_norm_maximum(rows, dtype="bfloat16"):
     were not measured side by side."""
     times = {}
     for r in rows:
-        if (r.get("op") in report.NORM_OPS and r.get("dtype") == dtype and r.get("mode") == "graph"
+        if (r.get("op") in NORM_OPS and r.get("dtype") == dtype and r.get("mode") == "graph"
                 and r.get("backend") in FUSED_NORM and isinstance(r.get("median_us"), (int, float))):
             us = r["median_us"] if r.get("correct") else (float("inf") if r["backend"] == FUSED_NORM[0] else None)
             if us is not None:
@@ -193,7 +193,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "tune.json")
             bench_main(["--modes", "graph", "--backends", ",".join((*ROUTABLE, *QUANTIZED, *FUSED_NORM)),
-                        "--ops", ",".join(report.ALL_OPS), "--dtypes", args.dtypes,
+                        "--ops", ",".join(ALL_OPS), "--dtypes", args.dtypes,
                         "--max-bytes", str(args.max_bytes), "--no-plots", "--out", path])
             if not os.path.exists(path):
                 print("tpcomm.tune: nothing was measured (it needs 2 or more CUDA GPUs); no table written")

@@ -20,7 +20,7 @@ import torch
 import multiproc
 import tpcomm
 from tpcomm import routing_table
-from tpcomm.bench import cases, norm_cases, report
+from tpcomm.bench import cases, norm_cases, vocabulary
 from tpcomm.bench.inputs import make_input
 from tpcomm.config import Config
 
@@ -56,12 +56,12 @@ def body_norm_cases(rank, world):
         row = hidden * 2
         for tokens in (1, 3, 8 * world, 8 * world + 1, MiB // row, MiB // row + world):
             x0 = _x0(rank, tokens, hidden)
-            for op in report.NORM_OPS:
+            for op in vocabulary.NORM_OPS:
                 routes = {b: _run_checked(b, op, x0, res) for b in BACKENDS}
                 fits = tokens * row <= min(MiB, routing_table.fused_norm_default(world))  # the shipped table has no cap
                 assert routes["tpcomm"] == ("fused" if fits else routes["tpcomm_past_cap"]), (op, tokens, routes)
                 assert routes["tpcomm_fused"] == ("fused" if tokens * row <= MiB else None), (op, tokens, routes)
-                past = "split" if op == report.NORM_OPS[0] and tokens % world == 0 else "unfused"
+                past = "split" if op == vocabulary.NORM_OPS[0] and tokens % world == 0 else "unfused"
                 assert routes["tpcomm_past_cap"] == past, (op, tokens, routes)
     comm.close()
 
@@ -71,9 +71,9 @@ def body_norm_cases(rank, world):
     res = types.SimpleNamespace(reasons={}, world=world, comm=capped)
     for tokens in (8, 16 * world, 16 * world + 1):  # 64 KiB, then past it
         x0 = _x0(rank, tokens, 4096)
-        for op in report.NORM_OPS:
+        for op in vocabulary.NORM_OPS:
             want = ("fused" if tokens * 8 * KiB <= 64 * KiB else
-                    "split" if op == report.NORM_OPS[0] and tokens % world == 0 else "unfused")
+                    "split" if op == vocabulary.NORM_OPS[0] and tokens % world == 0 else "unfused")
             assert _run_checked("tpcomm", op, x0, res) == want, (op, tokens)
     capped.close()
 

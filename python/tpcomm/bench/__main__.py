@@ -45,7 +45,8 @@ import sys
 import time
 
 from .. import topology
-from . import report
+from . import options, results_file, tables
+from .vocabulary import ALL_OPS, BACKENDS, MODES, NOMIX_BACKENDS, NORM_HIDDEN, NORM_OPS
 
 
 
@@ -54,9 +55,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
                    help="comma-separated ops (default: the three collectives; reduce_scatter's size is its input "
-                        "per rank); also " + ",".join(report.NORM_OPS) + ": the fused all-reduce + add + RMSNorm "
+                        "per rank); also " + ",".join(NORM_OPS) + ": the fused all-reduce + add + RMSNorm "
                         "and its FP8 epilogues, on backends tpcomm, tpcomm_fused, tpcomm_past_cap")
-    p.add_argument("--hidden", default=report.NORM_HIDDEN,
+    p.add_argument("--hidden", default=NORM_HIDDEN,
                    help="the norm ops' hidden sizes, comma-separated (default %(default)s); inputs (tokens, hidden), "
                         "tokens = size per rank // row bytes")
     p.add_argument("--dtypes", default="bfloat16,float16,float32",
@@ -67,7 +68,7 @@ def parse_args(argv=None):
                    help="factor between consecutive sizes (default 4: 64 B, 256 B, 1 KiB, ..., 64 MiB)")
     p.add_argument("--modes", default="graph,eager")
     p.add_argument("--backends", default=None,
-                   help="comma-separated subset of: " + ",".join(report.BACKENDS) + " (default: all)")
+                   help="comma-separated subset of: " + ",".join(BACKENDS) + " (default: all)")
     p.add_argument("--ops-per-graph", type=int, default=50, help="ops per graph / eager run up to --large-bytes")
     p.add_argument("--ops-per-graph-large", type=int, default=10, help="ops per graph / eager run above it")
     p.add_argument("--large-bytes", type=int, default=1 << 20, help="size per rank above which ops are fewer")
@@ -90,12 +91,12 @@ def parse_args(argv=None):
                         "tables and figures drawn from them); keep it under any outer time limit")
     args = p.parse_args(argv)
     try:
-        report.parse_choices(args.ops, report.ALL_OPS, "op")
-        report.parse_hidden(args.hidden)
-        report.parse_dtypes(args.dtypes)
-        report.parse_choices(args.modes, report.MODES, "mode")
-        report.parse_choices(args.backends or ",".join(report.BACKENDS), report.BACKENDS, "backend")
-        report.size_list(args.min_bytes, args.max_bytes, args.sizes_step)
+        options.parse_choices(args.ops, ALL_OPS, "op")
+        options.parse_hidden(args.hidden)
+        options.parse_dtypes(args.dtypes)
+        options.parse_choices(args.modes, MODES, "mode")
+        options.parse_choices(args.backends or ",".join(BACKENDS), BACKENDS, "backend")
+        options.size_list(args.min_bytes, args.max_bytes, args.sizes_step)
         if min(args.ops_per_graph, args.ops_per_graph_large, args.replays, args.eager_reps) < 1:
             raise ValueError("ops per graph, replays and eager reps must be at least 1")
     except ValueError as e:
@@ -123,7 +124,7 @@ def main(argv=None):
     if n < 2:
         print(environment.environment_text(n))
         print(f"tpcomm.bench needs at least 2 CUDA GPUs on this machine; found {n}. Nothing to measure.")
-        print(f"not run: {', '.join(report.BACKENDS)}: needs at least 2 CUDA GPUs (found {n})")
+        print(f"not run: {', '.join(BACKENDS)}: needs at least 2 CUDA GPUs (found {n})")
         return 0
     return spawn_with_nomix(n, args)
 
@@ -138,10 +139,10 @@ def spawn_with_nomix(n, args):
     from .worker import plan
 
     backends = plan(args)[3]
-    nomix = [b for b in backends if b in report.NOMIX_BACKENDS]
-    if not nomix or "graph" not in report.parse_choices(args.modes, report.MODES, "mode"):
+    nomix = [b for b in backends if b in NOMIX_BACKENDS]
+    if not nomix or "graph" not in options.parse_choices(args.modes, MODES, "mode"):
         return spawn(n, args)
-    rest = [b for b in backends if b not in report.NOMIX_BACKENDS]
+    rest = [b for b in backends if b not in NOMIX_BACKENDS]
     with tempfile.TemporaryDirectory(prefix="tpcomm-bench-nomix-") as tmp:
         first = copy.copy(args)
         first.backends, first.modes, first.out = ",".join(nomix), "graph", os.path.join(tmp, "nomix.json")
@@ -202,7 +203,7 @@ def spawn(n, args, target=None):
     complete = False
     if path and os.path.exists(path):
         try:
-            complete = bool(report.read_json(path).get("env", {}).get("complete"))
+            complete = bool(results_file.read_json(path).get("env", {}).get("complete"))
         except Exception:  # noqa: BLE001
             complete = False
     if failure and complete:
@@ -212,13 +213,13 @@ def spawn(n, args, target=None):
         print(f"\ntpcomm.bench: {failure}", flush=True)
         if path and os.path.exists(path):
             try:
-                data = report.read_json(path)
+                data = results_file.read_json(path)
                 print(f"partial results ({len(data.get('rows', []))} rows) in {path}:")
-                print(report.format_tables(data))
+                print(tables.format_tables(data))
                 if data.get("not_run"):
                     print("\nnot run:")
-                    print(report.format_not_run(data["not_run"]))
-                print("\n" + report.format_summary(data))
+                    print(tables.format_not_run(data["not_run"]))
+                print("\n" + tables.format_summary(data))
             except Exception as e:  # noqa: BLE001
                 print(f"could not read the partial results in {path}: {e}")
         else:
@@ -266,7 +267,7 @@ def make_plots(path):
     try:
         from . import plots
 
-        for f in plots.render(report.read_json(path), plots.stem_for(path)):
+        for f in plots.render(results_file.read_json(path), plots.stem_for(path)):
             print(f"wrote {f}")
     except ImportError as e:
         print(f"no figures: matplotlib is not importable ({e})")

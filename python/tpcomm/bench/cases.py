@@ -42,8 +42,8 @@ from ..backends import Unavailable
 from ..backends.nccl import Nccl
 from .nccl_window import NcclWindow
 from .norm_cases import NORM_BACKENDS, make_norm_case
-from .report import NORM_OPS
 from .symm_mem import SymmMem
+from .vocabulary import NORM_OPS
 
 # tpcomm's quantized all-reduce, one backend a mode: not exact, so checked
 # against the error bound (tpcomm.quantized_reference) instead of bit for bit.

@@ -7,7 +7,7 @@ import torch
 
 from .cases import Unavailable, agree, describe, make_case
 from .inputs import make_input
-from .report import human_bytes
+from .vocabulary import human_bytes
 
 
 def probe_nccl_kernels(ops, dtypes, backends, size_list, res, rank, world, device):

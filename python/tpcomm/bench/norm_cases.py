@@ -27,7 +27,7 @@ from ..backends import Unavailable
 from ..norm_patterns import Pattern
 from ..routing_table import FUSED_NORM_UNLIMITED
 from .inputs import bit_equal
-from .report import NORM_OPS
+from .vocabulary import NORM_OPS
 
 NORM_BACKENDS = ("tpcomm_fused", "tpcomm_past_cap")
 EPS = 1e-6

@@ -5,7 +5,7 @@ import statistics
 import torch
 
 from .cases import describe
-from .report import human_bytes
+from .vocabulary import human_bytes
 
 PEER_COPY_BYTES = 256 << 20
 

@@ -17,7 +17,9 @@ import math
 import os
 import sys
 
-from . import report
+from . import options, results_file, tables
+from .rows import backends_in, labelled, preferred_dtype
+from .vocabulary import MODES, NCCL_BACKENDS, OPS, human_bytes, ordered
 
 SPEEDUP_BACKENDS = ("tpcomm", "symm_one_shot", "symm_two_shot")
 STYLE = {
@@ -59,7 +61,7 @@ def _size_axis(ax, sizes):
         if len(ticks) > 12:
             ticks = ticks[::2]
         ax.set_xticks(ticks)
-        ax.set_xticklabels([report.human_bytes(s).replace(" ", "") for s in ticks], rotation=45, fontsize=8)
+        ax.set_xticklabels([human_bytes(s).replace(" ", "") for s in ticks], rotation=45, fontsize=8)
         ax.minorticks_off()
     ax.set_xlabel("bytes per rank")
 
@@ -85,23 +87,23 @@ def render(data, stem, dtype=None):
     """Writes the figures for results `data` (the JSON dict) under `stem`;
     returns the paths written. Raises ImportError without matplotlib."""
     plt = _pyplot()
-    rows = [r for r in report.labelled(data.get("rows", [])) if _ok(r.get("median_us"))]
+    rows = [r for r in labelled(data.get("rows", [])) if _ok(r.get("median_us"))]
     env = data.get("env", {})
-    dtype = dtype or report.preferred_dtype(rows)
+    dtype = dtype or preferred_dtype(rows)
     rows = [r for r in rows if r["dtype"] == dtype]
     d = os.path.dirname(stem)
     if d:
         os.makedirs(d, exist_ok=True)
     written = []
-    ops = report._ordered({r["op"] for r in rows}, report.OPS)
-    modes = report._ordered({r["mode"] for r in rows}, report.MODES)
+    ops = ordered({r["op"] for r in rows}, OPS)
+    modes = ordered({r["mode"] for r in rows}, MODES)
     for mode in modes:
         for op in ops:
             sel = [r for r in rows if r["op"] == op and r["mode"] == mode]
             if not sel:
                 continue
             fig, ax = plt.subplots(figsize=(8, 5.2))
-            for b in report._backends_in(sel):
+            for b in backends_in(sel):
                 pts = sorted((r["bytes_per_rank"], r["median_us"]) for r in sel if r["backend"] == b)
                 bad = any(r.get("correct") is False for r in sel if r["backend"] == b)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=b + (" (INCORRECT)" if bad else ""),
@@ -118,7 +120,7 @@ def render(data, stem, dtype=None):
             plt.close(fig)
             written.append(path)
     panels = [(op, mode) for op in ops for mode in modes
-              if any(r["backend"] in report.NCCL_BACKENDS and r["op"] == op and r["mode"] == mode for r in rows)
+              if any(r["backend"] in NCCL_BACKENDS and r["op"] == op and r["mode"] == mode for r in rows)
               and any(r["backend"] in SPEEDUP_BACKENDS and r["op"] == op and r["mode"] == mode for r in rows)]
     if panels:
         cols = len(modes)
@@ -131,7 +133,7 @@ def render(data, stem, dtype=None):
             by_size = {}
             for r in sel:
                 by_size.setdefault(r["bytes_per_rank"], {})[r["backend"]] = r
-            best = {n: report.best_nccl_us(c) for n, c in by_size.items()}
+            best = {n: tables.best_nccl_us(c) for n, c in by_size.items()}
             nccl = {n: t for n, t in best.items() if t}
             for b in SPEEDUP_BACKENDS:
                 pts = sorted((r["bytes_per_rank"], nccl[r["bytes_per_rank"]] / r["median_us"])
@@ -167,8 +169,8 @@ def main(argv=None):
     p.add_argument("--stem", default=None, help="output path stem (default: the JSON path without .json)")
     p.add_argument("--dtype", default=None, help="dtype of the figures (default bfloat16, else the first present)")
     args = p.parse_args(argv)
-    data = report.read_json(args.json)
-    dtype = report.parse_dtypes(args.dtype)[0] if args.dtype else None
+    data = results_file.read_json(args.json)
+    dtype = options.parse_dtypes(args.dtype)[0] if args.dtype else None
     try:
         paths = render(data, args.stem or stem_for(args.json), dtype)
     except ImportError as e:

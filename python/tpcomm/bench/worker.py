@@ -23,25 +23,25 @@ import torch.distributed as dist
 
 from .. import topology
 from ..config import env_flag
-from . import report
+from . import bandwidth, options, results_file, tables
 from .cases import Resources, agree, describe, make_case
 from .environment import environment, format_env
 from .inputs import bit_equal, make_input, reference
 from .kernel_probe import probe_nccl_kernels
 from .peer_copy import measure_peer_copy
 from .progress import Progress
-from .report import ALL_OPS, BACKENDS, OPS, human_bytes
 from .timing import barrier, time_eager, time_graphs
+from .vocabulary import ALL_OPS, BACKEND_HELP, BACKENDS, MODES, NORM_HIDDEN, OPS, human_bytes
 
 
 def plan(args):
     """(ops, dtypes, modes, backends, sizes) of a run, from the parsed arguments."""
-    ops = report.parse_choices(args.ops, ALL_OPS, "op")
-    dtypes = report.parse_dtypes(args.dtypes)
-    modes = report.parse_choices(args.modes, report.MODES, "mode")
-    backends = report.parse_choices(args.backends or ",".join(BACKENDS), BACKENDS, "backend")
+    ops = options.parse_choices(args.ops, ALL_OPS, "op")
+    dtypes = options.parse_dtypes(args.dtypes)
+    modes = options.parse_choices(args.modes, MODES, "mode")
+    backends = options.parse_choices(args.backends or ",".join(BACKENDS), BACKENDS, "backend")
     step = 8 if args.quick else args.sizes_step
-    return ops, dtypes, modes, backends, report.size_list(args.min_bytes, args.max_bytes, step)
+    return ops, dtypes, modes, backends, options.size_list(args.min_bytes, args.max_bytes, step)
 
 
 def placement(rank, world):
@@ -108,7 +108,7 @@ def _run(rank, world, device, args, queue):
     ops, dtypes, modes, backends, size_list = plan(args)
     # Only rank 0 reports (and only rank 0 touches GPU 0's properties).
     env = environment(world) if rank == 0 else {"world_size": world}
-    path = args.out or report.default_out_path(env)
+    path = args.out or results_file.default_out_path(env)
     if rank == 0 and queue is not None:
         queue.put(path)
     quiet = getattr(args, "quiet", False)  # a run whose rows another run merges
@@ -125,7 +125,7 @@ def _run(rank, world, device, args, queue):
     env.update(res.info)
     for b, why in res.reasons.items():
         say(f"{b}: off: {why}", flush=True)
-    env["backends"] = {b: report.BACKEND_HELP[b] for b in backends}
+    env["backends"] = {b: BACKEND_HELP[b] for b in backends}
     if device.type == "cuda" and dist.get_backend() == "gloo":  # placement()'s shared GPUs
         env["shared_gpu"] = "ranks share GPUs (TPCOMM_SHARE_GPU=1): the results are checked, the times mean nothing"
         say(f"note: {env['shared_gpu']}", flush=True)
@@ -138,15 +138,15 @@ def _run(rank, world, device, args, queue):
 
     rows, not_run = [], []
     if rank == 0 and getattr(args, "merge_from", None):
-        merged = report.read_json(args.merge_from)
+        merged = results_file.read_json(args.merge_from)
         rows += [r for r in merged.get("rows", [])]
         not_run += list(merged.get("not_run", []))
         env["merged_run"] = {"backends": sorted({r["backend"] for r in merged.get("rows", [])}),
                              "env": "NCCL_GRAPH_MIXING_SUPPORT=0", "complete": merged.get("env", {}).get("complete"),
                              "elapsed_s": merged.get("env", {}).get("elapsed_s")}
         env["backends"].update(merged.get("env", {}).get("backends", {}))
-    hiddens = report.parse_hidden(getattr(args, "hidden", report.NORM_HIDDEN))
-    cells = sum(len(report.shapes(op, getattr(torch, d).itemsize, size_list, world, hiddens))
+    hiddens = options.parse_hidden(getattr(args, "hidden", NORM_HIDDEN))
+    cells = sum(len(options.shapes(op, getattr(torch, d).itemsize, size_list, world, hiddens))
                 for op in ops for d in dtypes)
     progress = Progress(cells * len(backends) * len(modes), enabled=rank == 0 and not args.no_progress)
 
@@ -159,7 +159,7 @@ def _run(rank, world, device, args, queue):
     for op in ops:
         for dname in dtypes:
             dtype = getattr(torch, dname)
-            for shape in report.shapes(op, dtype.itemsize, size_list, world, hiddens):
+            for shape in options.shapes(op, dtype.itemsize, size_list, world, hiddens):
                 numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
                 nbytes = numel * dtype.itemsize
                 extra = {"hidden": shape[1]} if len(shape) > 1 else {}  # a norm op's rows: (tokens, hidden)
@@ -244,11 +244,11 @@ def _run(rank, world, device, args, queue):
     data = _write(path, env, rows, not_run, world, complete=True, t0=t0, log=say) if rank == 0 else None
     if rank == 0 and not quiet:
         print("\n" + format_env(data["env"]))
-        print(report.format_tables(data))
+        print(tables.format_tables(data))
         if not_run:
             print("\nnot run:")
-            print(report.format_not_run(not_run))
-        print("\n" + report.format_summary(data))
+            print(tables.format_not_run(not_run))
+        print("\n" + tables.format_summary(data))
         print(f"wrote {path}", flush=True)
     res.close()
     return path if rank == 0 else None
@@ -277,10 +277,10 @@ def _write(path, env, rows, not_run, world, complete, t0, log=print):
     env = dict(env)
     env["complete"] = complete
     env["elapsed_s"] = round(time.monotonic() - t0, 1)
-    rows = report.add_bandwidth([dict(r) for r in rows], world, env.get("peer_copy_gbps"))
+    rows = bandwidth.add_bandwidth([dict(r) for r in rows], world, env.get("peer_copy_gbps"))
     data = {"env": env, "rows": rows, "not_run": list(not_run)}
     try:
-        report.write_json(path, data)
+        results_file.write_json(path, data)
     except Exception as e:  # noqa: BLE001
         log(f"could not write {path}: {describe(e)}")
     return data
