@@ -24,7 +24,11 @@
  *                32-bit payload word, int8 and int4;
  *   scales       tpc_quant_scale_of's quotients (sm_90: an fma-corrected
  *                guess, no slow path) against __fdiv_rn for every absmax
- *                in [TPC_QUANT_TINY, FLT_MAX], each mode.
+ *                in [TPC_QUANT_TINY, FLT_MAX], each mode;
+ *   FP8 quotients the fused norm's FP8 epilogue (tpc_fp8_quotient: a
+ *                reciprocal and one fma correction) against __fdiv_rn for
+ *                every bf16 and fp16 x and 8192 scales over 2^-64 .. 2^64:
+ *                the same e4m3 codes, the same bits where |x / s| >= 2^-30.
  *
  * On the CPU (no argument): tpc_e4m3_sat_of and tpc_e4m3_value against
  * cuda_fp8.h's host conversions, the same functions as its device ones (the
@@ -220,8 +224,31 @@ __global__ void qi_scales(unsigned long long *bad) {
   atomicAdd(bad, n);
 }
 
+/* The FP8 epilogue's quotient (tpc_fp8_quotient) against __fdiv_rn, for
+ * every bf16 and fp16 value x (what the epilogue divides) and 8192 scales,
+ * 64 in each binade 2^-64 .. 2^63 (fast ones and not): bad[0] the e4m3
+ * codes that differ, bad[1] the quotients whose bits differ where |x / s| >=
+ * 2^-30 (below it both are e4m3 zero of x's sign). */
+static __device__ uint32_t qi_fp8_code(float q) { return q != q ? 0x7fu : tpc_e4m3x2_of(q, 0.0f) & 0xffu; }
+
+__global__ void qi_fp8_quotients(unsigned long long *bad) {
+  unsigned long long codes = 0, bits = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (uint64_t)8192 << 17;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint32_t k = (uint32_t)(i >> 17), v = (uint32_t)i & 0xffffu;
+    const float s = tpc_float_of((k / 64 + 63) << 23 | ((k % 64) * 0x1fff1u & 0x7fffffu));
+    const float x = i >> 16 & 1 ? tpc_16_to_float(v, 1) : tpc_16_to_float(v, 0);
+    const float r = __fdiv_rn(1.0f, s), want = __fdiv_rn(x, s);
+    const float got = tpc_fp8_quotient(x, s, r, tpc_fp8_fast_scale(s));
+    codes += qi_fp8_code(got) != qi_fp8_code(want);
+    bits += !qi_same(got, want) && !(fabsf(want) < 0x1p-30f);
+  }
+  atomicAdd(bad, codes);
+  atomicAdd(bad + 1, bits);
+}
+
 static int qi_device(void) {
-  unsigned long long *bad, nbad[6];
+  unsigned long long *bad, nbad[8];
   CHECK(cudaMalloc(&bad, sizeof nbad));
   CHECK(cudaMemset(bad, 0, sizeof nbad));
   qi_encode<<<4096, 256>>>(bad);
@@ -233,6 +260,7 @@ static int qi_device(void) {
   qi_int_pack<TPC_QUANT_INT4><<<4096, 256>>>(bad + 3);
   qi_int_decode<TPC_QUANT_INT4><<<4096, 256>>>(bad + 4);
   qi_scales<<<4096, 256>>>(bad + 5);
+  qi_fp8_quotients<<<4096, 256>>>(bad + 6);
   CHECK(cudaGetLastError());
   CHECK(cudaMemcpy(nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost));
   printf("device: 2^32 encoded pairs and absmax steps: %llu differences; 65536 decoded pairs: %llu differences\n", nbad[0], nbad[1]);
@@ -240,7 +268,9 @@ static int qi_device(void) {
          "(255^4, 15^8): %llu differences; 2^32 payload words decoded: %llu differences\n",
          nbad[2], nbad[3], nbad[4]);
   printf("device: every absmax's scale and inv, 3 modes: %llu differences\n", nbad[5]);
-  for (int i = 0; i < 6; ++i)
+  printf("device: FP8 epilogue quotients, every bf16 and fp16 x by 8192 scales: %llu codes and %llu quotients "
+         "(|x / s| >= 2^-30) differ\n", nbad[6], nbad[7]);
+  for (int i = 0; i < 8; ++i)
     if (nbad[i]) return 1;
   return 0;
 }

@@ -66,10 +66,11 @@ TPC_DEVICE float tpc_fp8_scale(uint32_t amax, float floor) {
 }
 
 /* e4m3 codes of x / s, 4 values in a word (value j in byte j); NaN to 0x7f
- * (the conversion's saturation would otherwise clamp it). */
-TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s) {
+ * (the conversion's saturation would otherwise clamp it). r and fast as
+ * tpc_fp8_quotient takes them. */
+TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s, float r, int fast) {
   float q[4];
-  for (int j = 0; j < 4; ++j) q[j] = x[j] / s;
+  for (int j = 0; j < 4; ++j) q[j] = tpc_fp8_quotient(x[j], s, r, fast);
   uint32_t c = tpc_e4m3x2_of(q[0], q[1]) | tpc_e4m3x2_of(q[2], q[3]) << 16;
   for (int j = 0; j < 4; ++j)
     if (q[j] != q[j]) c = (c & ~(0xffu << (8 * j))) | 0x7fu << (8 * j);
@@ -90,6 +91,9 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
     s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
     if (t == 0) a.scales[row * a.scale_row_stride] = s;
   }
+  /* the group's scale comes per group, below */
+  float r = QUANT == TPC_QUANT_PER_TOKEN_GROUP ? 0.0f : 1.0f / s;
+  int fast = tpc_fp8_fast_scale(s);
 #pragma unroll
   for (int k = 0; k < TPC_NORM_UNITS; ++k) {
     const uint64_t u = t + (uint64_t)k * data_threads;
@@ -103,8 +107,10 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
       }
       s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(tpc_warp_max_u32(m), a.scale_floor);
       if (t % 32 == 0) a.scales[row * a.scale_row_stride + (u / 32) * a.scale_group_stride] = s;
+      r = 1.0f / s;
+      fast = tpc_fp8_fast_scale(s);
     }
-    codes[base + u] = broken ? (uint32_t)TPC_E4M3_NAN_BYTES : tpc_fp8_codes(x[k], s);
+    codes[base + u] = broken ? (uint32_t)TPC_E4M3_NAN_BYTES : tpc_fp8_codes(x[k], s, r, fast);
   }
 }
 

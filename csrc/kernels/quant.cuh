@@ -190,20 +190,41 @@ typedef struct {
   float scale, inv;
 } tpc_quant_scale;
 
-/* a / qmax for a in [TPC_QUANT_TINY, FLT_MAX], as __fdiv_rn: the quotient's
- * first guess by the nearest float to 1 / qmax, corrected once by its exact
- * residual (an fma); __fdiv_rn's bits (benchmarks/quant_identity.cu checks
- * every a) without its range check, a branch around a slow path that would
- * split the warp between the group's shuffles. HIP: __fdiv_rn. */
-template <int Mode>
-TPC_DEVICE float tpc_quant_div_by(float a) {
-  constexpr float d = tpc_quant_qmax(Mode);
-#ifdef TPC_HIP
-  return __fdiv_rn(a, d);
-#else
-  constexpr float r = tpc_quant_inv_qmax(Mode);
+/* a / d as the division rounds it, from r, the nearest float to 1 / d: the
+ * guess a * r, corrected once by its residual a - q * d (an fma; Markstein).
+ * The correctly rounded quotient wherever that residual is exact and the
+ * quotient normal; callers state the ranges they keep it in. */
+TPC_DEVICE float tpc_div_by_reciprocal(float a, float d, float r) {
   const float q = __fmul_rn(a, r);
   return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
+}
+
+/* Whether tpc_fp8_quotient may take x / s from r = 1 / s: s within
+ * [2^-60, 2^60]. The FP8 epilogue's scales (norm_fp8.cuh) are one per
+ * tensor, row or group, so the test is the same for each value under one.
+ * benchmarks/quant_identity.cu checks the quotient's codes. */
+TPC_DEVICE int tpc_fp8_fast_scale(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
+
+/* x / s as the division rounds it, from r = 1 / s (correctly rounded)
+ * where s is fast (tpc_div_by_reciprocal): its residual is exact for |x| >=
+ * 2^-90; below that |x / s| < 2^-30, and both quotients give e4m3 zero of
+ * x's sign. A scale that is not fast, and an infinite or NaN guess, take
+ * the division. */
+TPC_DEVICE float tpc_fp8_quotient(float x, float s, float r, int fast) {
+  if (!fast || !(fabsf(__fmul_rn(x, r)) <= 0x1.fffffep127f)) return x / s;
+  return tpc_div_by_reciprocal(x, s, r);
+}
+
+/* a / qmax for a in [TPC_QUANT_TINY, FLT_MAX], as __fdiv_rn
+ * (tpc_div_by_reciprocal; benchmarks/quant_identity.cu checks every a)
+ * without its range check, a branch around a slow path that would split the
+ * warp between the group's shuffles. HIP: __fdiv_rn. */
+template <int Mode>
+TPC_DEVICE float tpc_quant_div_by(float a) {
+#ifdef TPC_HIP
+  return __fdiv_rn(a, tpc_quant_qmax(Mode));
+#else
+  return tpc_div_by_reciprocal(a, tpc_quant_qmax(Mode), tpc_quant_inv_qmax(Mode));
 #endif
 }
 
