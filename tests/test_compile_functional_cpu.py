@@ -282,8 +282,9 @@ def _body_inductor_pass(rank, world_size):
     assert "tpcomm::custom_all_reduce" in targets and not [t for t in targets if t.startswith("_c10d_functional")]
     assert comm.stats()[("all_reduce", "gloo")]["calls"] == 1
 
-    # AOT's graphs may place allocations and views between a collective and
-    # its wait: still a synchronous use. Arithmetic there is an async one.
+    # AOT's and inductor's graphs may place allocations, views and casts
+    # between a collective and its wait: still a synchronous use.
+    # Arithmetic there is an async one.
     aten, name = torch.ops.aten, comm.group_name
 
     def allocation_between(x):
@@ -292,12 +293,18 @@ def _body_inductor_pass(rank, world_size):
         z = aten.view.default(x, [32])
         return _F.wait_tensor.default(y), z
 
+    def cast_between(x):
+        y = _F.all_reduce.default(x, "sum", name)
+        z = torch.ops.prims.convert_element_type.default(x, torch.bfloat16)
+        w = aten._to_copy.default(x, dtype=torch.float16)
+        return _F.wait_tensor.default(y), z, w
+
     def work_between(x):
         y = _F.all_reduce.default(x, "sum", name)
         z = aten.sin.default(x)
         return _F.wait_tensor.default(y), z
 
-    for fn, taken in ((allocation_between, 1), (work_between, 0)):
+    for fn, taken in ((allocation_between, 1), (cast_between, 1), (work_between, 0)):
         gm = torch.fx.symbolic_trace(fn)
         assert tpcomm.graph_pass.rewrite_collectives(gm.graph)["all_reduce"] == taken, fn.__name__
         gm.recompile()

@@ -107,9 +107,11 @@ def _replacement(node):
 
 # What may lie between a collective and its wait without making it an async
 # use: no arithmetic that the collective could overlap, only views of other
-# tensors and new empty ones (AOT places such nodes there).
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                torch.ops.aten.empty_strided.default)
+# tensors, new empty ones and dtype casts (AOT and inductor's post-grad
+# passes place such nodes there, e.g. a cast of the rotary tables).
+_NO_WORK = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+            torch.ops.aten.empty_strided.default, torch.ops.prims.convert_element_type.default,
+            torch.ops.aten._to_copy.default)
 
 
 def _no_work(node):
@@ -117,7 +119,7 @@ def _no_work(node):
         return False
     if node.target is operator.getitem:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _ALLOCATIONS)
+    return isinstance(node.target, torch._ops.OpOverload) and (node.target.is_view or node.target in _NO_WORK)
 
 
 def _synchronous_wait(node):
