@@ -123,7 +123,7 @@ static void set_norm(int r, int tokens, int hidden, int quant, bool with_normed)
   a.op = TPC_OP_ALL_REDUCE_NORM;
   a.kind = tpc_kind_word(TPC_KIND_NORM_QUANT_OP(TPC_OP_ALL_REDUCE_NORM, TPC_PATTERN_ADD_NORM, quant), TPC_ALGO_PACKET,
                          TPC_BFLOAT16, a.row_bytes);
-  a.poison = quantizing ? 0x7f7f7f7f7f7f7f7full : 0x7fc07fc07fc07fc0ull;
+  a.poison = quantizing ? TPC_E4M3_NAN_BYTES : 0x7fc07fc07fc07fc0ull;
   a.poison2 = 0x7fc07fc07fc07fc0ull;
   a.residual = b.residual;
   a.weight = b.weight;
@@ -131,6 +131,8 @@ static void set_norm(int r, int tokens, int hidden, int quant, bool with_normed)
   a.eps = EPS;
   a.pattern = TPC_PATTERN_ADD_NORM;
   a.weight_offset = -0.0f; /* weight w: ops.c's offset 0 */
+  a.residual_scale = 1.0f;
+  a.bias = a.next_bias = nullptr;
   a.quant = quant;
   a.out = quantizing ? (void *)b.codes : (void *)b.normed;
   a.out3 = quantizing && with_normed ? b.normed : nullptr;
