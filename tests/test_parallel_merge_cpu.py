@@ -11,27 +11,10 @@ import torch
 import tpcomm
 from tpcomm.norm_patterns import STATS_KEY, Pattern
 
+from fusion_form_models import HIDDEN, Parallel
 from multiproc import run_ranks
 
-HIDDEN = 32
 U32 = 2.0 ** -24
-
-
-class Parallel(torch.nn.Module):
-    """attention and MLP partial sums y1, y2: (all_reduce(y1) + all_reduce(y2)) + residual
-    (or residual + all_reduce(y1) first), then an RMSNorm."""
-
-    def __init__(self, group, w, residual_first=False, keep=False, group2=None):
-        super().__init__()
-        self.group, self.group2 = group, group2 or group
-        self.w, self.residual_first, self.keep = torch.nn.Parameter(w), residual_first, keep
-
-    def forward(self, y1, y2, residual):
-        a = torch.nn.functional.dropout(torch.ops.tpcomm.custom_all_reduce(y1, self.group), 0.0, False)
-        m = torch.ops.tpcomm.custom_all_reduce(y2, self.group2)
-        z = (residual + a) + m if self.residual_first else (a + m) + residual
-        out = torch.nn.functional.rms_norm(z, (HIDDEN,), self.w, 1e-6), z
-        return out + (a,) if self.keep else out
 
 
 def _compiled(model, *args):

@@ -30,8 +30,7 @@ import multiproc
 import tpcomm
 from tpcomm.norm_patterns import STATS_KEY, Pattern
 
-from test_fusion_forms_cpu import HIDDEN, _fused_cases  # noqa: E402 - the models, shared with the CPU test
-from test_parallel_merge_cpu import Parallel  # noqa: E402
+from fusion_form_models import HIDDEN, Parallel, fused_cases
 
 pytestmark = pytest.mark.gpu
 ULPS = 2 * 2.0 ** -7  # two bf16 ulps, relative
@@ -54,7 +53,7 @@ def _body(rank, world, inner, on_gpu):
     residual = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16).to(device)
     local = torch.Generator().manual_seed(100 + rank)
     y, y2 = (torch.randn(6, HIDDEN, generator=local).to(torch.bfloat16).to(device) for _ in range(2))
-    cases = [(m, key, (y, residual), 0) for m, key, dynamic in _fused_cases(comm.group_name, w, b) if not dynamic]
+    cases = [(m, key, (y, residual), 0) for m, key, dynamic in fused_cases(comm.group_name, w, b) if not dynamic]
     cases.append((Parallel(comm.group_name, w), STATS_KEY[Pattern.ADD_NORM], (y, y2, residual), 1))
     for model, key, args, merged in cases:
         model = model.to(device=device, dtype=torch.bfloat16)
