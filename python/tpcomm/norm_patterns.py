@@ -35,7 +35,8 @@ cap and the routing table's fused_norm_max_bytes, a row of at most TPC_NORM_MAX_
 Config.fused_kernel on (tpcomm.routing.norm_pattern decides). Its stream
 output is the reference bit for bit for ADD_NORM and ADD_LAYER_NORM and
 within 1 ulp for the others (o takes the norm of s, whose sums the kernel
-takes in another order), its normed output within 1 ulp. ADD_NORM with weight_offset
+takes in another order), its normed output within 1 ulp (a LayerNorm's
+plus the fp32 bound of its sums' order, docs/design.md). ADD_NORM with weight_offset
 0 and m = 1 is Communicator.all_reduce_add_rms_norm, whose "split" route
 also takes prefill sizes. Anything else runs "unfused": the all-reduce in
 fp32 through the Communicator's route (uncounted: the call counts once,
