@@ -116,7 +116,7 @@ static void open_ranks(int n, size_t max_bytes, bool require_gpus) {
     a.data_off = layout.data_off;
     a.data_bytes = layout.data_bytes;
     a.poison = 0x7fc000007fc00000ull;
-    a.alive_id = 1;
+    a.comm_id = 1;
     a.rank = r;
     a.world = world;
     a.dtype = TPC_BFLOAT16;

@@ -129,7 +129,7 @@ typedef struct {
   uint64_t data_off;
   uint64_t data_bytes;        /* the bulk region; streamed kernels use one half of it */
   uint64_t poison;            /* 8-byte NaN pattern of out's dtype, written as 4-byte words */
-  uint32_t alive_id;          /* control->alive must equal this, or the communicator is closed */
+  uint32_t comm_id;           /* the communicator's comm_id, low 32 bits: control->alive must equal it while open */
   uint32_t kind;              /* tpc_kind_word of this op */
   int32_t rank;
   int32_t world;

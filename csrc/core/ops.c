@@ -47,7 +47,7 @@ static void fill_args(const tpc_comm *comm, tpc_kernel_args *a, const void *in, 
   for (int p = 0; p < comm->cfg.world_size; ++p)
     if (p != comm->cfg.rank) a->peer_control[p] = comm->peer_control[p];
   a->err = comm->entry->record_device;
-  a->alive_id = (uint32_t)comm->entry->comm_id;
+  a->comm_id = (uint32_t)comm->entry->comm_id;
   a->kind = tpc_kind_word(op, algo, dtype, row_bytes);
   a->poison = nan_pattern;
   a->poison_out = nan_pattern != 0;

@@ -75,7 +75,7 @@ TPC_DEVICE tpc_op tpc_op_begin(const tpc_kernel_args *a, Prefetch prefetch, Cont
     /* 0 means "never written" in every slot; skipping to 2 keeps the parity
      * alternating across the wrap. */
     if (epoch == 0) epoch = 2;
-    uint32_t refused = c.x != a->alive_id ? (uint32_t)TPC_ERR_CLOSED : c.z;
+    uint32_t refused = c.x != a->comm_id ? (uint32_t)TPC_ERR_CLOSED : c.z;
     if (!refused && c.w) refused = tpc_refuse_for_peer(a, epoch, c.w);
     block_epoch = epoch;
     block_refused = refused;

@@ -113,8 +113,8 @@ void check_args(const world *w, int rank, const void *in, void *out, size_t nbyt
    * own address); none for this rank or past the world */
   for (int p = 0; p < TPC_MAX_RANKS; ++p)
     CHECK_PTR(a->peer_control[p], p < w->n && p != rank ? w->control[p] : NULL);
-  CHECK_EQ(a->alive_id, (uint32_t)w->comm_id[rank]);
-  CHECK_EQ(a->alive_id, w->control[rank]->alive); /* the open slot matches */
+  CHECK_EQ(a->comm_id, (uint32_t)w->comm_id[rank]);
+  CHECK_EQ(a->comm_id, w->control[rank]->alive); /* the open slot matches */
   CHECK_EQ(a->max_blocks, FAKE_MULTIPROCESSORS); /* the device's count, read at creation */
   CHECK_EQ(fake.last_algo, algo);
   CHECK_EQ(a->kind, tpc_kind_word(op, algo, dtype, row_bytes));

@@ -674,7 +674,7 @@ void test_id_all_reduce(void) {
   int launches = fake.launches;
   CHECK_RC(NULL, tpc_id_all_reduce(id, in, out, 64, TPC_BFLOAT16, TPC_ALGO_PACKET, STREAM_A), TPC_OK);
   CHECK_EQ(fake.launches, launches + 1);
-  CHECK_EQ(fake.last_args.alive_id, (uint32_t)id);
+  CHECK_EQ(fake.last_args.comm_id, (uint32_t)id);
   CHECK_EQ(fake.last_args.rank, 0);
   CHECK_EQ(fake.last_args.nbytes, 64);
   CHECK_EQ(entry_of(id)->in_use, 0);
@@ -724,6 +724,6 @@ void test_args_control(void) {
   const tpc_kernel_args saved = fake.last_args; /* rank 1's, as a captured graph keeps them */
   destroy_world(&w);
   CHECK_EQ(saved.control->alive, 0);
-  CHECK(saved.control->alive != saved.alive_id);
+  CHECK(saved.control->alive != saved.comm_id);
   CHECK_ALL_RELEASED();
 }

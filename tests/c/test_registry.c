@@ -157,7 +157,7 @@ void test_acquire(void) {
   CHECK_EQ(w.control[0]->alive, (uint32_t)id);
   CHECK_EQ(w.control[0]->failed, 0);
   CHECK_RC(w.comm[0], tpc_all_gather(w.comm[0], in, out, 64, 64, TPC_ALGO_PACKET, 0, STREAM_A), TPC_OK);
-  CHECK_EQ(fake.last_args.alive_id, (uint32_t)id);
+  CHECK_EQ(fake.last_args.comm_id, (uint32_t)id);
   CHECK_RC(NULL, tpc_id_async_error(id, NULL), TPC_OK);
 
   /* release, then acquire works again */
