@@ -6,6 +6,7 @@ import types
 import torch
 
 import tpcomm
+from tpcomm import _constants as C
 from tpcomm import routing, routing_table
 from tpcomm.config import Config
 
@@ -19,7 +20,7 @@ def routing_comm(fused_kernel=True, packet_max_bytes=1 << 20, enabled=True, worl
     comm.world_size = world_size
     comm.config = Config(fused_kernel=fused_kernel)
     comm._routes = routing_table.effective_routes(routing_table.load_table(None), world_size, {}, forbid)
-    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, True) if enabled else None
+    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, C.TPC_PLATFORM_CUDA) if enabled else None
     comm._nccl, comm._fallback, comm._closed = FALLBACK, FALLBACK.backend, False
     return comm
 

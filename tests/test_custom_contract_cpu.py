@@ -47,7 +47,7 @@ class FakeKernels:
 def kernels_open(comm, world_size):
     """comm as if its custom path were open: the kernels' caps, FakeKernels,
     and its route memo emptied (what it holds was routed with the path off)."""
-    comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    comm._caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, comm.platform)
     comm._kernels = FakeKernels()
     for memo in comm._memo.values():
         memo.clear()

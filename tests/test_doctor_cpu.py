@@ -99,10 +99,10 @@ def test_doctor_routing_lines_apply_the_caps():
 
 
 def test_routed_bands_follow_routing_route():
-    from tpcomm import routing
+    from tpcomm import _constants as C, routing
 
     routes = {"all_reduce": {"*": [(1 << 10, "packet"), (1 << 30, "bulk")]}}
-    caps = routing.Caps(4, 1 << 20, 512, True)
+    caps = routing.Caps(4, 1 << 20, 512, C.TPC_PLATFORM_CUDA)
     assert routed_bands(routes, caps, "all_reduce", torch.float32) == [(512, "packet"), (1 << 20, "bulk")]
     assert routed_bands(routes, caps, "all_reduce", torch.int32) == []  # no kernel reduces int32
     for limit, backend in routed_bands(routes, caps, "all_reduce", torch.float32):

@@ -11,6 +11,7 @@ import torch
 
 import tpcomm
 from tpcomm import Config, norm_fp8, norm_patterns, routing, routing_table
+from tpcomm import _constants as C
 from tpcomm.norm_patterns import Pattern
 from routing_only import FALLBACK, meta
 
@@ -23,11 +24,11 @@ def _table(**fields):
     return {"routes": ROUTES, **fields}
 
 
-def _comm(world_size, table=None, packet_max_bytes=4 * MiB, line_kernels=True):
+def _comm(world_size, table=None, packet_max_bytes=4 * MiB, platform=C.TPC_PLATFORM_CUDA):
     comm = object.__new__(tpcomm.Communicator)
     comm.config, comm.world_size = Config(), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table or _table()), world_size)
-    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, line_kernels)
+    comm._caps = routing.Caps(world_size, 16 * MiB, packet_max_bytes, platform)
     comm._nccl, comm._fallback = FALLBACK, FALLBACK.backend
     return comm
 
@@ -100,7 +101,7 @@ def test_the_tables_cap_routes_and_a_rocm_build_keeps_fp8_unfused():
     table = _table(fused_norm_max_bytes={"2": 64 * KiB})
     assert _routes_of(_comm(2, table), 8) == ("fused",) * 5              # 64 KiB
     assert _routes_of(_comm(2, table), 10) == ("split",) + ("unfused",) * 4
-    assert _routes_of(_comm(2, table, line_kernels=False), 8) == ("fused",) * 4 + ("unfused",)
+    assert _routes_of(_comm(2, table, platform=C.TPC_PLATFORM_ROCM), 8) == ("fused",) * 4 + ("unfused",)
 
 
 def test_effective_routes_and_flatten_carry_the_cap():
@@ -119,7 +120,7 @@ def test_effective_routes_and_flatten_carry_the_cap():
 
 
 def test_summary_labels_the_cap_as_a_cost_model_default_or_the_tables():
-    caps = routing.Caps(8, 16 * MiB, 1 * MiB, True)
+    caps = routing.Caps(8, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA)
     modelled = routing_table.effective_routes(routing_table.load_table(_table()), 8)
     assert f"fused norm kernels up to 359511 B per rank within the packet cap (cost-model default)" in \
         routing.summary(modelled, caps)

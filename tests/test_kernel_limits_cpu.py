@@ -26,7 +26,7 @@ def lib():
 
 
 def _caps(world):
-    return (routing.Caps(world, 1 * MiB, 16 * KiB, True), routing.Caps(world, 4 * MiB, 1 * MiB, False))
+    return (routing.Caps(world, 1 * MiB, 16 * KiB, C.TPC_PLATFORM_CUDA), routing.Caps(world, 4 * MiB, 1 * MiB, C.TPC_PLATFORM_ROCM))
 
 
 def _sizes(caps):
@@ -49,9 +49,8 @@ def _rows(op, nbytes):
 
 def _c_check(op, kernel, caps, dtype, nbytes, row, misalign):
     """tpc_kernel_check's answer for the call routing would make: (code, why)."""
-    platform = C.TPC_PLATFORM_CUDA if caps.line_kernels else C.TPC_PLATFORM_ROCM
     limits = _lib.kernel_limits(routing.OP_CODES[op], routing.algo_code(op, kernel, caps), caps.world_size,
-                                caps.max_bytes, caps.packet_max_bytes, platform)
+                                caps.max_bytes, caps.packet_max_bytes, caps.platform)
     chunk = nbytes // caps.world_size if op == "reduce_scatter" else nbytes
     ptrs = (ctypes.c_void_p * 2)(BASE + misalign, BASE + 64 * KiB)
     why = ctypes.create_string_buffer(256)
@@ -111,7 +110,7 @@ def test_the_fused_norm_takes_what_the_cores_norm_check_takes(lib, world):
     TPC_OP_ALL_REDUCE_NORM passes (and the routes' fused cap allows): 16-bit
     floats, rows of 16-byte multiples up to TPC_NORM_MAX_ROW_BYTES, the input
     within the packet cap; the edges are stated here too."""
-    caps = routing.Caps(world, 4 * MiB, 256 * KiB, True)
+    caps = routing.Caps(world, 4 * MiB, 256 * KiB, C.TPC_PLATFORM_CUDA)
     routes = routing_table.effective_routes(routing_table.load_table(), world)
     limits = _lib.kernel_limits(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, world, caps.max_bytes,
                                 caps.packet_max_bytes, C.TPC_PLATFORM_CUDA)
@@ -175,7 +174,7 @@ def test_the_quantized_all_reduce_takes_what_the_core_takes(lib):
         for caps, dtype in itertools.product(_caps(world), DTYPES):
             for nbytes in _sizes(caps):
                 why = routing.quantized_refusal(caps, dtype, nbytes)
-                before = (caps.line_kernels and dtype in (torch.float16, torch.bfloat16) and nbytes > 0
+                before = (caps.platform == C.TPC_PLATFORM_CUDA and dtype in (torch.float16, torch.bfloat16) and nbytes > 0
                           and nbytes % 16 == 0 and nbytes <= caps.max_bytes)
                 assert (why is None) == before, (caps, dtype, nbytes, why)
                 for kernel in routing.QUANTIZED:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import tpcomm
 from multiproc import run_ranks
+from tpcomm import _constants as C
 from tpcomm import fp8, routing, routing_table, tune
 from tpcomm.bench import cases, norm_cases, options, tables, vocabulary
 from tpcomm.bench.__main__ import parse_args
@@ -122,7 +123,7 @@ def test_derived_table_carries_the_world_sizes_cap(tmp_path):
     assert tune_out == 0
     routes = routing_table.effective_routes(routing_table.load_table(str(path)), 4)
     assert routes["all_reduce"]["fused_norm"] == [(256 * KiB, "fused")]  # the table's, not the cost model's
-    caps = routing.Caps(4, 16 * MiB, 1 * MiB, True)
+    caps = routing.Caps(4, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA)
     assert routing.add_rms_norm(routes, caps, True, torch.bfloat16, torch.bfloat16, 256 * KiB, 8 * KiB) == "fused"
     assert routing.add_rms_norm(routes, caps, True, torch.bfloat16, torch.bfloat16, 320 * KiB, 8 * KiB) == "split"
     # a run without the norm rows leaves the field as it was, and says so where no world has one
@@ -213,11 +214,11 @@ class _GlooKernels:
         scales.copy_(sc)
 
 
-def _resources(world, broken=False, line_kernels=True):
+def _resources(world, broken=False, platform=C.TPC_PLATFORM_CUDA):
     comm = tpcomm.Communicator(device="cpu")
-    comm._caps = routing.Caps(world, comm.max_bytes, comm.packet_max_bytes, line_kernels)
+    comm._caps = routing.Caps(world, comm.max_bytes, comm.packet_max_bytes, platform)
     comm._kernels = _GlooKernels(broken)
-    comm.line_kernels = line_kernels
+    comm.platform = platform
     for memo in comm._memo.values():
         memo.clear()
     return types.SimpleNamespace(reasons={}, world=world, comm=comm)
@@ -261,7 +262,7 @@ def _body_cases(rank, world):
         cases.make_case("tpcomm_fused", "all_reduce", make_input(rank, "all_reduce", torch.bfloat16, 64, "cpu"), res)
     with pytest.raises(cases.Unavailable, match="rows of at most 32768 B"):
         cases.make_case("tpcomm_fused", NORM_OPS[2], _x0(rank, (2, 32768)), res)
-    rocm = _resources(world, line_kernels=False)
+    rocm = _resources(world, platform=C.TPC_PLATFORM_ROCM)
     with pytest.raises(cases.Unavailable, match="no FP8 epilogues in this build"):
         cases.make_case("tpcomm_fused", NORM_OPS[1], _x0(rank, (4, 256)), rocm)
     assert cases.make_case("tpcomm_fused", NORM_OPS[0], _x0(rank, (4, 256)), rocm).route == "fused"

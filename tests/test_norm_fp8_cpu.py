@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import tpcomm
+from tpcomm import _constants as C
 from tpcomm import fp8, norm_fp8, routing
 from tpcomm.fp8 import Quant
 from tpcomm.norm_fp8 import STATS_KEY
@@ -149,11 +150,11 @@ def test_route_is_the_patterns_fused_route_on_cuda_builds_only():
             assert norm_fp8.route(routing_comm(fused_kernel=False), pattern, decode, w, nw, offset) == "unfused"
             assert norm_fp8.route(routing_comm(enabled=False), pattern, decode, w, nw, offset) == "unfused"
             rocm = routing_comm()
-            rocm._caps = rocm._caps._replace(line_kernels=False)
+            rocm._caps = rocm._caps._replace(platform=C.TPC_PLATFORM_ROCM)
             assert norm_fp8.route(rocm, pattern, decode, w, nw, offset) == "unfused"
     for how in ("split", "unfused", "single rank", "nccl", "gloo"):
-        assert routing.norm_fp8(how, True) == "unfused"
-    assert routing.norm_fp8("fused", True) == "fused" and routing.norm_fp8("fused", False) == "unfused"
+        assert routing.norm_fp8(how, C.TPC_PLATFORM_CUDA) == "unfused"
+    assert routing.norm_fp8("fused", C.TPC_PLATFORM_CUDA) == "fused" and routing.norm_fp8("fused", C.TPC_PLATFORM_ROCM) == "unfused"
 
 
 class _RecordingKernels:

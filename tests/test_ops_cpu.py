@@ -434,7 +434,7 @@ def _kernels_on_cpu(monkeypatch, fast):
     eager all_reduce takes, and with what, can be seen without a GPU."""
     from tpcomm.backends.kernels import Kernels
 
-    kernels = Kernels(77, 0, routing.Caps(4, 1 << 20, 1 << 16, True))  # 4 ranks: "bulk" is TPC_ALGO_BULK
+    kernels = Kernels(77, 0, routing.Caps(4, 1 << 20, 1 << 16, _constants.TPC_PLATFORM_CUDA))  # 4 ranks: "bulk" is TPC_ALGO_BULK
     kernels._fastpath = fast
     through_op = []
     kernels._all_reduce_out = lambda x, out, handle, algo: through_op.append((x, out, handle, algo))
@@ -498,7 +498,7 @@ def _body_communicator_fast_path(rank, world_size):
 
     comm = tpcomm.Communicator(device="cpu")
     fast = _RecordingFastpath()
-    caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, True)
+    caps = routing.Caps(world_size, comm.max_bytes, comm.packet_max_bytes, comm.platform)
     kernels = Kernels(77, 0, caps)
     kernels._fastpath = fast
     through_op = []

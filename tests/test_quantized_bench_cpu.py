@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from multiproc import run_ranks
+from tpcomm import _constants as C
 from tpcomm import quantized_reference, routing, routing_table, tune
 from tpcomm.bench import cases, tables, vocabulary
 from tpcomm.bench.inputs import make_input
@@ -73,7 +74,7 @@ def test_derived_table_carries_the_world_sizes_minimum(tmp_path):
     path.write_text(json.dumps(table))
     loaded = routing_table.load_table(str(path))
     routes = routing_table.effective_routes(loaded, 4, quantize="int8")
-    caps = routing.Caps(4, 16 * MiB, 1 * MiB, True)
+    caps = routing.Caps(4, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA)
     assert routing.route(routes, caps, "all_reduce", torch.bfloat16, 1 * MiB) == "quantized_int8"
     assert routing.route(routes, caps, "all_reduce", torch.bfloat16, 1 * MiB - 16) == "bulk"
     # a run without quantized rows leaves the field as it was
@@ -120,7 +121,7 @@ class _FakeKernels:
 
 
 class _FakeComm:
-    max_bytes, packet_max_bytes, line_kernels = 16 * MiB, 1 * MiB, True
+    max_bytes, packet_max_bytes, platform = 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA
 
     def __init__(self, broken):
         self.kernels = _FakeKernels(broken)
@@ -146,7 +147,7 @@ def _body_cases(rank, world):
         cases.make_case(QB[1], "all_reduce", x0.float(), res)
     with pytest.raises(cases.Unavailable, match="over max_bytes"):
         cases.make_case(QB[2], "all_reduce", torch.zeros(9 * MiB, dtype=torch.bfloat16), res)
-    res.comm.line_kernels = False
+    res.comm.platform = C.TPC_PLATFORM_ROCM
     with pytest.raises(cases.Unavailable, match="CUDA only"):
         cases.make_case(QB[2], "all_reduce", x0, res)
 

@@ -20,11 +20,11 @@ TABLE = {"routes": {op: {"*": {"*": [[64 * KiB, "packet"], [16 * MiB, "bulk"]]}}
                     for op in ("all_reduce", "all_gather", "reduce_scatter")}}
 
 
-def _comm(quantize=None, world_size=4, table=TABLE, force=None, line_kernels=True, max_bytes=16 * MiB):
+def _comm(quantize=None, world_size=4, table=TABLE, force=None, platform=C.TPC_PLATFORM_CUDA, max_bytes=16 * MiB):
     comm = object.__new__(tpcomm.Communicator)
     comm.config, comm.world_size = Config(quantize=quantize), world_size
     comm._routes = routing_table.effective_routes(routing_table.load_table(table), world_size, force, (), quantize)
-    comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, line_kernels)
+    comm._caps = routing.Caps(world_size, max_bytes, 1 * MiB, platform)
     comm._nccl, comm._fallback = FALLBACK, FALLBACK.backend
     return comm
 
@@ -81,9 +81,9 @@ def test_nothing_is_quantized_unless_turned_on():
 
 def test_forced_all_reduce_and_builds_without_the_kernel_are_not_quantized():
     assert _comm("int8", force={"all_reduce": "bulk"}).route_all_reduce(_t(4 * MiB)) == "bulk"
-    assert _comm("int8", line_kernels=False).route_all_reduce(_t(4 * MiB)) == "bulk"
-    assert "CUDA only" in routing.quantized_refusal(routing.Caps(2, 16 * MiB, MiB, False), torch.bfloat16, 4 * MiB)
-    assert "float32" in routing.quantized_refusal(routing.Caps(2, 16 * MiB, MiB, True), torch.float32, 4 * MiB)
+    assert _comm("int8", platform=C.TPC_PLATFORM_ROCM).route_all_reduce(_t(4 * MiB)) == "bulk"
+    assert "CUDA only" in routing.quantized_refusal(routing.Caps(2, 16 * MiB, MiB, C.TPC_PLATFORM_ROCM), torch.bfloat16, 4 * MiB)
+    assert "float32" in routing.quantized_refusal(routing.Caps(2, 16 * MiB, MiB, C.TPC_PLATFORM_CUDA), torch.float32, 4 * MiB)
     assert routing.quantized_refusal(None, torch.bfloat16, 4 * MiB) == "the custom path is off"
 
 
@@ -144,7 +144,7 @@ def test_table_file_round_trip(tmp_path):
 
 
 def test_summary_names_the_quantized_route():
-    caps = routing.Caps(4, 16 * MiB, 1 * MiB, True)
+    caps = routing.Caps(4, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA)
     text = routing.summary(_comm("int4")._routes, caps)
     assert f"all_reduce of float16 and bfloat16 from {routing_table.QUANTIZED_MIN_BYTES} B: quantized_int4 (not exact)" in text
     assert "quantized" not in routing.summary(_comm(None)._routes, caps)

@@ -9,6 +9,7 @@ import torch
 
 import tpcomm
 from tpcomm import Config, routing, routing_table
+from tpcomm import _constants as C
 from routing_only import FALLBACK
 
 KiB = 1024
@@ -27,11 +28,11 @@ def _routes(table=TABLE, world_size=2, force=None, forbid=()):
 
 
 def _comm(world_size=2, max_bytes=16 * MiB, packet_max_bytes=1 * MiB, table=TABLE, force=None, forbid=(),
-          line_kernels=True, enabled=True):
+          platform=C.TPC_PLATFORM_CUDA, enabled=True):
     comm = object.__new__(tpcomm.Communicator)
     comm.config, comm.world_size = Config(), world_size
     comm._routes = _routes(table, world_size, force, forbid)
-    comm._caps = routing.Caps(world_size, max_bytes, packet_max_bytes, line_kernels) if enabled else None
+    comm._caps = routing.Caps(world_size, max_bytes, packet_max_bytes, platform) if enabled else None
     comm._nccl, comm._fallback = FALLBACK, FALLBACK.backend
     return comm
 
@@ -116,7 +117,7 @@ def test_route_line_kernels():
     assert c.route_all_gather(_t(64 * KiB, shape=(1024, 16)), 1) == "line"  # 64-byte rows
     assert c.route_all_gather(_t(64 * KiB + 4), 0) == "packet"
     assert c.route_all_gather(_t(1 * MiB), 0) == "bulk"
-    rocm = _comm(table=LINE_TABLE, line_kernels=False)
+    rocm = _comm(table=LINE_TABLE, platform=C.TPC_PLATFORM_ROCM)
     assert rocm.route_all_reduce(_t(64 * KiB)) == "packet"
     assert rocm.route_all_gather(_t(64 * KiB), 0) == "packet"
     assert _comm(table=LINE_TABLE, forbid=("line",)).route_all_reduce(_t(64 * KiB)) == "nccl"
@@ -155,7 +156,7 @@ def test_two_shot_and_line_reduce_scatter_bands():
     assert c.route_reduce_scatter(_t(64)) == "line"  # parts of 16 bytes
     assert c.route_reduce_scatter(_t(4 * 256 * KiB)) == "line"
     assert c.route_reduce_scatter(_t(4 * (256 * KiB + 16))) == "bulk"
-    rocm = _comm(world_size=4, table=table, packet_max_bytes=256 * KiB, line_kernels=False)
+    rocm = _comm(world_size=4, table=table, packet_max_bytes=256 * KiB, platform=C.TPC_PLATFORM_ROCM)
     assert rocm.route_all_reduce(_t(64 * KiB)) == "packet"
     assert rocm.route_reduce_scatter(_t(64 * KiB)) == "packet"
     assert _comm(world_size=4, table=table, forbid=("two_shot",)).route_all_reduce(_t(64 * KiB)) == "nccl"
@@ -194,7 +195,7 @@ def test_fallback_order_for_every_band():
     """Where a band's kernel cannot take a call, the kernels it falls back
     to are tried in order: line -> packet -> bulk, packet -> bulk, bulk ->
     packet; NCCL when none can."""
-    caps = routing.Caps(2, 1 * MiB, 64 * KiB, True)
+    caps = routing.Caps(2, 1 * MiB, 64 * KiB, C.TPC_PLATFORM_CUDA)
     for band, size, expected in [
             ("line", 64 * KiB, "line"),
             ("line", 32 * KiB + 4, "packet"),         # not 16-byte units: no line, packet takes it
@@ -210,11 +211,11 @@ def test_fallback_order_for_every_band():
 
 def test_refusal_names_why():
     """The C core's sentence (tpc_kernel_check), naming the rule and numbers."""
-    caps = routing.Caps(4, 1 * MiB, 64 * KiB, False)
+    caps = routing.Caps(4, 1 * MiB, 64 * KiB, C.TPC_PLATFORM_ROCM)
     f32 = torch.float32
     assert routing.refusal("all_reduce", "packet", caps, f32, 1024) is None
     assert "the line kernel is not in this build (CUDA only)" in routing.refusal("all_reduce", "line", caps, f32, 1024)
-    lines = caps._replace(line_kernels=True)
+    lines = caps._replace(platform=C.TPC_PLATFORM_CUDA)
     assert routing.refusal("reduce_scatter", "line", lines, f32, 1024) is None
     assert "the two_shot kernel is not in this build" in routing.refusal("all_reduce", "two_shot", caps, f32, 2048)
     assert "all_gather has no two_shot kernel" in routing.refusal("all_gather", "two_shot", lines, f32, 2048, 2048)
@@ -249,7 +250,7 @@ def test_route_only_ever_picks_a_kernel_that_takes_the_call(world_size):
     table["routes"]["reduce_scatter"] = {"*": {"*": [[4 * KiB, "packet"], [4 * MiB, "bulk"]]}}
     routes = _routes(table, world_size)
     sizes = sorted({16 * k * world_size for k in (1, 3, 16, 100, 1024, 5000, 20000)} | {4, 20, 100, 4096, 65540})
-    for caps in (routing.Caps(world_size, 1 * MiB, 16 * KiB, True), routing.Caps(world_size, 4 * MiB, 1 * MiB, False)):
+    for caps in (routing.Caps(world_size, 1 * MiB, 16 * KiB, C.TPC_PLATFORM_CUDA), routing.Caps(world_size, 4 * MiB, 1 * MiB, C.TPC_PLATFORM_ROCM)):
         for op, dtype, nbytes, row_div in itertools.product(routing.OPS, (torch.float32, torch.bfloat16, torch.int8),
                                                             sizes, (1, 4)):
             row = nbytes // row_div
@@ -322,14 +323,12 @@ def test_route_never_depends_on_the_pointer():
 
 
 def test_summary_logged_at_init_names_every_band():
-    text = routing.summary(_routes(), routing.Caps(2, 16 * MiB, 1 * MiB, True))
+    text = routing.summary(_routes(), routing.Caps(2, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA))
     assert "all_reduce: packet up to 262144 B, bulk up to 16777216 B, then nccl" in text
     assert "all_gather: packet up to 262144 B" in text and "caps: packet 1048576 B per rank" in text
 
 
 def test_algo_codes_are_the_headers():
-    from tpcomm import _constants as C
-
     header = {name[len("TPC_ALGO_"):].lower(): value for name, value in vars(C).items() if name.startswith("TPC_ALGO_")}
     # every algorithm of the header's tpc_algo is a kernel routing can name, under the header's name
     assert routing.ALGO_CODES == header

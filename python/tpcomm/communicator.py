@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _constants as C
 from . import _agreement, _autograd, _group_setup, _registry, add_rms_norm, norm_fp8, routing, routing_table
 from ._kernel_only import KernelOnly
 from ._lifecycle import Lifecycle
@@ -54,9 +55,10 @@ class Communicator(KernelOnly, RouteMemo, Lifecycle):
     NaN); see tpcomm.errors for the exception classes.
     """
 
-    # The line kernels rest on NVLink delivering a warp's 128-byte store whole
-    # (csrc/kernels/line.cuh): CUDA builds only.
-    line_kernels = torch.version.hip is None
+    # The platform this build is for (a tpc_platform, Caps.platform). The C
+    # core's limits follow from it: the line kernels rest on NVLink delivering
+    # a warp's 128-byte store whole (csrc/kernels/line.cuh), so CUDA only.
+    platform = C.TPC_PLATFORM_ROCM if torch.version.hip is not None else C.TPC_PLATFORM_CUDA
 
     def __init__(self, group=None, device=None, max_bytes=None, packet_max_bytes=None,
                  timeout_s=None, table=None, config=None):
@@ -108,7 +110,7 @@ class Communicator(KernelOnly, RouteMemo, Lifecycle):
                 self.max_bytes, self.packet_max_bytes)
             if self._comm is not None:
                 self.comm_id = self._last_comm_id = int(self._lib.tpc_comm_id(self._comm))
-                self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.line_kernels)
+                self._caps = routing.Caps(self.world_size, self.max_bytes, self.packet_max_bytes, self.platform)
                 self._kernels = Kernels(self.comm_id, self._cuda_index, self._caps)
             self._aiter, self.aiter_reason = aiter.open_for(
                 self.group, self.device, self.max_bytes, self.config,

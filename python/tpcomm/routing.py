@@ -63,11 +63,13 @@ FALLBACKS = {"packet": ("packet", "bulk"), "line": ("line", "packet", "bulk"),
              "two_shot": ("two_shot", "line", "packet", "bulk"), "bulk": ("bulk", "packet")}
 
 
-class Caps(collections.namedtuple("Caps", "world_size max_bytes packet_max_bytes line_kernels")):
+class Caps(collections.namedtuple("Caps", "world_size max_bytes packet_max_bytes platform")):
     """What a communicator with the custom path on can take: its world size,
     max_bytes (the output bytes of one op), packet_max_bytes (the input bytes
     per rank of a packet or line kernel: for reduce_scatter one rank's part),
-    and whether the line kernels exist in this build."""
+    and the platform this build is for, C.TPC_PLATFORM_CUDA or
+    C.TPC_PLATFORM_ROCM (a tpc_platform, as the C core's kernel limits take
+    it: the line and quantized kernels and the FP8 epilogues are CUDA only)."""
 
 
 def choose(bands, nbytes):
@@ -96,10 +98,6 @@ class Limits(collections.namedtuple("Limits", "code limits")):
         return self.limits.refused
 
 
-def _platform(caps):
-    return C.TPC_PLATFORM_CUDA if caps.line_kernels else C.TPC_PLATFORM_ROCM
-
-
 @functools.lru_cache(maxsize=64)
 def limits(caps):
     """{(op, kernel): Limits} for a communicator of these caps, from the C
@@ -109,7 +107,7 @@ def limits(caps):
         for kernel in KERNELS + QUANTIZED:
             for code in VARIANTS.get(kernel, (ALGO_CODES[kernel],)):
                 got = _lib.kernel_limits(op_code, code, caps.world_size, caps.max_bytes, caps.packet_max_bytes,
-                                         _platform(caps))
+                                         caps.platform)
                 table[op, kernel] = Limits(code, got)
                 if got.refused not in (C.TPC_KERNEL_NO_OP, C.TPC_KERNEL_NO_WORLD):
                     break
@@ -121,7 +119,7 @@ def norm_limits(caps):
     """The fused norm kernel family's limits (TPC_OP_ALL_REDUCE_NORM, the
     packet kernel) for a communicator of these caps, from the C core."""
     return _lib.kernel_limits(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, caps.world_size, caps.max_bytes,
-                              caps.packet_max_bytes, _platform(caps))
+                              caps.packet_max_bytes, caps.platform)
 
 
 def algo_code(op, kernel, caps):
@@ -256,13 +254,14 @@ def norm_pattern(add_norm_route, pattern, weight_offset, dtype, *vector_dtypes, 
     return "unfused"
 
 
-def norm_fp8(pattern_route, cuda_build):
+def norm_fp8(pattern_route, platform):
     """How a fusion pattern with an FP8 epilogue (tpcomm.norm_fp8) runs, from
-    pattern_route, what norm_pattern() gives the pattern without it: "fused"
-    where that is "fused" in a CUDA build (the epilogues refuse on ROCm; a
-    CUDA build is one with the line kernels, Caps.line_kernels), else
-    "unfused" ("split" and a group of one's route included)."""
-    return "fused" if pattern_route == "fused" and cuda_build else "unfused"
+    pattern_route, what norm_pattern() gives the pattern without it, and the
+    build's platform (Caps.platform; None without the custom path): "fused"
+    where that is "fused" and the platform C.TPC_PLATFORM_CUDA (the epilogues
+    refuse on ROCm), else "unfused" ("split" and a group of one's route
+    included)."""
+    return "fused" if pattern_route == "fused" and platform == C.TPC_PLATFORM_CUDA else "unfused"
 
 
 def summary(routes, caps):

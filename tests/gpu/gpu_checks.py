@@ -51,14 +51,14 @@ def all_reduce_algo(comm, kernel):
     """The internal all_reduce op's `algo` for kernel `kernel` ("bulk":
     the one-shot at two ranks, the streamed two-shot from three on, as
     routing picks it)."""
-    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.platform)
     return routing.algo_code("all_reduce", kernel, caps)
 
 
 def takes(comm, op, algo, x):
     """Whether tpcomm's kernel `algo` can run op on x (a dim-0 all_gather):
     tpcomm.routing's rules for the communicator's caps."""
-    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+    caps = routing.Caps(comm.world_size, comm.max_bytes, comm.packet_max_bytes, comm.platform)
     nbytes = x.numel() * x.element_size()
     return routing.refusal(op, algo, caps, x.dtype, nbytes, nbytes) is None
 

@@ -59,9 +59,9 @@ def forced_route(backend, op, comm, caps, x, weight):
     largest = FUSED_NORM_UNLIMITED if backend == "tpcomm_fused" else 0
     how = routing.add_rms_norm(_capped(comm._routes, largest), caps, True, x.dtype, weight.dtype, nbytes, row)
     if QUANT[op]:
-        how = routing.norm_fp8(routing.norm_pattern(how, Pattern.ADD_NORM, 0.0, x.dtype), caps.line_kernels)
+        how = routing.norm_fp8(routing.norm_pattern(how, Pattern.ADD_NORM, 0.0, x.dtype), caps.platform)
     if backend == "tpcomm_fused" and how != "fused":
-        if QUANT[op] and not caps.line_kernels:
+        if QUANT[op] and caps.platform != C.TPC_PLATFORM_CUDA:
             raise Unavailable("no FP8 epilogues in this build (CUDA only)")
         raise Unavailable(f"the fused kernel takes fp16/bf16 inputs of at most packet_max_bytes "
                           f"({caps.packet_max_bytes} B) per rank with rows of at most {C.TPC_NORM_MAX_ROW_BYTES} B")
@@ -90,7 +90,7 @@ def make_norm_case(backend, op, x0, res, case_type):
             def call():
                 return comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
     else:
-        caps = routing.Caps(res.world, comm.max_bytes, comm.packet_max_bytes, comm.line_kernels)
+        caps = routing.Caps(res.world, comm.max_bytes, comm.packet_max_bytes, comm.platform)
         route = forced_route(backend, op, comm, caps, x, weight)
         if quant:
             q, floor = fp8.check_args(quant, x, scale)

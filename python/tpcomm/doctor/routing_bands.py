@@ -24,11 +24,12 @@ def routing_facts(report, world_size, config):
     force = dict(getattr(config, "force", ()) or ())
     forbid = getattr(config, "forbid", ()) or ()
     routes = routing_table.effective_routes(table, world_size, force, forbid)
+    from ..communicator import Communicator
     from ..config import Config
 
     defaults = Config()
     caps = routing.Caps(world_size, getattr(config, "max_bytes", defaults.max_bytes),
-                        getattr(config, "packet_max_bytes", defaults.packet_max_bytes), torch.version.hip is None)
+                        getattr(config, "packet_max_bytes", defaults.packet_max_bytes), Communicator.platform)
     report.line("caps", f"max_bytes {size_text(caps.max_bytes)}, packet_max_bytes {size_text(caps.packet_max_bytes)} "
                         "(TPCOMM_MAX_BYTES, TPCOMM_PACKET_MAX_BYTES)")
     largest, source = routes["all_reduce"]["fused_norm"][0]
