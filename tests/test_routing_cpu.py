@@ -209,6 +209,13 @@ def test_fallback_order_for_every_band():
         assert routing.route(routes, caps, "all_gather", torch.float32, size, size) == expected, (band, size)
 
 
+def test_caps_take_a_platform_not_a_flag():
+    assert routing.Caps(2, MiB, KiB, C.TPC_PLATFORM_ROCM).platform == C.TPC_PLATFORM_ROCM
+    for bad in (True, False, 2, None):
+        with pytest.raises(ValueError, match="Caps.platform"):
+            routing.Caps(2, MiB, KiB, bad)
+
+
 def test_refusal_names_why():
     """The C core's sentence (tpc_kernel_check), naming the rule and numbers."""
     caps = routing.Caps(4, 1 * MiB, 64 * KiB, C.TPC_PLATFORM_ROCM)

@@ -71,6 +71,12 @@ class Caps(collections.namedtuple("Caps", "world_size max_bytes packet_max_bytes
     C.TPC_PLATFORM_ROCM (a tpc_platform, as the C core's kernel limits take
     it: the line and quantized kernels and the FP8 epilogues are CUDA only)."""
 
+    def __new__(cls, world_size, max_bytes, packet_max_bytes, platform):
+        # a bool is an int: True would read as ROCm
+        if type(platform) is not int or platform not in (C.TPC_PLATFORM_CUDA, C.TPC_PLATFORM_ROCM):
+            raise ValueError(f"tpcomm: Caps.platform is C.TPC_PLATFORM_CUDA or C.TPC_PLATFORM_ROCM, not {platform!r}")
+        return super().__new__(cls, world_size, max_bytes, packet_max_bytes, platform)
+
 
 def choose(bands, nbytes):
     """The backend of the first band whose limit is at least nbytes; NCCL past the last."""
