@@ -224,8 +224,7 @@ def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
     if not (caps is not None and fused_kernel and weight_dtype == dtype and nbytes > 0 and row > 0):
         return "unfused"
     lim = norm_limits(caps)
-    if (nbytes <= fused_norm_max(routes)
-            and _check(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, lim, dtype, nbytes, row) is None):
+    if nbytes <= fused_norm_max(routes) and norm_refusal(caps, dtype, nbytes, row) is None:
         return "fused"
     # split's rows are the fused kernels' rows: the same dtypes and row multiple
     takes_rows = lim.dtypes >> _dtypes.CODE.get(dtype, 64) & 1 and row % lim.multiple == 0
@@ -233,6 +232,12 @@ def add_rms_norm(routes, caps, fused_kernel, dtype, weight_dtype, nbytes, row):
             and route(routes, caps, "reduce_scatter", dtype, nbytes) in KERNELS):
         return "split"
     return "unfused"
+
+
+def norm_refusal(caps, dtype, nbytes, row):
+    """Why the fused norm kernel family cannot take an input of nbytes per
+    rank in rows of `row` bytes (the C core's sentence), or None."""
+    return _check(C.TPC_OP_ALL_REDUCE_NORM, C.TPC_ALGO_PACKET, norm_limits(caps), dtype, nbytes, row)
 
 
 def fused_norm_max(routes):

@@ -63,8 +63,7 @@ def forced_route(backend, op, comm, caps, x, weight):
     if backend == "tpcomm_fused" and how != "fused":
         if QUANT[op] and caps.platform != C.TPC_PLATFORM_CUDA:
             raise Unavailable("no FP8 epilogues in this build (CUDA only)")
-        raise Unavailable(f"the fused kernel takes fp16/bf16 inputs of at most packet_max_bytes "
-                          f"({caps.packet_max_bytes} B) per rank with rows of at most {C.TPC_NORM_MAX_ROW_BYTES} B")
+        raise Unavailable(routing.norm_refusal(caps, x.dtype, nbytes, row) or f"the fused route declines it ({how})")
     return how
 
 
