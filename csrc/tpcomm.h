@@ -129,15 +129,15 @@ typedef enum {
  * writes it, read back in fp32; e4m3(v) rounds to nearest even to e4m3 ("fn":
  * torch.float8_e4m3fn), saturating at +-448, NaN to NaN (0x7f). Every division
  * is fp32's, correctly rounded. tpcomm.fp8.Quant is this enum. */
-/* e4m3fn's NaN code in every byte of a word: what a failed or refused FP8 epilogue leaves in its codes */
-#define TPC_E4M3_NAN_BYTES 0x7f7f7f7f7f7f7f7full
-
 typedef enum {
   TPC_QUANT_NONE = 0,           /* the normed output in the input's dtype */
   TPC_QUANT_PER_TENSOR = 1,     /* q = e4m3(x / scale), scale given (one float) */
   TPC_QUANT_PER_TOKEN = 2,      /* s = max(amax_row(|x|) / 448, floor), q = e4m3(x / s) */
   TPC_QUANT_PER_TOKEN_GROUP = 3 /* the same over each TPC_FP8_GROUP values of a row */
 } tpc_norm_quant;
+
+/* e4m3fn's NaN code in every byte of a word: what a failed or refused FP8 epilogue leaves in its codes */
+#define TPC_E4M3_NAN_BYTES 0x7f7f7f7f7f7f7f7full
 
 /* Values of a row per scale of TPC_QUANT_PER_TOKEN_GROUP (DeepSeek-V3's block FP8). */
 #define TPC_FP8_GROUP 128
