@@ -28,7 +28,10 @@
 # where no report is accepted. Exits 1 on anything else, on a wrong result,
 # or on a run that does not finish within RUN_TIMEOUT_S.
 # ONLY="bulk" runs only the cases whose name holds that text
-# (scripts/sanitize_ranks.py --only), in every run. With racecheck, the
+# (scripts/sanitize_ranks.py --only), in every run. HANDOFF_KERNELS, an
+# extended regular expression, keeps the per-kernel racecheck runs of only
+# the handoff kernels whose mangled name matches it ("none" keeps none: the
+# fused norm's cases launch no handoff kernel). With racecheck, the
 # reproduction benchmarks/racecheck_stream_start.cu runs first, both ways of
 # zeroing the counts, each filtered to its kernel and judged against its own
 # SASS: the kernels' way must draw only handoff reports; the count of reports
@@ -113,6 +116,12 @@ run_ranks() {
 if [[ " $tools " == *" racecheck "* ]]; then
   kernels=$(handoff_kernels "$logs/kernels.sass") || exit 1
   mapfile -t handoff <<<"$kernels"
+  # the runs of one kernel each; the rest run still leaves out every handoff kernel
+  if [ "${HANDOFF_KERNELS:-}" = none ]; then
+    runs=()
+  else
+    mapfile -t runs < <(grep -E -- "${HANDOFF_KERNELS:-.}" <<<"$kernels")
+  fi
   probe="$logs/racecheck_stream_start"
   nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Icsrc benchmarks/racecheck_stream_start.cu -o "$probe" || exit 1
   "$cuobjdump" -sass "$probe" >"$probe.sass" || exit 1
@@ -150,7 +159,7 @@ for world in $worlds; do
       memcheck) flags=(--kernel-name kns=tpc_ --leak-check no) ;;
       synccheck) flags=(--kernel-name kns=tpc_) ;;
       racecheck)
-        for kernel in "${handoff[@]}"; do
+        for kernel in "${runs[@]}"; do
           kernel_filter "$kernel"
           # limits.c: the one-shot stream runs at two ranks only, the streamed
           # two-shot at three or more; ONLY may leave any kernel out
