@@ -183,7 +183,7 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
     return;
   }
   if (a.out3) ((uint2 *)a.out3)[unit] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(n[0], n[1]);
-  tpc_fp8_keep(n, a.dtype, x, amax);
+  tpc_fp8_keep<QUANT>(n, a.dtype, x, amax);
 }
 
 /* Every unit of this thread: the norm of v (with this weight, bias, mean and
@@ -227,6 +227,9 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   const uint2 *in = (const uint2 *)a.in, *residual = (const uint2 *)a.residual;
   uint2 *out2 = (uint2 *)a.out2;
   const int spread = gridDim.x > rows; /* the same in every block */
+  /* the FP8 epilogue's given scale: an input no op writes, loaded before the
+   * exchange so that its latency hides behind it */
+  const float tensor_scale = QUANT == TPC_QUANT_PER_TENSOR ? a.scales[0] : 0.0f;
 
   if (spread && t < data_threads) {
     const uint64_t total = rows * row_units, share = (total + gridDim.x - 1) / gridDim.x;
@@ -307,7 +310,8 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                      broken, &amax);
       }
     }
-    if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, row, base, row_units, t, data_threads, broken);
+    if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, tensor_scale, row, base, row_units, t, data_threads,
+                                                            broken);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }

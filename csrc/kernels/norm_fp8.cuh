@@ -35,8 +35,9 @@ TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
 }
 
 /* The maximum of v over the block, the same in every thread; every thread of
- * the block calls it. The second barrier keeps the next row's writes of
- * `partial` after this row's reads. */
+ * the block calls it, once a row. One barrier: the next call's writes of
+ * `partial` come after the next row's tpc_block_sum, a barrier every thread
+ * reaches after its reads here. */
 TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   __shared__ uint32_t partial[1024 / 32];
   v = tpc_warp_max_u32(v);
@@ -45,13 +46,16 @@ TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   uint32_t m = 0;
   const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
   for (unsigned w = 0; w < warps; ++w) m = partial[w] > m ? partial[w] : m;
-  __syncthreads();
   return m;
 }
 
-/* The rounded normed words of a unit back into x (exact) and |x|'s bits into *amax. */
+/* The rounded normed words of a unit back into x (exact) and, for a scale
+ * per row, |x|'s bits into *amax (a group's maximum is its warp's, taken in
+ * tpc_fp8_emit). */
+template <int QUANT>
 TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
   tpc_start(x, words, 2, dtype);
+  if (QUANT != TPC_QUANT_PER_TOKEN) return;
   for (int j = 0; j < 4; ++j) {
     const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
     *amax = bits > *amax ? bits : *amax;
@@ -59,9 +63,14 @@ TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_
 }
 
 /* The dynamic scale of an absolute maximum: max(amax / 448, floor), NaN kept
- * (a NaN compares false). */
+ * (a NaN compares false). The quotient of a maximum in [2^-64, FLT_MAX]
+ * comes from 1 / 448 and a correction (tpc_quant_div_by, checked for every
+ * such value by benchmarks/quant_identity.cu); zeros, smaller values, inf
+ * and NaN divide. The branch is uniform over the row's block or the group's
+ * warp, which share the maximum. */
 TPC_DEVICE float tpc_fp8_scale(uint32_t amax, float floor) {
-  const float s = __uint_as_float(amax) / TPC_FP8_MAX;
+  const float a = __uint_as_float(amax);
+  const float s = a >= TPC_QUANT_TINY && a <= 0x1.fffffep127f ? tpc_quant_div_by<TPC_QUANT_FP8>(a) : a / TPC_FP8_MAX;
   return s < floor ? floor : s;
 }
 
@@ -78,14 +87,14 @@ TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s, float r, int fast) {
 }
 
 /* Codes (and scales) of one row from the kept x; every thread of the block
- * calls it (PER_TOKEN's maximum is a block reduction). broken: the op
+ * calls it (PER_TOKEN's maximum is a block reduction). tensor_scale: the
+ * given scale (PER_TENSOR), loaded at the kernel's start. broken: the op
  * failed; codes and written scales are NaN. */
 template <int QUANT>
-TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t amax, uint64_t row, uint64_t base,
-                             uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
+TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t amax, float tensor_scale, uint64_t row,
+                             uint64_t base, uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
   uint32_t *codes = (uint32_t *)a.out;
-  float s = 0.0f;
-  if (QUANT == TPC_QUANT_PER_TENSOR) s = a.scales[0];
+  float s = tensor_scale;
   if (QUANT == TPC_QUANT_PER_TOKEN) {
     const uint32_t m = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
     s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
