@@ -121,15 +121,14 @@ class _FakeKernels:
 
 
 class _FakeComm:
-    max_bytes, packet_max_bytes, platform = 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA
-
-    def __init__(self, broken):
+    def __init__(self, broken, world):
         self.kernels = _FakeKernels(broken)
+        self.caps = routing.Caps(world, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_CUDA)
 
 
 class _FakeResources:
     def __init__(self, world, broken=False):
-        self.reasons, self.world, self.comm = {}, world, _FakeComm(broken)
+        self.reasons, self.world, self.comm = {}, world, _FakeComm(broken, world)
 
 
 def _body_cases(rank, world):
@@ -147,7 +146,7 @@ def _body_cases(rank, world):
         cases.make_case(QB[1], "all_reduce", x0.float(), res)
     with pytest.raises(cases.Unavailable, match="over max_bytes"):
         cases.make_case(QB[2], "all_reduce", torch.zeros(9 * MiB, dtype=torch.bfloat16), res)
-    res.comm.platform = C.TPC_PLATFORM_ROCM
+    res.comm.caps = routing.Caps(world, 16 * MiB, 1 * MiB, C.TPC_PLATFORM_ROCM)
     with pytest.raises(cases.Unavailable, match="CUDA only"):
         cases.make_case(QB[2], "all_reduce", x0, res)
 

@@ -127,6 +127,12 @@ class Communicator(KernelOnly, RouteMemo, Lifecycle):
         return self.comm_id != 0
 
     @property
+    def caps(self) -> "routing.Caps | None":
+        """The limits this communicator's calls are routed by (world size,
+        buffer sizes, platform), None when the custom path is off."""
+        return self._caps
+
+    @property
     def kernels(self) -> "Kernels | None":
         """tpcomm's kernels for this communicator, called with the algorithm
         forced (a name of tpcomm.routing.KERNELS): what the benchmark and tune

@@ -37,7 +37,7 @@ class Fp8Norm(typing.NamedTuple):
 def route(comm, pattern, x, weight, next_weight, weight_offset, bias=None, next_bias=None, residual_scale=1.0):
     """How run() takes this call: "fused" or "unfused"."""
     how = norm_patterns.route(comm, pattern, x, weight, next_weight, weight_offset, bias, next_bias, residual_scale)
-    return routing.norm_fp8(how, comm._caps.platform if comm._caps is not None else None)
+    return routing.norm_fp8(how, comm.caps.platform if comm.caps is not None else None)
 
 
 def run(comm, pattern, quant, x, residual, weight, next_weight, eps, next_eps, weight_offset, scale=None,

@@ -295,7 +295,7 @@ def make_case(backend, op, x0, res):
             check = quantized_check(x0, world, route) if route in routing.QUANTIZED else None
             return Case(lambda: run(x), route=route, check=check)
         algo = backend[len("tpcomm_"):]
-        caps = routing.Caps(world, comm.max_bytes, comm.packet_max_bytes, comm.platform)
+        caps = comm.caps
         if algo in routing.QUANTIZED:
             why = ("the quantized kernel is all_reduce only" if op != "all_reduce"
                    else routing.quantized_refusal(caps, x0.dtype, nbytes))

@@ -89,7 +89,7 @@ def make_norm_case(backend, op, x0, res, case_type):
             def call():
                 return comm.all_reduce_add_rms_norm(x, residual, weight, EPS)
     else:
-        caps = routing.Caps(res.world, comm.max_bytes, comm.packet_max_bytes, comm.platform)
+        caps = comm.caps
         route = forced_route(backend, op, comm, caps, x, weight)
         if quant:
             q, floor = fp8.check_args(quant, x, scale)
