@@ -122,4 +122,44 @@ TPC_DEVICE void tpc_quant_add_codes(float acc[TPC_STREAM_UNITS][8], const tpc_qu
   }
 }
 
+/* A rank's own 16-bit values of a step (exact in fp32) into its sums. */
+template <int Dtype>
+TPC_DEVICE void tpc_quant_add_own(float acc[TPC_STREAM_UNITS][8], const uint4 own[TPC_STREAM_UNITS], bool first) {
+#pragma unroll
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    float f[8];
+    tpc_unit_floats<Dtype>(own[k], f);
+    tpc_quant_add(acc[k], f, first);
+  }
+}
+
+/* Rank q's part of step t's sums: `own` where q is own_rank, else `codes`. */
+template <int Dtype, int Mode, bool First>
+TPC_DEVICE void tpc_quant_add_rank(float acc[TPC_STREAM_UNITS][8], int q, int own_rank,
+                                   const uint4 own[TPC_STREAM_UNITS], const tpc_quant_codes *codes) {
+  if (q == own_rank) tpc_quant_add_own<Dtype>(acc, own, First);
+  else tpc_quant_add_codes<Mode>(acc, codes, First);
+}
+
+/* Step t's sums over ranks 0 .. n-1 (n >= 1), in rank order from -0.0:
+ * rank own_rank's values from `own` (-1: none), every other rank q's codes
+ * from slot_of(q) (tpc_quant_load: units below `limit`). Rank q+1's loads
+ * are issued before rank q's codes are decoded (two buffers), so a warp's
+ * loads are in flight while it does its arithmetic; the order of the adds
+ * is unchanged, and so are the sums' bits. */
+template <int Dtype, int Mode, typename SlotOf>
+TPC_DEVICE void tpc_quant_sum_step(const tpc_steps *s, uint32_t t, uint64_t limit, int n, int own_rank,
+                                   const uint4 own[TPC_STREAM_UNITS], SlotOf slot_of,
+                                   float acc[TPC_STREAM_UNITS][8]) {
+  tpc_quant_codes cur = {}, next = {};
+  if (own_rank != 0) cur = tpc_quant_load<Mode>(s, slot_of(0), t, limit);
+  if (n > 1 && own_rank != 1) next = tpc_quant_load<Mode>(s, slot_of(1), t, limit);
+  tpc_quant_add_rank<Dtype, Mode, true>(acc, 0, own_rank, own, &cur);
+  for (int q = 1; q < n; ++q) {
+    cur = next;
+    if (q + 1 < n && q + 1 != own_rank) next = tpc_quant_load<Mode>(s, slot_of(q + 1), t, limit);
+    tpc_quant_add_rank<Dtype, Mode, false>(acc, q, own_rank, own, &cur);
+  }
+}
+
 #endif /* TPCOMM_QUANT_STEPS_CUH */
