@@ -1,7 +1,7 @@
 /*
  * What one GPU can time of the quantized all-reduce (all_reduce_quant.cuh):
  * its local work, run by the kernel's own step functions as the kernel
- * instantiates them for bf16 (tpc_quant_encode_step, tpc_quant_sum_step,
+ * instantiates them for bf16 (tpc_quant_encode_jobs, tpc_quant_sum_step,
  * tpc_unit_of_floats<TPC_BFLOAT16>), beside a device-to-device copy.
  *
  *   quantize       a rank's 16 MiB bf16 input into codes and scales: the
@@ -65,12 +65,17 @@ TPC_DEVICE tpc_steps ql_steps(void) {
   return s;
 }
 
-/* The scatter's work on every step: each unit quantized with its group. */
+/* The scatter's work on every step: each unit quantized with its group, by
+ * the kernel's tpc_quant_encode_jobs, a job a step (step t+1's loads in
+ * flight while step t is quantized, as the kernel's peer i+1's are while
+ * peer i's are). */
 template <int mode>
 __global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
   const tpc_steps s = ql_steps();
-  for (uint32_t t = 0; t < s.block_steps; ++t)
-    tpc_quant_encode_step<QL_DTYPE, mode>(&s, t, (const char *)in, QL_UNITS, tpc_quant_at{payload, scales});
+  if (s.block_steps == 0) return;
+  tpc_quant_encode_jobs<QL_DTYPE, mode>(&s, (int)s.block_steps, [&](int t) {
+    return tpc_quant_job{(uint32_t)t, (const char *)in, QL_UNITS, tpc_quant_at{payload, scales}};
+  });
 }
 
 /* n ranks' codes of every step (rank q's at q times the strides), summed

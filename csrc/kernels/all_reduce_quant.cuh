@@ -89,11 +89,11 @@ template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   if (tpc_warp_any(op->failed)) return; /* a peer may still read its slots */
-  for (int i = 1; i < a->world; ++i) {
-    const int o = (a->rank + i) % a->world;
-    tpc_quant_encode_step<Dtype, Mode>(s, t, (const char *)a->in + (uint64_t)o * c->chunk * 16, tpc_quant_units(c, o),
-                                       tpc_quant_slot(a, s, c, o, a->rank, 0));
-  }
+  tpc_quant_encode_jobs<Dtype, Mode>(s, a->world - 1, [&](int i) {
+    const int o = (a->rank + 1 + i) % a->world;
+    return tpc_quant_job{t, (const char *)a->in + (uint64_t)o * c->chunk * 16, tpc_quant_units(c, o),
+                         tpc_quant_slot(a, s, c, o, a->rank, 0)};
+  });
 }
 
 /* Phase two of step t: the sums of this rank's chunk (its own values, the
