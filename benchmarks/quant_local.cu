@@ -68,9 +68,10 @@ TPC_DEVICE tpc_steps ql_steps(void) {
 /* The scatter's work on every step: each unit quantized with its group, by
  * the kernel's tpc_quant_encode_jobs, a job a step (step t+1's loads in
  * flight while step t is quantized, as the kernel's peer i+1's are while
- * peer i's are). */
+ * peer i's are). Registers capped for 5 resident blocks an SM (ptxas -v: 48,
+ * no spill), so that many warps keep two steps' loads in flight. */
 template <int mode>
-__global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
+__global__ void __launch_bounds__(QL_THREADS, 5) ql_quantize(const uint4 *in, char *payload, float *scales) {
   const tpc_steps s = ql_steps();
   if (s.block_steps == 0) return;
   tpc_quant_encode_jobs<QL_DTYPE, mode>(&s, (int)s.block_steps, [&](int t) {
