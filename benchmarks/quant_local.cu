@@ -1,9 +1,8 @@
 /*
  * What one GPU can time of the quantized all-reduce (all_reduce_quant.cuh):
  * its local work, run by the kernel's own step functions as the kernel
- * instantiates them for bf16 (tpc_quant_encode_step, tpc_quant_load,
- * tpc_quant_add_codes, tpc_unit_of_floats<TPC_BFLOAT16>), beside a
- * device-to-device copy.
+ * instantiates them for bf16 (tpc_quant_encode_jobs, tpc_quant_sum_step,
+ * tpc_unit_of_floats<TPC_BFLOAT16>), beside a device-to-device copy.
  *
  *   quantize       a rank's 16 MiB bf16 input into codes and scales: the
  *                  scatter's work (reads 16 MiB, writes 9 MiB: fp8/int8,
@@ -66,30 +65,34 @@ TPC_DEVICE tpc_steps ql_steps(void) {
   return s;
 }
 
-/* The scatter's work on every step: each unit quantized with its group. */
+/* The scatter's work on every step: each unit quantized with its group, by
+ * the kernel's tpc_quant_encode_jobs, a job a step (step t+1's loads in
+ * flight while step t is quantized, as the kernel's peer i+1's are while
+ * peer i's are). Registers capped for 5 resident blocks an SM (ptxas -v: 48,
+ * no spill), so that many warps keep two steps' loads in flight. */
 template <int mode>
-__global__ void __launch_bounds__(QL_THREADS) ql_quantize(const uint4 *in, char *payload, float *scales) {
+__global__ void __launch_bounds__(QL_THREADS, 5) ql_quantize(const uint4 *in, char *payload, float *scales) {
   const tpc_steps s = ql_steps();
-  for (uint32_t t = 0; t < s.block_steps; ++t)
-    tpc_quant_encode_step<QL_DTYPE, mode>(&s, t, (const char *)in, QL_UNITS, tpc_quant_at{payload, scales});
+  if (s.block_steps == 0) return;
+  tpc_quant_encode_jobs<QL_DTYPE, mode>(&s, (int)s.block_steps, [&](int t) {
+    return tpc_quant_job{(uint32_t)t, (const char *)in, QL_UNITS, tpc_quant_at{payload, scales}};
+  });
 }
 
-/* n ranks' codes of every step (rank q's at q times the strides), each
- * rank's loads issued before its decodes, summed in rank order and rounded
- * to bf16. Registers capped for 3 resident blocks an SM, so that many warps
- * keep their steps' loads in flight (ptxas -v shows no spill). */
+/* n ranks' codes of every step (rank q's at q times the strides), summed
+ * in rank order by the kernel's tpc_quant_sum_step (rank q+1's loads in
+ * flight while rank q's codes are decoded) and rounded to bf16. Registers
+ * capped for 3 resident blocks an SM, so that many warps keep their steps'
+ * loads in flight (ptxas -v shows no spill). */
 template <int mode>
 __global__ void __launch_bounds__(QL_THREADS, 3)
     ql_dequant_sum(char *payload, float *scales, uint64_t payload_stride, uint64_t scale_stride, int n, uint4 *out) {
   const tpc_steps s = ql_steps();
   for (uint32_t t = 0; t < s.block_steps; ++t) {
     float acc[TPC_STREAM_UNITS][8];
-    for (int q = 0; q < n; ++q) {
-      const tpc_quant_codes c =
-          tpc_quant_load<mode>(&s, tpc_quant_at{payload + q * payload_stride, scales + q * scale_stride}, t, QL_UNITS);
-      if (q == 0) tpc_quant_add_codes<mode>(acc, &c, true);
-      else tpc_quant_add_codes<mode>(acc, &c, false);
-    }
+    tpc_quant_sum_step<QL_DTYPE, mode>(
+        &s, t, QL_UNITS, n, -1, nullptr,
+        [&](int q) { return tpc_quant_at{payload + q * payload_stride, scales + q * scale_stride}; }, acc);
 #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) tpc_store16(out + tpc_stream_unit(&s, t, k), tpc_unit_of_floats<QL_DTYPE>(acc[k]));
   }

@@ -89,11 +89,11 @@ template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_scatter(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   if (tpc_warp_any(op->failed)) return; /* a peer may still read its slots */
-  for (int i = 1; i < a->world; ++i) {
-    const int o = (a->rank + i) % a->world;
-    tpc_quant_encode_step<Dtype, Mode>(s, t, (const char *)a->in + (uint64_t)o * c->chunk * 16, tpc_quant_units(c, o),
-                                       tpc_quant_slot(a, s, c, o, a->rank, 0));
-  }
+  tpc_quant_encode_jobs<Dtype, Mode>(s, a->world - 1, [&](int i) {
+    const int o = (a->rank + 1 + i) % a->world;
+    return tpc_quant_job{t, (const char *)a->in + (uint64_t)o * c->chunk * 16, tpc_quant_units(c, o),
+                         tpc_quant_slot(a, s, c, o, a->rank, 0)};
+  });
 }
 
 /* Phase two of step t: the sums of this rank's chunk (its own values, the
@@ -107,19 +107,8 @@ TPC_DEVICE void tpc_quant_reduce(const tpc_op *op, const tpc_steps *s, const tpc
   uint4 own[TPC_STREAM_UNITS];
   float acc[TPC_STREAM_UNITS][8];
   tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
-  for (int q = 0; q < a->world; ++q) {
-    if (q == me) {
-#pragma unroll
-      for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-        float f[8];
-        tpc_unit_floats<Dtype>(own[k], f);
-        tpc_quant_add(acc[k], f, q == 0);
-      }
-    } else {
-      const tpc_quant_codes codes = tpc_quant_load<Mode>(s, tpc_quant_slot(a, s, c, me, q, 0), t, limit);
-      tpc_quant_add_codes<Mode>(acc, &codes, q == 0);
-    }
-  }
+  tpc_quant_sum_step<Dtype, Mode>(
+      s, t, limit, a->world, me, own, [&](int q) { return tpc_quant_slot(a, s, c, me, q, 0); }, acc);
   const int broken = tpc_warp_any(tpc_op_broken(op));
 #pragma unroll
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
@@ -145,11 +134,17 @@ template <int Dtype, int Mode>
 TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc_quant_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   const int broken = tpc_op_broken(op);
+  auto load = [&](int i) {
+    const int o = (a->rank + i) % a->world;
+    return tpc_quant_load<Mode>(s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, tpc_quant_units(c, o));
+  };
+  /* peer i+1's loads are issued before peer i's codes are decoded */
+  tpc_quant_codes cur = {}, next = {};
+  if (!broken) cur = load(1);
   for (int i = 1; i < a->world; ++i) {
     const int o = (a->rank + i) % a->world;
     const uint64_t limit = tpc_quant_units(c, o);
-    const tpc_quant_codes codes =
-        broken ? tpc_quant_codes{} : tpc_quant_load<Mode>(s, tpc_quant_slot(a, s, c, a->rank, o, 1), t, limit);
+    if (!broken && i + 1 < a->world) next = load(i + 1);
 #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t x = tpc_stream_unit(s, t, k);
@@ -157,11 +152,12 @@ TPC_DEVICE void tpc_quant_gather(const tpc_op *op, const tpc_steps *s, const tpc
       uint4 v = tpc_poison16(a);
       if (!broken) {
         float f[8];
-        tpc_quant_decode<Mode>(codes.payload[k], codes.scale[k], f);
+        tpc_quant_decode<Mode>(cur.payload[k], cur.scale[k], f);
         v = tpc_unit_of_floats<Dtype>(f);
       }
       tpc_store16((char *)a->out + ((uint64_t)o * c->chunk + x) * 16, v);
     }
+    cur = next;
   }
 }
 
