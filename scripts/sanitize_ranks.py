@@ -246,6 +246,10 @@ class Cases:
                                        -1.5)),
             ("all_reduce_rms_norm_add in place, m 2",
              lambda: self.add_rms_norm(4, 2048, f16, True, C.TPC_PATTERN_NORM_ADD, 0.0, False, 2.0)),
+            # rows of 16384 values: the instantiation with 8 units a thread (launch.cu)
+            ("all_reduce_add_rms_norm wide rows", lambda: self.add_rms_norm(2, 16384, bf16, False)),
+            ("all_reduce_norm fp8 per_token wide rows",
+             lambda: self.norm_fp8(2, 16384, f16, C.TPC_PATTERN_NORM_ADD_NORM, C.TPC_QUANT_PER_TOKEN, False)),
             ("all_reduce_norm fp8 per_token_group after a LayerNorm, bias",
              lambda: self.norm_fp8(3, 2048, bf16, C.TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM,
                                    C.TPC_QUANT_PER_TOKEN_GROUP, True, False, 0.0, True, 0.75)),

@@ -30,7 +30,8 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-DUSE_CUDA", "--expt-relaxed-constexpr", "-D
 KNOWN_SPILLS = {
     "tpc_all_reduce_norm_kernel":
         "its __launch_bounds__ of TPC_BLOCK_THREADS + a control warp (17 warps) caps it at 96 registers, "
-        "and a row's TPC_NORM_UNITS packet units are held in registers",
+        "and a row's TPC_NORM_UNITS packet units are held in registers (the instantiation for rows wider than "
+        "TPC_NORM_FEW_UNITS units a thread; the few-units one does not spill)",
     "tpc_all_gather_bulk_kernel":
         "a 32-byte frame in local memory at 56 registers, so not register pressure (its bound allows far "
         "more): an array the streamed gather step indexes at run time is the candidate (all_gather.cuh)",
@@ -149,3 +150,17 @@ def test_no_spills_or_stack_frames_but_the_known_ones(built):
     assert not unexplained, f"spills or stack frames: {unexplained}"
     gone = set(KNOWN_SPILLS) - set(spilling)
     assert not gone, f"{sorted(gone)} no longer spill: remove them from KNOWN_SPILLS"
+
+
+def test_the_fused_norm_for_rows_of_few_units_does_not_spill(built):
+    """launch.cu picks the TPC_NORM_FEW_UNITS instantiation for rows of up to
+    8,192 values: it exists for every pattern and epilogue, and holds its
+    units without local memory."""
+    report, _ = built
+    few = _define("kernels/all_reduce_norm.cuh", "TPC_NORM_FEW_UNITS")
+    mine = {name: props for name, props in report.items()
+            if _base(name) == "tpc_all_reduce_norm_kernel" and name.endswith(f"ELi{few}EEv15tpc_kernel_args")}
+    assert len(mine) == 6 * 4, sorted(mine)
+    spilling = {name: props for name, props in mine.items()
+                if props.get("stack") or props.get("spill_stores") or props.get("spill_loads")}
+    assert not spilling, spilling

@@ -39,7 +39,10 @@
  *
  * 16-bit dtypes only: a unit holds 4 values. A row holds at most
  * TPC_NORM_MAX_ROW_BYTES (tpcomm.h): TPC_NORM_THREADS data threads with
- * TPC_NORM_UNITS units each.
+ * TPC_NORM_UNITS units each. UNITS, a template parameter like the pattern,
+ * is the units a thread holds in registers: TPC_NORM_UNITS, or
+ * TPC_NORM_FEW_UNITS where the row needs no more (launch.cu picks), which
+ * keeps every instantiation within its register cap without spilling.
  */
 #ifndef TPCOMM_ALL_REDUCE_NORM_CUH
 #define TPCOMM_ALL_REDUCE_NORM_CUH
@@ -48,22 +51,26 @@
 
 #define TPC_NORM_THREADS 512 /* data threads per block at most */
 #define TPC_NORM_UNITS 8     /* packet units per data thread at most: z in 32 registers */
+#define TPC_NORM_FEW_UNITS 4 /* the instantiation for rows of at most 2048 units (8192 16-bit values) */
 
-#include "norm_fp8.cuh" /* the FP8 epilogue: reads TPC_NORM_UNITS */
+#include "norm_fp8.cuh" /* the FP8 epilogue */
 
 #if defined(__cplusplus)
 static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_NORM_MAX_ROW_BYTES,
               "the kernel's row capacity is what tpcomm.h announces");
 #endif
 
-/* The sum of v over the block, the same bits in every thread; every thread
- * of the block calls it, `call` counting its calls in the op (the same in
- * every thread). Also a barrier: returns in *broken whether any thread of the
- * block has failed. The partial sums alternate between two halves by call:
- * one call's reads and the next call's writes touch different halves, and the
- * call after that writes this half only after the next call's barrier, which
- * every thread reaches after its reads here. So one barrier a call orders
- * every reuse. */
+/* The sum of v over the block, the same bits in every data thread; every
+ * thread of the block calls it, `call` counting its calls in the op (the
+ * same in every thread). Also a barrier: returns in *broken whether any
+ * thread of the block has failed. The partial sums alternate between two
+ * halves by call: one call's reads and the next call's writes touch
+ * different halves, and the call after that writes this half only after the
+ * next call's barrier, which every thread reaches after its reads here. So
+ * one barrier a call orders every reuse. The control warp adds its zeros and
+ * meets the barrier but reads no partial (it gets 0): it writes no output,
+ * so it needs no sum, and its reads drew racecheck reports against the
+ * writes this barrier orders (docs/testing.md). */
 TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) {
   __shared__ float partial[2][1024 / 32];
   float *half = partial[call & 1u];
@@ -71,6 +78,7 @@ TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) 
   if (threadIdx.x % TPC_WARP_LANES == 0) half[threadIdx.x / TPC_WARP_LANES] = v;
   *broken = __syncthreads_or(failed);
   float sum = 0.0f;
+  if (threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS) return sum;
   const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
   for (unsigned w = 0; w < warps; ++w) sum += half[w];
   return sum;
@@ -140,19 +148,20 @@ TPC_DEVICE float tpc_norm_value(float v, float mean, float scale, float w, float
  * squared distances from the mean, from registers. Every thread of the block
  * calls it; *broken as tpc_block_sum's. (An RMSNorm sums its squares in the
  * loop that makes v.) */
-TPC_DEVICE float tpc_layer_norm_scale(const float (&v)[TPC_NORM_UNITS][4], unsigned t, unsigned data_threads,
+template <int UNITS>
+TPC_DEVICE float tpc_layer_norm_scale(const float (&v)[UNITS][4], unsigned t, unsigned data_threads,
                                       uint64_t row_units, float inv_n, float eps, int failed, int *broken,
                                       unsigned *sums, float *mean) {
   float part = 0.0f;
 #pragma unroll
-  for (int k = 0; k < TPC_NORM_UNITS; ++k)
+  for (int k = 0; k < UNITS; ++k)
     if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
       for (int j = 0; j < 4; ++j) part += v[k][j];
   int broken_mean = 0;
   *mean = tpc_block_sum(part, failed, &broken_mean, (*sums)++) * inv_n;
   part = 0.0f;
 #pragma unroll
-  for (int k = 0; k < TPC_NORM_UNITS; ++k)
+  for (int k = 0; k < UNITS; ++k)
     if (t < data_threads && t + (uint64_t)k * data_threads < row_units)
       for (int j = 0; j < 4; ++j) {
         const float d = v[k][j] - *mean;
@@ -188,12 +197,12 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
 
 /* Every unit of this thread: the norm of v (with this weight, bias, mean and
  * scale) to the normed output, v itself rounded to the stream output. */
-template <bool LAYER, int QUANT>
-TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, const void *bias,
-                               float (&v)[TPC_NORM_UNITS][4], float mean, float scale, uint64_t base,
+template <bool LAYER, int QUANT, int UNITS>
+TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, const void *bias, float (&v)[UNITS][4],
+                               float mean, float scale, uint64_t base,
                                uint64_t row_units, unsigned t, unsigned data_threads, int broken, uint32_t *amax) {
 #pragma unroll
-  for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+  for (int k = 0; k < UNITS; ++k) {
     const uint64_t u = t + (uint64_t)k * data_threads;
     if (t >= data_threads || u >= row_units) continue;
     float w[4], b[4], normed[4];
@@ -207,7 +216,7 @@ TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, con
   }
 }
 
-template <int PATTERN, int QUANT>
+template <int PATTERN, int QUANT, int UNITS>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   constexpr bool layer = PATTERN >= TPC_PATTERN_ADD_LAYER_NORM;
@@ -250,10 +259,10 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       }
 
     /* v: z (add_first) or s, then o; what the first norm normalises */
-    float v[TPC_NORM_UNITS][4];
+    float v[UNITS][4];
     float squares = 0.0f; /* an RMSNorm's */
 #pragma unroll
-    for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+    for (int k = 0; k < UNITS; ++k) {
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
@@ -275,12 +284,13 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                               : rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
     uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
     if constexpr (add_first) {
-      tpc_norm_write<layer, QUANT>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken, &amax);
+      tpc_norm_write<layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken,
+                                          &amax);
     } else {
       /* o = r + m * norm(s), kept in v */
       float squares2 = 0.0f; /* an RMSNorm's, of o */
 #pragma unroll
-      for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+      for (int k = 0; k < UNITS; ++k) {
         const uint64_t u = t + (uint64_t)k * data_threads;
         if (t >= data_threads || u >= row_units) continue;
         float w[4], b[4], r[4];
@@ -306,12 +316,12 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                          &mean2)
                   : rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
         broken |= broken2;
-        tpc_norm_write<layer, QUANT>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t, data_threads,
-                                     broken, &amax);
+        tpc_norm_write<layer, QUANT, UNITS>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t,
+                                            data_threads, broken, &amax);
       }
     }
-    if (QUANT != TPC_QUANT_NONE) tpc_fp8_emit<QUANT>(a, v, amax, tensor_scale, row, base, row_units, t, data_threads,
-                                                            broken);
+    if (QUANT != TPC_QUANT_NONE)
+      tpc_fp8_emit<QUANT, UNITS>(a, v, amax, tensor_scale, row, base, row_units, t, data_threads, broken);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }

@@ -34,16 +34,18 @@ TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
   return v;
 }
 
-/* The maximum of v over the block, the same in every thread; every thread of
- * the block calls it, once a row. One barrier: the next call's writes of
- * `partial` come after the next row's tpc_block_sum, a barrier every thread
- * reaches after its reads here. */
+/* The maximum of v over the block, the same in every data thread; every
+ * thread of the block calls it, once a row. One barrier: the next call's
+ * writes of `partial` come after the next row's tpc_block_sum, a barrier
+ * every thread reaches after its reads here. The control warp reads no
+ * partial (it gets 0), as in tpc_block_sum. */
 TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   __shared__ uint32_t partial[1024 / 32];
   v = tpc_warp_max_u32(v);
   if (threadIdx.x % TPC_WARP_LANES == 0) partial[threadIdx.x / TPC_WARP_LANES] = v;
   __syncthreads();
   uint32_t m = 0;
+  if (threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS) return m;
   const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
   for (unsigned w = 0; w < warps; ++w) m = partial[w] > m ? partial[w] : m;
   return m;
@@ -90,7 +92,7 @@ TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s, float r, int fast) {
  * calls it (PER_TOKEN's maximum is a block reduction). tensor_scale: the
  * given scale (PER_TENSOR), loaded at the kernel's start. broken: the op
  * failed; codes and written scales are NaN. */
-template <int QUANT>
+template <int QUANT, int UNITS>
 TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t amax, float tensor_scale, uint64_t row,
                              uint64_t base, uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
   uint32_t *codes = (uint32_t *)a.out;
@@ -104,7 +106,7 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
   float r = QUANT == TPC_QUANT_PER_TOKEN_GROUP ? 0.0f : 1.0f / s;
   int fast = tpc_fp8_fast_scale(s);
 #pragma unroll
-  for (int k = 0; k < TPC_NORM_UNITS; ++k) {
+  for (int k = 0; k < UNITS; ++k) {
     const uint64_t u = t + (uint64_t)k * data_threads;
     /* uniform over a warp: the control warp is whole, and the row's units a multiple of 32 here */
     if (t >= data_threads || u >= row_units) continue;
