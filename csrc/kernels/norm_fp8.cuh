@@ -57,11 +57,11 @@ TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
 template <int QUANT>
 TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
   tpc_start(x, words, 2, dtype);
-  if (QUANT != TPC_QUANT_PER_TOKEN) return;
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
-    *amax = bits > *amax ? bits : *amax;
-  }
+  if constexpr (QUANT == TPC_QUANT_PER_TOKEN)
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
+      *amax = bits > *amax ? bits : *amax;
+    }
 }
 
 /* The dynamic scale of an absolute maximum: max(amax / 448, floor), NaN kept
