@@ -60,27 +60,28 @@ static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_N
               "the kernel's row capacity is what tpcomm.h announces");
 #endif
 
-/* The sum of v over the block, the same bits in every data thread; every
- * thread of the block calls it, `call` counting its calls in the op (the
- * same in every thread). Also a barrier: returns in *broken whether any
- * thread of the block has failed. The partial sums alternate between two
- * halves by call: one call's reads and the next call's writes touch
- * different halves, and the call after that writes this half only after the
- * next call's barrier, which every thread reaches after its reads here. So
- * one barrier a call orders every reuse. The control warp adds its zeros and
- * meets the barrier but reads no partial (it gets 0): it writes no output,
- * so it needs no sum, and its reads drew racecheck reports against the
- * writes this barrier orders (docs/testing.md). */
+/* The sum of v over the block's data warps, the same bits in every data
+ * thread; every thread of the block calls it, `call` counting its calls in
+ * the op (the same in every thread). Also a barrier: returns in *broken
+ * whether any thread of the block has failed. The partial sums alternate
+ * between two halves by call: one call's reads and the next call's writes
+ * touch different halves, and the call after that writes this half only after
+ * the next call's barrier, which every thread reaches after its reads here.
+ * So one barrier a call orders every reuse. The control warp only meets the
+ * barrier (it gets 0): it writes no output, so it needs no sum, and it
+ * touches no partial, because racecheck misorders its shared accesses after
+ * its bar.arrive at the handoff (docs/testing.md). Its v was +0, the last
+ * term: leaving it out changes no bit (no partial sum here is -0). */
 TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) {
   __shared__ float partial[2][1024 / 32];
   float *half = partial[call & 1u];
+  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_WARP_LANES;
   v = tpc_warp_sum(v);
-  if (threadIdx.x % TPC_WARP_LANES == 0) half[threadIdx.x / TPC_WARP_LANES] = v;
+  if (threadIdx.x % TPC_WARP_LANES == 0 && warp < data_warps) half[warp] = v;
   *broken = __syncthreads_or(failed);
   float sum = 0.0f;
-  if (threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS) return sum;
-  const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
-  for (unsigned w = 0; w < warps; ++w) sum += half[w];
+  if (warp >= data_warps) return sum;
+  for (unsigned w = 0; w < data_warps; ++w) sum += half[w];
   return sum;
 }
 

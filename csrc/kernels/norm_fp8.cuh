@@ -37,17 +37,17 @@ TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
 /* The maximum of v over the block, the same in every data thread; every
  * thread of the block calls it, once a row. One barrier: the next call's
  * writes of `partial` come after the next row's tpc_block_sum, a barrier
- * every thread reaches after its reads here. The control warp reads no
+ * every thread reaches after its reads here. The control warp touches no
  * partial (it gets 0), as in tpc_block_sum. */
 TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   __shared__ uint32_t partial[1024 / 32];
+  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_WARP_LANES;
   v = tpc_warp_max_u32(v);
-  if (threadIdx.x % TPC_WARP_LANES == 0) partial[threadIdx.x / TPC_WARP_LANES] = v;
+  if (threadIdx.x % TPC_WARP_LANES == 0 && warp < data_warps) partial[warp] = v;
   __syncthreads();
   uint32_t m = 0;
-  if (threadIdx.x >= blockDim.x - TPC_CONTROL_THREADS) return m;
-  const unsigned warps = (blockDim.x + TPC_WARP_LANES - 1) / TPC_WARP_LANES;
-  for (unsigned w = 0; w < warps; ++w) m = partial[w] > m ? partial[w] : m;
+  if (warp >= data_warps) return m;
+  for (unsigned w = 0; w < data_warps; ++w) m = partial[w] > m ? partial[w] : m;
   return m;
 }
 
