@@ -283,8 +283,9 @@ def norm_fp8_probe():
             for mode in NORM_FP8_MODES:
                 fused, epilogue = us["fused"], us[f"fused + {mode} epilogue"]
                 two = us[f"fused, then {mode} kernel"]
-                adds.append(100 * (epilogue / fused - 1))
-                saves.append(100 * (1 - epilogue / two))
+                # rounded as printed (+ 0.0: a share that rounds to zero prints 0.0, not -0.0)
+                adds.append(round(100 * (epilogue / fused - 1), 1) + 0.0)
+                saves.append(round(100 * (1 - epilogue / two), 1) + 0.0)
                 lines.append(f"| {r['tokens']} | {r['hidden']} | {mode} | {fused:.2f} | {epilogue:.2f} | "
                              f"{adds[-1]:.1f} % | {us[f'{mode} quant kernel']:.2f} | {two:.2f} | {saves[-1]:.1f} % |")
                 probe_off.append(abs(r["probe_us"][mode] / epilogue - 1))

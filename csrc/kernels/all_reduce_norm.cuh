@@ -69,9 +69,9 @@ static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_N
  * the next call's barrier, which every thread reaches after its reads here.
  * So one barrier a call orders every reuse. The control warp only meets the
  * barrier (it gets 0): it writes no output, so it needs no sum, and it
- * touches no partial, because racecheck misorders its shared accesses after
- * its bar.arrive at the handoff (docs/testing.md). Its v was +0, the last
- * term: leaving it out changes no bit (no partial sum here is -0). */
+ * touches no partial, since racecheck reported its accesses against the
+ * data warps' (docs/testing.md). Its v was +0, the last term: leaving it
+ * out changes no bit (no partial sum here is -0). */
 TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) {
   __shared__ float partial[2][1024 / 32];
   float *half = partial[call & 1u];
