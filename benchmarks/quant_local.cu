@@ -14,6 +14,10 @@
  * The steps are the kernel's (tpc_stream_unit over tpc_steps), every warp of
  * the grid a data warp, from and into plain device memory instead of peers'
  * slots; so this times the codecs and their memory traffic, not the link.
+ * Each kernel's grid is one wave in which every block takes the same number
+ * of steps (ql_grid): a grid of more blocks than fit at once, or of steps
+ * that do not divide evenly, times a tail of idle multiprocessors instead.
+ * (The grid is the benchmark's: the all-reduce's is sized for the link.)
  *
  * Each is reported as its bytes read and written per second, and as the
  * fraction of the bandwidth of cudaMemcpyAsync (device to device) of 16 MiB
@@ -25,8 +29,7 @@
  * value past the bound or a sum that differs exits 1.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o /tmp/quant_local && /tmp/quant_local
- *   /tmp/quant_local 4      the same with 4 blocks an SM instead of 8 (the grid is the benchmark's,
- *                           not the kernel's: the all-reduce's grid is sized for the link)
+ *   /tmp/quant_local 8      every kernel on 8 blocks an SM instead of its own grid (below)
  *   /tmp/quant_local list   prints the rows it times, without a GPU
  */
 #include <algorithm>
@@ -147,6 +150,19 @@ __global__ void ql_fill(uint16_t *x) {
   }
 }
 
+/* Kernel k's grid: per_sm blocks an SM where given; else as many blocks as
+ * are resident at once (one wave), fewer where that evens out the steps, so
+ * that every block takes ceil(steps / resident blocks) of the 16 MiB's
+ * steps and none waits on another's last one. */
+static unsigned ql_grid(const void *k, int sms, int per_sm) {
+  if (per_sm) return (unsigned)(sms * per_sm);
+  int resident = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, k, QL_THREADS, 0));
+  const unsigned steps = QL_UNITS / (QL_THREADS / TPC_STREAM_LANES * TPC_STREAM_STEP_UNITS);
+  const unsigned slots = (unsigned)(resident * sms), per_block = (steps + slots - 1) / slots;
+  return (steps + per_block - 1) / per_block;
+}
+
 typedef struct {
   std::string name;
   double read, written; /* bytes */
@@ -200,14 +216,14 @@ int main(int argc, char **argv) {
     for (const ql_row &r : rows) printf("%s\n", r.name.c_str());
     return 0;
   }
-  const int per_sm = argc > 1 ? atoi(argv[1]) : 8;
-  if (per_sm < 1 || per_sm > 64) {
-    fprintf(stderr, "usage: %s [list | BLOCKS_PER_SM (1..64, default 8)]\n", argv[0]);
+  const int per_sm = argc > 1 ? atoi(argv[1]) : 0; /* 0: each kernel's own grid (ql_grid) */
+  if (argc > 1 && (per_sm < 1 || per_sm > 64)) {
+    fprintf(stderr, "usage: %s [list | BLOCKS_PER_SM (1..64; default: one even wave a kernel)]\n", argv[0]);
     return 2;
   }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const unsigned blocks = (unsigned)(sms * per_sm);
+  const unsigned blocks = (unsigned)(sms * 8); /* the fills' and checks' (untimed) */
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
   uint4 *in, *out, *copy;
@@ -225,24 +241,28 @@ int main(int argc, char **argv) {
 
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("%s, %d SMs; 16 MiB bf16 inputs; %u blocks of %d threads\n", prop.name, sms, blocks, QL_THREADS);
-  printf("%-34s %10s %12s %10s\n", "what", "us", "GB/s", "of copy");
+  printf("%s, %d SMs; 16 MiB bf16 inputs; blocks of %d threads, %s\n", prop.name, sms, QL_THREADS,
+         per_sm ? "as many an SM as given" : "one even wave a kernel");
+  printf("%-34s %10s %12s %10s %8s\n", "what", "us", "GB/s", "of copy", "blocks");
   double copy_rate = 0;
   size_t row = 0;
   int below = 0;
-  auto report = [&](double us) {
+  auto report = [&](double us, unsigned grid) {
     const ql_row &r = rows[row++];
     const double rate = (r.read + r.written) / (us * 1e3);
     if (copy_rate == 0) copy_rate = rate;
     const bool short_of = rate < QL_TARGET * copy_rate;
     below += short_of;
-    printf("%-34s %10.2f %12.1f %9.1f%%%s\n", r.name.c_str(), us, rate, 100.0 * rate / copy_rate,
-           short_of ? "  below the target" : "");
+    printf("%-34s %10.2f %12.1f %9.1f%% %8s%s\n", r.name.c_str(), us, rate, 100.0 * rate / copy_rate,
+           grid ? std::to_string(grid).c_str() : "", short_of ? "  below the target" : "");
   };
-  report(ql_time_us([&] { CHECK(cudaMemcpyAsync(copy, in, QL_BYTES, cudaMemcpyDeviceToDevice, s)); }, s));
+  report(ql_time_us([&] { CHECK(cudaMemcpyAsync(copy, in, QL_BYTES, cudaMemcpyDeviceToDevice, s)); }, s), 0);
   int failed = 0;
   for (int m : ql_modes) {
-    report(ql_time_us([&] { ql_for_mode(m, [&](auto mode) { ql_quantize<mode()><<<blocks, QL_THREADS, 0, s>>>(in, payload, scales); }); }, s));
+    unsigned grid = 0;
+    ql_for_mode(m, [&](auto mode) { grid = ql_grid((const void *)ql_quantize<mode()>, sms, per_sm); });
+    report(ql_time_us([&] { ql_for_mode(m, [&](auto mode) { ql_quantize<mode()><<<grid, QL_THREADS, 0, s>>>(in, payload, scales); }); }, s),
+           grid);
     CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
     ql_for_mode(m, [&](auto mode) { ql_check<mode()><<<blocks, QL_THREADS, 0, s>>>(in, payload, scales, bad); });
     unsigned nbad = 0;
@@ -257,14 +277,16 @@ int main(int argc, char **argv) {
       CHECK(cudaMemcpyAsync(scales + q * scale_stride, scales, scale_stride * sizeof(float),
                             cudaMemcpyDeviceToDevice, s));
     }
+    ql_for_mode(m, [&](auto mode) { grid = ql_grid((const void *)ql_dequant_sum<mode()>, sms, per_sm); });
     for (int n : {2, 4, 8}) {
       report(ql_time_us(
           [&] {
             ql_for_mode(m, [&](auto mode) {
-              ql_dequant_sum<mode()><<<blocks, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out);
+              ql_dequant_sum<mode()><<<grid, QL_THREADS, 0, s>>>(payload, scales, payload_stride, scale_stride, n, out);
             });
           },
-          s));
+          s),
+          grid);
       CHECK(cudaMemsetAsync(bad, 0, sizeof(unsigned), s));
       ql_for_mode(m, [&](auto mode) { ql_sum_check<mode()><<<blocks, QL_THREADS, 0, s>>>(payload, scales, n, out, bad); });
       CHECK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s));
