@@ -29,12 +29,35 @@
  *   build/norm_fp8_probe [ranks]    (default 2, every rank on GPU 0 where there is one GPU)
  *   build/norm_fp8_probe list       the rows, without a GPU
  *
+ * Phase build (-DNORM_FP8_PROBE_PHASES, the same sources): where a row's
+ * time goes, not how long a call takes. The kernel's marks (TPC_NORM_MARK,
+ * all_reduce_norm.cuh) clock block 0's first row on each rank, thread 0,
+ * in SM cycles from the kernel's start: 0 past the prologue, 1 the row's
+ * sum exchanged, 2 the norm's scale, 3 the outputs written, 4 the codes
+ * written, 5 the last row done, 6 the op ended. It prints, per shape and
+ * epilogue, each mark's mean over PROBE_OPS untimed calls of every rank,
+ * after the timed build's checks of that shape.
+ *
  * Output: a header, then one row per shape and epilogue:
  *   tokens hidden epilogue us
  */
 #include <cmath>
 #include <string>
 
+#ifdef NORM_FP8_PROBE_PHASES
+#define NFP_MARKS 7
+__device__ unsigned long long nfp_cycles[8][NFP_MARKS]; /* [rank][mark]: summed over calls */
+__device__ unsigned nfp_calls[8];
+/* thread 0 of block 0 only; atomics: a call's next may start before it ends */
+#define TPC_NORM_MARK_START const long long nfp_t0 = clock64()
+#define TPC_NORM_MARK(phase, first_row)                                                       \
+  do {                                                                                         \
+    if (blockIdx.x == 0 && threadIdx.x == 0 && (first_row)) {                                  \
+      atomicAdd(&nfp_cycles[a.rank][phase], (unsigned long long)(clock64() - nfp_t0));         \
+      if ((phase) == 0) atomicAdd(&nfp_calls[a.rank], 1u);                                     \
+    }                                                                                          \
+  } while (0)
+#endif
 #include "probe_ranks.h"
 
 static const int QUANTS[] = {TPC_QUANT_NONE, TPC_QUANT_PER_TENSOR, TPC_QUANT_PER_TOKEN, TPC_QUANT_PER_TOKEN_GROUP};
@@ -330,13 +353,46 @@ extern "C" int nfp_check_errors(void) {
   return 0;
 }
 #else
+static const int SHAPE_TOKENS[] = {8, 32, 256}, SHAPE_HIDDEN[] = {4096, 8192};
+
+#ifdef NORM_FP8_PROBE_PHASES
+/* The phase build's output (the header comment): every shape and epilogue,
+ * each rank's mean cycles to each mark. */
+static void print_phases() {
+  static_assert(TPC_MAX_RANKS <= 8, "nfp_cycles holds 8 ranks");
+  printf("phase build: SM cycles from the kernel's start to each mark, block 0's first row, mean over calls\n");
+  printf("tokens hidden epilogue rank calls m0 m1 m2 m3 m4 m5 m6\n");
+  for (int tokens : SHAPE_TOKENS)
+    for (int hidden : SHAPE_HIDDEN) {
+      run_shape(tokens, hidden, false, nullptr); /* the timed build's checks, and a warm-up */
+      for (int quant : QUANTS) {
+        for (int r = 0; r < world; ++r) set_norm(r, tokens, hidden, quant, false);
+        static const unsigned long long zero_cycles[8][NFP_MARKS] = {};
+        static const unsigned zero_calls[8] = {};
+        CHECK(cudaMemcpyToSymbol(nfp_cycles, zero_cycles, sizeof zero_cycles));
+        CHECK(cudaMemcpyToSymbol(nfp_calls, zero_calls, sizeof zero_calls));
+        run_untimed(launch_rank);
+        unsigned long long cycles[8][NFP_MARKS];
+        unsigned calls[8];
+        CHECK(cudaMemcpyFromSymbol(cycles, nfp_cycles, sizeof cycles));
+        CHECK(cudaMemcpyFromSymbol(calls, nfp_calls, sizeof calls));
+        for (int r = 0; r < world; ++r) {
+          printf("%d %d %s %d %u", tokens, hidden, QUANT_NAMES[quant], r, calls[r]);
+          for (int m = 0; m < NFP_MARKS; ++m) printf(" %.0f", calls[r] ? (double)cycles[r][m] / calls[r] : 0.0);
+          printf("\n");
+        }
+        fflush(stdout);
+      }
+    }
+}
+#endif
+
 int main(int argc, char **argv) {
-  const int shape_tokens[] = {8, 32, 256}, shape_hidden[] = {4096, 8192};
   listing = argc > 1 && !strcmp(argv[1], "list");
   const int n = !listing && argc > 1 ? atoi(argv[1]) : 2;
   if (listing) {
-    for (int tokens : shape_tokens)
-      for (int hidden : shape_hidden)
+    for (int tokens : SHAPE_TOKENS)
+      for (int hidden : SHAPE_HIDDEN)
         for (int quant : QUANTS) printf("%d %d %s\n", tokens, hidden, QUANT_NAMES[quant]);
     return 0;
   }
@@ -349,11 +405,14 @@ int main(int argc, char **argv) {
   open_ranks(n, MAX_BYTES, false);
   printf("norm_fp8_probe: ADD_NORM bf16, eps %g, weight w, each rank's grid at most %d blocks\n", (double)EPS,
          ranks[0].args.max_blocks);
-  printf("tokens hidden epilogue us\n");
-  fflush(stdout);
   open_norm_buffers();
-  for (int tokens : shape_tokens)
-    for (int hidden : shape_hidden) {
+#ifdef NORM_FP8_PROBE_PHASES
+  print_phases();
+  return 0;
+#else
+  printf("tokens hidden epilogue us\n");
+  for (int tokens : SHAPE_TOKENS)
+    for (int hidden : SHAPE_HIDDEN) {
       double us[4];
       run_shape(tokens, hidden, true, us);
       for (int quant : QUANTS) printf("%d %d %s %.3f\n", tokens, hidden, QUANT_NAMES[quant], us[quant]);
@@ -361,5 +420,6 @@ int main(int argc, char **argv) {
     }
   printf("check: every output as computed on the host\n");
   return 0;
+#endif
 }
 #endif /* NORM_FP8_PROBE_LIBRARY */

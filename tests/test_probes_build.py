@@ -155,7 +155,8 @@ def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path,
     and as the library benchmarks/norm_fp8_probe.py loads; its rows are every
     shape of the issue with no epilogue and each of the driver's modes, in
     the form the driver parses; limits.c, linked in, refuses 1 and 9 ranks
-    before any GPU call."""
+    before any GPU call. Its phase build (the kernel's marks defined) builds
+    warning-free too and lists the same rows."""
     import ctypes
     import importlib.util
 
@@ -163,6 +164,8 @@ def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path,
     exe, lib = tmp_path / "norm_fp8_probe", tmp_path / "libnorm_fp8_probe.so"
     _compile("norm_fp8_probe.cu", exe, limits)
     _compile("norm_fp8_probe.cu", lib, limits, "-shared", "-Xcompiler", "-fPIC", "-DNORM_FP8_PROBE_LIBRARY")
+    phases = tmp_path / "norm_fp8_probe_phases"
+    _compile("norm_fp8_probe.cu", phases, limits, "-DNORM_FP8_PROBE_PHASES")
     spec = importlib.util.spec_from_file_location("norm_fp8_probe", os.path.join(ROOT, "benchmarks", "norm_fp8_probe.py"))
     driver = importlib.util.module_from_spec(spec)
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its graph_timing, beside it
@@ -171,6 +174,8 @@ def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path,
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]
     assert rows == [[str(t), str(h), q] for t in (8, 32, 256) for h in (4096, 8192) for q in ("none",) + driver.MODES]
+    listed_phases = subprocess.run([str(phases), "list"], capture_output=True, text=True, timeout=60)
+    assert listed_phases.returncode == 0 and listed_phases.stdout == listed.stdout, listed_phases.stderr
     for n in ("1", "9"):
         bad = subprocess.run([str(exe), n], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "takes 2..8 ranks (limits.c), not " + n in bad.stderr

@@ -55,6 +55,13 @@
 
 #include "norm_fp8.cuh" /* the FP8 epilogue */
 
+/* Phase marks, empty in the library: benchmarks/norm_fp8_probe.cu's phase
+ * build defines them to clock block 0's first row through the kernel. */
+#ifndef TPC_NORM_MARK
+#define TPC_NORM_MARK_START
+#define TPC_NORM_MARK(phase, first_row)
+#endif
+
 #if defined(__cplusplus)
 static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_NORM_MAX_ROW_BYTES,
               "the kernel's row capacity is what tpcomm.h announces");
@@ -223,8 +230,10 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
   constexpr bool layer = PATTERN >= TPC_PATTERN_ADD_LAYER_NORM;
   constexpr bool add_first = PATTERN == TPC_PATTERN_ADD_NORM || PATTERN == TPC_PATTERN_ADD_LAYER_NORM;
   constexpr bool second = PATTERN == TPC_PATTERN_NORM_ADD_NORM || PATTERN == TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM;
+  TPC_NORM_MARK_START;
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, 0, tpc_no_prefetch(), &p, tpc_norm_refuse)) return;
+  TPC_NORM_MARK(0, true);
   tpc_op &op = p.op;
   const int folded = p.folded;
 
@@ -278,11 +287,13 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
         for (int j = 0; j < 4; ++j) squares += v[k][j] * v[k][j];
     }
 
+    TPC_NORM_MARK(1, row == blockIdx.x);
     int broken = 0;
     float mean = 0.0f;
     const float scale = layer ? tpc_layer_norm_scale(v, t, data_threads, row_units, inv_n, a.eps, op.failed, &broken,
                                                      &sums, &mean)
                               : rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
+    TPC_NORM_MARK(2, row == blockIdx.x);
     uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
     if constexpr (add_first) {
       tpc_norm_write<layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken,
@@ -321,10 +332,14 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                             data_threads, broken, &amax);
       }
     }
+    TPC_NORM_MARK(3, row == blockIdx.x);
     if (QUANT != TPC_QUANT_NONE)
       tpc_fp8_emit<QUANT, UNITS>(a, v, amax, tensor_scale, row, base, row_units, t, data_threads, broken);
+    TPC_NORM_MARK(4, row == blockIdx.x);
   }
+  TPC_NORM_MARK(5, true);
   tpc_op_end(&a, &op, TPC_NOT_BULK);
+  TPC_NORM_MARK(6, true);
 }
 
 #endif /* TPCOMM_ALL_REDUCE_NORM_CUH */
