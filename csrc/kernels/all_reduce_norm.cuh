@@ -82,7 +82,7 @@ static_assert(TPC_NORM_THREADS * TPC_NORM_UNITS * TPC_PACKET_DATA_BYTES == TPC_N
 TPC_DEVICE float tpc_block_sum(float v, int failed, int *broken, unsigned call) {
   __shared__ float partial[2][1024 / 32];
   float *half = partial[call & 1u];
-  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_WARP_LANES;
+  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = tpc_data_warps();
   v = tpc_warp_sum(v);
   if (threadIdx.x % TPC_WARP_LANES == 0 && warp < data_warps) half[warp] = v;
   *broken = __syncthreads_or(failed);

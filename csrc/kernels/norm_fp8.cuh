@@ -41,7 +41,7 @@ TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
  * partial (it gets 0), as in tpc_block_sum. */
 TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   __shared__ uint32_t partial[1024 / 32];
-  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = (blockDim.x - TPC_CONTROL_THREADS) / TPC_WARP_LANES;
+  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = tpc_data_warps();
   v = tpc_warp_max_u32(v);
   if (threadIdx.x % TPC_WARP_LANES == 0 && warp < data_warps) partial[warp] = v;
   __syncthreads();

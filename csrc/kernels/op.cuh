@@ -16,6 +16,9 @@
  * the data instead of after it. */
 #define TPC_CONTROL_THREADS 32
 
+/* The block's data warps: its data threads are a whole number of warps. */
+TPC_DEVICE unsigned tpc_data_warps(void) { return (blockDim.x - TPC_CONTROL_THREADS) / TPC_WARP_LANES; }
+
 /* Indices a data thread walks: first, first + stride, ... Control threads get
  * a start past any end, so every data loop skips them. */
 typedef struct {
