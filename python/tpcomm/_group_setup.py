@@ -206,18 +206,39 @@ def meet_peers(group, rank, prefix, timeout_s):
     """Host-side barrier of close() through the default store, under keys
     that start with `prefix` (one per communicator), bounded: the group ranks
     that did not arrive within timeout_s (empty when all did). No peer may
-    still write into our buffer once every rank has arrived here."""
+    still write into our buffer once every rank has arrived here.
+
+    The store's server lives in global rank 0 (init_process_group's tcp:// and
+    env:// without torchrun's agent), which ends it on exit: a peer still
+    polling then would find no store and call everyone missing. So each rank
+    that saw every arrival says so, and global rank 0 leaves only once all
+    have (bounded: a peer that died after arriving is not missing)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group)
         store.set(f"{prefix}/{ranks[rank]}", b"1")
         deadline = time.monotonic() + timeout_s
-        pause = 1e-4
-        while True:
-            missing = [i for i, r in enumerate(ranks) if not store.check([f"{prefix}/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        missing = _wait_for_keys(store, [f"{prefix}/{r}" for r in ranks], deadline)
+        if missing:
+            return missing
+        store.set(f"{prefix}/seen/{ranks[rank]}", b"1")
     except Exception as e:  # noqa: BLE001 - a store whose host died: the peers are gone
         return [f"unknown ({type(e).__name__}: {e})"]
+    if dist.get_rank() == 0:
+        try:
+            _wait_for_keys(store, [f"{prefix}/seen/{r}" for r in ranks], deadline)
+        except Exception:  # noqa: BLE001 - every rank arrived: what follows cannot make one missing
+            pass
+    return []
+
+
+def _wait_for_keys(store, keys, deadline):
+    """Polls the store until every key exists or the deadline passes: the
+    indices of the keys still missing."""
+    pause = 1e-4
+    while True:
+        missing = [i for i, key in enumerate(keys) if not store.check([key])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
