@@ -20,6 +20,13 @@
 #   TPCOMM_TEST_WORLD="2 3" bash scripts/device_run.sh fp8
 #     tests/gpu/test_fp8_norm_gpu.py (the fused norm's FP8 epilogues) with
 #     every rank on GPU 0 at each world size given (default 2 3 4 8)
+#   TPCOMM_TEST_WORLD="2 3" bash scripts/device_run.sh norm
+#     both fused-norm GPU files (every pattern, tests/gpu/test_norm_patterns_gpu.py,
+#     and the FP8 epilogues) the same way
+#   bash scripts/device_run.sh fp8_phases
+#     benchmarks/norm_fp8_probe.cu's phase build (-DNORM_FP8_PROBE_PHASES):
+#     SM cycles to each mark of a row, with and without each FP8 epilogue
+#     (norm_fp8_phases_<gpu>x1.txt)
 #   bash scripts/device_run.sh fp8_local
 #     benchmarks/norm_fp8_local.py (2 GPUs): the fused norm with each FP8
 #     epilogue beside the kernel without it then a separate quantization
@@ -44,6 +51,9 @@
 #     results at that world size on any machine; one log per world size);
 #     TPCOMM_TEST_WORLD="3 5 8" runs it at each in turn after one build,
 #     each world under its own TPCOMM_TEST_TIMEOUT_S
+# BUILD=0 skips the in-place build, reusing the previous call's on this
+# machine: several modes in one session, one build
+#   bash scripts/device_run.sh fp8_probe && BUILD=0 bash scripts/device_run.sh fp8_phases
 set -uo pipefail
 export TPCOMM_TIMEOUT_S=${TPCOMM_TIMEOUT_S:-3} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 results=${RESULTS_DIR:-build/results}; mkdir -p "$results" build
@@ -52,9 +62,12 @@ what=${1:-all}; shift || true
 suite=tests/gpu; case "${1:-}" in tests/*) suite=;; esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -3
 start=$(date +%s)
-TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
-  || { tail -40 build/build.log; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ "${BUILD:-1}" != 0 ]; then
+  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
+    || { tail -40 build/build.log; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
+ls python/tpcomm/_C*.so >/dev/null 2>&1 || { echo "no in-place build (python/tpcomm/_C*.so): run without BUILD=0"; exit 1; }
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -s: the trust tests print the time to each error ("TIMING" lines)
   timeout ${TPCOMM_TEST_TIMEOUT_S:-420} python3 -m pytest -q -rs -s $suite "$@" 2>&1 | tee "$results/gpu_tests.log" \
@@ -75,14 +88,22 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE 'h[0-9
 shared_file() {
   local file=$1 label=$2; shift 2
   for world in ${TPCOMM_TEST_WORLD:-2 3 4 8}; do
+    # $file unquoted: one path, or several separated by spaces
     CUDA_VISIBLE_DEVICES=0 TPCOMM_SHARE_GPU=1 TPCOMM_TEST_WORLD=$world TPCOMM_TIMEOUT_S=10 \
-      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs "$file" "$@" 2>&1 \
+      timeout ${TPCOMM_TEST_TIMEOUT_S:-540} python3 -m pytest -q -rs $file "$@" 2>&1 \
       | tee "$results/gpu_tests_${label}_world$world.log" | grep -E "passed|failed|^FAILED|^E |SKIPPED" | tail -30
     echo "$label tests (world $world) done: $(( $(date +%s) - start )) s"
   done
 }
 [ "$what" = quant ] && shared_file tests/gpu/test_quantized_gpu.py quantized "$@"
 [ "$what" = fp8 ] && shared_file tests/gpu/test_fp8_norm_gpu.py fp8 "$@"
+[ "$what" = norm ] && shared_file "tests/gpu/test_norm_patterns_gpu.py tests/gpu/test_fp8_norm_gpu.py" norm "$@"
+if [ "$what" = fp8_phases ]; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -DNORM_FP8_PROBE_PHASES benchmarks/norm_fp8_probe.cu csrc/core/limits.c \
+    -o build/norm_fp8_probe_phases || exit 1
+  CUDA_VISIBLE_DEVICES=0 timeout 300 build/norm_fp8_probe_phases 2 2>&1 | tee "$results/norm_fp8_phases_${gpus%x*}x1.txt" \
+    | tail -30
+fi
 if [ "$what" = fp8_local ]; then
   timeout 540 python3 benchmarks/norm_fp8_local.py --out "$results/norm_fp8_local_$gpus.json" 2>&1 \
     | tail -20
