@@ -202,6 +202,9 @@ def _open_peers(lib, comm, group, rank, world_size, handles):
     return agreed_error(group, rank, world_size, error)
 
 
+SEEN_WAIT_S = 5.0  # meet_peers: how long global rank 0 waits for the peers to see every arrival
+
+
 def meet_peers(group, rank, prefix, timeout_s):
     """Host-side barrier of close() through the default store, under keys
     that start with `prefix` (one per communicator), bounded: the group ranks
@@ -212,7 +215,8 @@ def meet_peers(group, rank, prefix, timeout_s):
     env:// without torchrun's agent), which ends it on exit: a peer still
     polling then would find no store and call everyone missing. So each rank
     that saw every arrival says so, and global rank 0 leaves only once all
-    have (bounded: a peer that died after arriving is not missing)."""
+    have, or after SEEN_WAIT_S (a peer polls every 50 ms at most; one that
+    died after arriving is not missing)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group)
@@ -226,7 +230,7 @@ def meet_peers(group, rank, prefix, timeout_s):
         return [f"unknown ({type(e).__name__}: {e})"]
     if dist.get_rank() == 0:
         try:
-            _wait_for_keys(store, [f"{prefix}/seen/{r}" for r in ranks], deadline)
+            _wait_for_keys(store, [f"{prefix}/seen/{r}" for r in ranks], time.monotonic() + SEEN_WAIT_S)
         except Exception:  # noqa: BLE001 - every rank arrived: what follows cannot make one missing
             pass
     return []
