@@ -98,9 +98,10 @@ shared_file() {
 [ "$what" = quant ] && shared_file tests/gpu/test_quantized_gpu.py quantized "$@"
 [ "$what" = fp8 ] && shared_file tests/gpu/test_fp8_norm_gpu.py fp8 "$@"
 [ "$what" = norm ] && shared_file "tests/gpu/test_norm_patterns_gpu.py tests/gpu/test_fp8_norm_gpu.py" norm "$@"
+# the FP8 probe's build: the timed and library builds (fp8_probe), the phase build (fp8_phases)
+probe="nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c"
 if [ "$what" = fp8_phases ]; then
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -DNORM_FP8_PROBE_PHASES benchmarks/norm_fp8_probe.cu csrc/core/limits.c \
-    -o build/norm_fp8_probe_phases || exit 1
+  $probe -DNORM_FP8_PROBE_PHASES -o build/norm_fp8_probe_phases || exit 1
   CUDA_VISIBLE_DEVICES=0 timeout 300 build/norm_fp8_probe_phases 2 2>&1 | tee "$results/norm_fp8_phases_${gpus%x*}x1.txt" \
     | tail -30
 fi
@@ -110,7 +111,6 @@ if [ "$what" = fp8_local ]; then
 fi
 if [ "$what" = fp8_probe ]; then
   card=${gpus%x*}x1
-  probe="nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c"
   $probe -o build/norm_fp8_probe && $probe -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY \
     -o build/libnorm_fp8_probe.so || exit 1
   CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/norm_fp8_probe.py --probe build/norm_fp8_probe \

@@ -34,13 +34,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_store_host_leaving_at_once_misses_nobody(tmp_path):
+def _run_two_ranks(script, outs):
+    """`script` as ranks 0 and 1 of a gloo group over tcp:// (so rank 0 serves
+    the store), each given its rank, the port and its entry of `outs`; the
+    processes, after they exit, and their output."""
     port = str(_free_port())
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), port, str(outs[r])], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), port, str(outs[r])], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
+    return procs, [p.communicate(timeout=120)[0] for p in procs]
+
+
+def test_store_host_leaving_at_once_misses_nobody(tmp_path):
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs, logs = _run_two_ranks(RANK, outs)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r]}"
     for r in range(2):
@@ -74,12 +81,8 @@ else:
 def test_store_host_waits_for_a_silent_peer_a_bounded_time(tmp_path):
     """Rank 0 leaves after SEEN_WAIT_S when a peer that arrived never says
     it saw every arrival, and does not call it missing."""
-    port = str(_free_port())
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     out = tmp_path / "rank0.json"
-    procs = [subprocess.Popen([sys.executable, "-c", SILENT_PEER, str(r), port, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
+    procs, logs = _run_two_ranks(SILENT_PEER, [out, out])
     assert procs[0].returncode == 0, logs[0]
     missing, took = json.loads(out.read_text())
     assert missing == [], missing
