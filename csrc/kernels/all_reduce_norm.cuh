@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                                      &sums, &mean)
                               : rsqrtf(tpc_block_sum(squares, op.failed, &broken, sums++) * inv_n + a.eps);
     TPC_NORM_MARK(2, row == blockIdx.x);
-    uint32_t amax = 0; /* the FP8 epilogue's row maximum of |x| (bits), this thread's share */
+    uint32_t amax = 0; /* the FP8 epilogue's maximum |x| (bits) over this thread's units of the row */
     if constexpr (add_first) {
       tpc_norm_write<layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken,
                                           &amax);

@@ -25,39 +25,30 @@
 static_assert(TPC_FP8_GROUP == 32 * 4, "a group is one warp's units at one step: 32 lanes of 4 values");
 #endif
 
-/* The maximum of v over the warp's 32 lanes (every lane takes part). */
-TPC_DEVICE uint32_t tpc_warp_max_u32(uint32_t v) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const uint32_t other = __float_as_uint(tpc_shfl_xor_float(__uint_as_float(v), offset));
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
 /* The maximum of v over the block, the same in every data thread; every
  * thread of the block calls it, once a row. One barrier: the next call's
  * writes of `partial` come after the next row's tpc_block_sum, a barrier
  * every thread reaches after its reads here. The control warp touches no
- * partial (it gets 0), as in tpc_block_sum. */
+ * partial (it gets 0), as in tpc_block_sum. Each data warp takes the
+ * partials' maximum in one step: lane i reads partial i, or partial 0 past
+ * the data warps (at most 32: 1024 threads in warps of 32, or of 64). */
 TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   __shared__ uint32_t partial[1024 / 32];
-  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = tpc_data_warps();
-  v = tpc_warp_max_u32(v);
+  const unsigned warp = threadIdx.x / TPC_WARP_LANES, data_warps = tpc_data_warps(), i = threadIdx.x % 32;
+  v = tpc_max32_u32(v);
   if (threadIdx.x % TPC_WARP_LANES == 0 && warp < data_warps) partial[warp] = v;
   __syncthreads();
-  uint32_t m = 0;
-  if (warp >= data_warps) return m;
-  for (unsigned w = 0; w < data_warps; ++w) m = partial[w] > m ? partial[w] : m;
-  return m;
+  if (warp >= data_warps) return 0;
+  return tpc_max32_u32(partial[i < data_warps ? i : 0]);
 }
 
 /* The rounded normed words of a unit back into x (exact) and, for a scale
- * per row, |x|'s bits into *amax (a group's maximum is its warp's, taken in
- * tpc_fp8_emit). */
+ * per tensor or row, |x|'s bits into *amax: this thread's maximum (a
+ * group's is its warp's, taken in tpc_fp8_emit). */
 template <int QUANT>
 TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
   tpc_start(x, words, 2, dtype);
-  if constexpr (QUANT == TPC_QUANT_PER_TOKEN)
+  if constexpr (QUANT == TPC_QUANT_PER_TENSOR || QUANT == TPC_QUANT_PER_TOKEN)
     for (int j = 0; j < 4; ++j) {
       const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
       *amax = bits > *amax ? bits : *amax;
@@ -88,6 +79,24 @@ TPC_DEVICE uint32_t tpc_fp8_codes(const float *x, float s, float r, int fast) {
   return c;
 }
 
+/* Whether every x under a maximum |x| of bits amax has a finite quotient
+ * x * r, so that tpc_fp8_codes_finite may code it (fast: s's). A NaN or
+ * infinite maximum, or a scale that is not fast, is not. */
+TPC_DEVICE int tpc_fp8_finite(uint32_t amax, float r, int fast) {
+  return fast && __fmul_rn(__uint_as_float(amax), r) <= 0x1.fffffep127f;
+}
+
+/* tpc_fp8_codes where tpc_fp8_finite holds for x: no NaN to mend and no
+ * quotient past the floats, so each value is tpc_fp8_quotient's fast path. */
+TPC_DEVICE uint32_t tpc_fp8_codes_finite(const float *x, float s, float r) {
+  float q[4];
+  for (int j = 0; j < 4; ++j) {
+    const float guess = __fmul_rn(x[j], r);
+    q[j] = guess == 0.0f ? guess : tpc_div_by_reciprocal(x[j], s, r);
+  }
+  return tpc_e4m3x2_of(q[0], q[1]) | tpc_e4m3x2_of(q[2], q[3]) << 16;
+}
+
 /* Codes (and scales) of one row from the kept x; every thread of the block
  * calls it (PER_TOKEN's maximum is a block reduction). tensor_scale: the
  * given scale (PER_TENSOR), loaded at the kernel's start. broken: the op
@@ -97,31 +106,37 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
                              uint64_t base, uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
   uint32_t *codes = (uint32_t *)a.out;
   float s = tensor_scale;
+  uint32_t m = amax; /* the maximum |x| over the values coded with s (its bits) */
   if (QUANT == TPC_QUANT_PER_TOKEN) {
-    const uint32_t m = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
+    m = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
     s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
     if (t == 0) a.scales[row * a.scale_row_stride] = s;
   }
   /* the group's scale comes per group, below */
   float r = QUANT == TPC_QUANT_PER_TOKEN_GROUP ? 0.0f : 1.0f / s;
   int fast = tpc_fp8_fast_scale(s);
+  int finite = tpc_fp8_finite(m, r, fast);
 #pragma unroll
   for (int k = 0; k < UNITS; ++k) {
     const uint64_t u = t + (uint64_t)k * data_threads;
     /* uniform over a warp: the control warp is whole, and the row's units a multiple of 32 here */
     if (t >= data_threads || u >= row_units) continue;
     if (QUANT == TPC_QUANT_PER_TOKEN_GROUP) {
-      uint32_t m = 0;
+      m = 0;
       for (int j = 0; j < 4; ++j) {
         const uint32_t bits = __float_as_uint(x[k][j]) & 0x7fffffffu;
         m = bits > m ? bits : m;
       }
-      s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(tpc_warp_max_u32(m), a.scale_floor);
+      m = tpc_max32_u32(m);
+      s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
       if (t % 32 == 0) a.scales[row * a.scale_row_stride + (u / 32) * a.scale_group_stride] = s;
       r = 1.0f / s;
       fast = tpc_fp8_fast_scale(s);
+      finite = tpc_fp8_finite(m, r, fast);
     }
-    codes[base + u] = broken ? (uint32_t)TPC_E4M3_NAN_BYTES : tpc_fp8_codes(x[k], s, r, fast);
+    codes[base + u] = broken   ? (uint32_t)TPC_E4M3_NAN_BYTES
+                      : finite ? tpc_fp8_codes_finite(x[k], s, r)
+                               : tpc_fp8_codes(x[k], s, r, fast);
   }
 }
 

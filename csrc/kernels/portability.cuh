@@ -331,6 +331,21 @@ TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {
 #endif
 }
 
+/* The maximum of v over the 32 lanes of a warp (each half of a 64-lane
+ * wavefront apart), the same in each; every lane takes part. One redux
+ * instruction from sm_80, a butterfly of shuffles before. */
+TPC_DEVICE uint32_t tpc_max32_u32(uint32_t v) {
+#if !defined(TPC_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const uint32_t other = __float_as_uint(tpc_shfl_xor_float(__uint_as_float(v), offset));
+    v = other > v ? other : v;
+  }
+  return v;
+#endif
+}
+
 TPC_DEVICE uint64_t tpc_clock_ns(void) {
 #ifdef TPC_HIP
 #if defined(__HIP_DEVICE_COMPILE__)
