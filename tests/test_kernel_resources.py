@@ -154,13 +154,13 @@ def test_no_spills_or_stack_frames_but_the_known_ones(built):
 
 def test_the_fused_norm_for_rows_of_few_units_does_not_spill(built):
     """launch.cu picks the TPC_NORM_FEW_UNITS instantiation for rows of up to
-    8,192 values: it exists for every pattern and epilogue, and holds its
-    units without local memory."""
+    8,192 values: it exists for both 16-bit dtypes, every pattern and every
+    epilogue, and holds its units without local memory."""
     report, _ = built
     few = _define("kernels/all_reduce_norm.cuh", "TPC_NORM_FEW_UNITS")
     mine = {name: props for name, props in report.items()
             if _base(name) == "tpc_all_reduce_norm_kernel" and name.endswith(f"ELi{few}EEv15tpc_kernel_args")}
-    assert len(mine) == 6 * 4, sorted(mine)
+    assert len(mine) == 2 * 6 * 4, sorted(mine)
     spilling = {name: props for name, props in mine.items()
                 if props.get("stack") or props.get("spill_stores") or props.get("spill_loads")}
     assert not spilling, spilling

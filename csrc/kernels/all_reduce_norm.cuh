@@ -37,7 +37,10 @@
  * (m = 1 multiplies exactly: the bits of no m). A thread reads and writes only its own units, and writes them last, so
  * out may be the input and out2 the residual (the in-place variant).
  *
- * 16-bit dtypes only: a unit holds 4 values. A row holds at most
+ * 16-bit dtypes only: a unit holds 4 values. DTYPE (TPC_FLOAT16 or
+ * TPC_BFLOAT16), a template parameter like the pattern and the epilogue, so
+ * that each conversion is the one instruction of its dtype rather than both
+ * behind a test of a.dtype on every value. A row holds at most
  * TPC_NORM_MAX_ROW_BYTES (tpcomm.h): TPC_NORM_THREADS data threads with
  * TPC_NORM_UNITS units each. UNITS, a template parameter like the pattern,
  * is the units a thread holds in registers: TPC_NORM_UNITS, or
@@ -132,14 +135,14 @@ TPC_DEVICE void tpc_norm_vector(const void *row, uint64_t u, int dtype, float ad
 /* Unit u's w' and b of a norm: RMSNorm reads its weight (b unused); a
  * LayerNorm's absent weight is 1 (weight_offset is then 0) and absent bias
  * -0, so that y * w' + b is y exactly. */
-template <bool LAYER>
+template <int DTYPE, bool LAYER>
 TPC_DEVICE void tpc_norm_affine(const tpc_kernel_args &a, const void *weight, const void *bias, uint64_t u, float *w,
                                 float *b) {
   if (LAYER) {
-    tpc_norm_vector(weight, u, a.dtype, a.weight_offset, 1.0f, w);
-    tpc_norm_vector(bias, u, a.dtype, -0.0f, -0.0f, b);
+    tpc_norm_vector(weight, u, DTYPE, a.weight_offset, 1.0f, w);
+    tpc_norm_vector(bias, u, DTYPE, -0.0f, -0.0f, b);
   } else {
-    tpc_norm_load(weight, u, a.dtype, a.weight_offset, w);
+    tpc_norm_load(weight, u, DTYPE, a.weight_offset, w);
     for (int j = 0; j < 4; ++j) b[j] = -0.0f;
   }
 }
@@ -192,7 +195,7 @@ TPC_DEVICE uint2 tpc_norm_poison2(const tpc_kernel_args &a) {
 
 /* The normed words n of unit u: written to out (no epilogue), or to out3
  * where asked and kept in x for the FP8 epilogue (QUANT). */
-template <int QUANT>
+template <int DTYPE, int QUANT>
 TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint32_t *n, int broken, float *x,
                              uint32_t *amax) {
   if (QUANT == TPC_QUANT_NONE) {
@@ -200,12 +203,12 @@ TPC_DEVICE void tpc_norm_put(const tpc_kernel_args &a, uint64_t unit, const uint
     return;
   }
   if (a.out3) ((uint2 *)a.out3)[unit] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(n[0], n[1]);
-  tpc_fp8_keep<QUANT>(n, a.dtype, x, amax);
+  tpc_fp8_keep<QUANT>(n, DTYPE, x, amax);
 }
 
 /* Every unit of this thread: the norm of v (with this weight, bias, mean and
  * scale) to the normed output, v itself rounded to the stream output. */
-template <bool LAYER, int QUANT, int UNITS>
+template <int DTYPE, bool LAYER, int QUANT, int UNITS>
 TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, const void *bias, float (&v)[UNITS][4],
                                float mean, float scale, uint64_t base,
                                uint64_t row_units, unsigned t, unsigned data_threads, int broken, uint32_t *amax) {
@@ -214,17 +217,17 @@ TPC_DEVICE void tpc_norm_write(const tpc_kernel_args &a, const void *weight, con
     const uint64_t u = t + (uint64_t)k * data_threads;
     if (t >= data_threads || u >= row_units) continue;
     float w[4], b[4], normed[4];
-    tpc_norm_affine<LAYER>(a, weight, bias, u, w, b);
+    tpc_norm_affine<DTYPE, LAYER>(a, weight, bias, u, w, b);
     for (int j = 0; j < 4; ++j) normed[j] = tpc_norm_value<LAYER>(v[k][j], mean, scale, w[j], b[j]);
     uint32_t n[2], s[2];
-    tpc_round(normed, n, 2, a.dtype);
-    tpc_round(v[k], s, 2, a.dtype);
+    tpc_round(normed, n, 2, DTYPE);
+    tpc_round(v[k], s, 2, DTYPE);
     ((uint2 *)a.out2)[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(s[0], s[1]);
-    tpc_norm_put<QUANT>(a, base + u, n, broken, v[k], amax);
+    tpc_norm_put<DTYPE, QUANT>(a, base + u, n, broken, v[k], amax);
   }
 }
 
-template <int PATTERN, int QUANT, int UNITS>
+template <int DTYPE, int PATTERN, int QUANT, int UNITS>
 __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     tpc_all_reduce_norm_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   constexpr bool layer = PATTERN >= TPC_PATTERN_ADD_LAYER_NORM;
@@ -276,12 +279,12 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
       const uint64_t u = t + (uint64_t)k * data_threads;
       for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (t >= data_threads || u >= row_units) continue;
-      tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, v[k]);
+      tpc_accumulate_packet_in_turn(&op, &a, in[base + u], base + u, folded, v[k], DTYPE);
       if (add_first) { /* m*s rounded, then + r */
         for (int j = 0; j < 4; ++j) v[k][j] = tpc_mul_rn(m, v[k][j]);
         const uint2 r = residual[base + u];
         const uint32_t words[2] = {r.x, r.y};
-        tpc_accumulate(v[k], words, 2, a.dtype);
+        tpc_accumulate(v[k], words, 2, DTYPE);
       }
       if (!layer)
         for (int j = 0; j < 4; ++j) squares += v[k][j] * v[k][j];
@@ -296,7 +299,8 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     TPC_NORM_MARK(2, row == blockIdx.x);
     uint32_t amax = 0; /* the FP8 epilogue's maximum |x| (bits) over this thread's units of the row */
     if constexpr (add_first) {
-      tpc_norm_write<layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads, broken,
+      tpc_norm_write<DTYPE, layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads,
+                                                 broken,
                                           &amax);
     } else {
       /* o = r + m * norm(s), kept in v */
@@ -306,15 +310,15 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
         const uint64_t u = t + (uint64_t)k * data_threads;
         if (t >= data_threads || u >= row_units) continue;
         float w[4], b[4], r[4];
-        tpc_norm_affine<layer>(a, a.weight, a.bias, u, w, b);
-        tpc_norm_load(residual, base + u, a.dtype, -0.0f, r);
+        tpc_norm_affine<DTYPE, layer>(a, a.weight, a.bias, u, w, b);
+        tpc_norm_load(residual, base + u, DTYPE, -0.0f, r);
         for (int j = 0; j < 4; ++j)
           v[k][j] = tpc_add_rn(r[j], m * tpc_norm_value<layer>(v[k][j], mean, scale, w[j], b[j]));
         if constexpr (!second) {
           uint32_t o[2];
-          tpc_round(v[k], o, 2, a.dtype);
+          tpc_round(v[k], o, 2, DTYPE);
           out2[base + u] = broken ? tpc_norm_poison2<QUANT>(a) : make_uint2(o[0], o[1]);
-          tpc_norm_put<QUANT>(a, base + u, o, broken, v[k], &amax);
+          tpc_norm_put<DTYPE, QUANT>(a, base + u, o, broken, v[k], &amax);
         } else if (!layer) {
           for (int j = 0; j < 4; ++j) squares2 += v[k][j] * v[k][j];
         }
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                                          &mean2)
                   : rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
         broken |= broken2;
-        tpc_norm_write<layer, QUANT, UNITS>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t,
+        tpc_norm_write<DTYPE, layer, QUANT, UNITS>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t,
                                             data_threads, broken, &amax);
       }
     }

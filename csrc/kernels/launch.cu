@@ -217,20 +217,23 @@ extern "C" int tpc_launch_all_reduce_norm(const tpc_kernel_args *args, void *str
   g.blocks = (unsigned)(wanted < max_blocks ? wanted : max_blocks);
   g.threads = (unsigned)(row_units < TPC_NORM_THREADS ? (row_units + 31) / 32 * 32 : TPC_NORM_THREADS) +
               TPC_CONTROL_THREADS;
-  /* the pattern, the FP8 epilogue and the units a thread holds pick the instantiation
-   * (all_reduce_norm.cuh says why templates); the core checked both ranges */
+  /* the dtype (fp16 or bf16), the pattern, the FP8 epilogue and the units a thread holds pick the
+   * instantiation (all_reduce_norm.cuh says why templates); the core checked the ranges */
   const uint64_t data_threads = g.threads - TPC_CONTROL_THREADS;
   const int few = (row_units + data_threads - 1) / data_threads <= TPC_NORM_FEW_UNITS;
-#define TPC_NORM_UNITS_OF(P, Q) \
-  {tpc_all_reduce_norm_kernel<P, Q, TPC_NORM_UNITS>, tpc_all_reduce_norm_kernel<P, Q, TPC_NORM_FEW_UNITS>}
-#define TPC_NORM_QUANTS(P)                                                                  \
-  {TPC_NORM_UNITS_OF(P, TPC_QUANT_NONE), TPC_NORM_UNITS_OF(P, TPC_QUANT_PER_TENSOR),      \
-   TPC_NORM_UNITS_OF(P, TPC_QUANT_PER_TOKEN), TPC_NORM_UNITS_OF(P, TPC_QUANT_PER_TOKEN_GROUP)}
-  static const tpc_kernel kernels[6][4][2] = {
-      TPC_NORM_QUANTS(TPC_PATTERN_ADD_NORM),       TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD),
-      TPC_NORM_QUANTS(TPC_PATTERN_NORM_ADD_NORM),  TPC_NORM_QUANTS(TPC_PATTERN_ADD_LAYER_NORM),
-      TPC_NORM_QUANTS(TPC_PATTERN_LAYER_NORM_ADD), TPC_NORM_QUANTS(TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)};
+#define TPC_NORM_UNITS_OF(D, P, Q) \
+  {tpc_all_reduce_norm_kernel<D, P, Q, TPC_NORM_UNITS>, tpc_all_reduce_norm_kernel<D, P, Q, TPC_NORM_FEW_UNITS>}
+#define TPC_NORM_QUANTS(D, P)                                                                     \
+  {TPC_NORM_UNITS_OF(D, P, TPC_QUANT_NONE), TPC_NORM_UNITS_OF(D, P, TPC_QUANT_PER_TENSOR),      \
+   TPC_NORM_UNITS_OF(D, P, TPC_QUANT_PER_TOKEN), TPC_NORM_UNITS_OF(D, P, TPC_QUANT_PER_TOKEN_GROUP)}
+#define TPC_NORM_PATTERNS(D)                                                                  \
+  {TPC_NORM_QUANTS(D, TPC_PATTERN_ADD_NORM),       TPC_NORM_QUANTS(D, TPC_PATTERN_NORM_ADD),        \
+   TPC_NORM_QUANTS(D, TPC_PATTERN_NORM_ADD_NORM),  TPC_NORM_QUANTS(D, TPC_PATTERN_ADD_LAYER_NORM),  \
+   TPC_NORM_QUANTS(D, TPC_PATTERN_LAYER_NORM_ADD), TPC_NORM_QUANTS(D, TPC_PATTERN_LAYER_NORM_ADD_LAYER_NORM)}
+  static const tpc_kernel kernels[2][6][4][2] = {TPC_NORM_PATTERNS(TPC_FLOAT16), TPC_NORM_PATTERNS(TPC_BFLOAT16)};
+#undef TPC_NORM_PATTERNS
 #undef TPC_NORM_QUANTS
 #undef TPC_NORM_UNITS_OF
-  return tpc_launch(kernels[args->pattern][args->quant][few] /* a tpc_all_reduce_norm_kernel */, g, args, stream);
+  return tpc_launch(kernels[args->dtype == TPC_BFLOAT16][args->pattern][args->quant][few] /* a tpc_all_reduce_norm_kernel */,
+                    g, args, stream);
 }

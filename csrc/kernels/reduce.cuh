@@ -15,13 +15,14 @@
  * folded headers unit 0 also checks them (tpc_packet_wait). The fused norm
  * kernel sums this way at every world size: its register cap
  * (__launch_bounds__ of 17 warps) cannot hold every peer's packet of its
- * TPC_NORM_UNITS units at once. */
+ * TPC_NORM_UNITS units at once. dtype: a->dtype, or the constant a kernel
+ * specialised on it was instantiated for. */
 TPC_DEVICE void tpc_accumulate_packet_in_turn(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
-                                              float acc[4]) {
+                                              float acc[4], int dtype) {
   for (int q = 0; q < a->world; ++q) {
     const uint2 v = q == a->rank ? own : tpc_packet_from(op, u, q, folded);
     const uint32_t words[2] = {v.x, v.y};
-    tpc_add_rank(acc, words, 2, a->dtype, q);
+    tpc_add_rank(acc, words, 2, dtype, q);
   }
 }
 
@@ -30,7 +31,7 @@ TPC_DEVICE void tpc_accumulate_packet_in_turn(tpc_op *op, const tpc_kernel_args 
 TPC_DEVICE void tpc_accumulate_packet(tpc_op *op, const tpc_kernel_args *a, uint2 own, uint64_t u, int folded,
                                       float acc[4]) {
   if (a->world == 2) {
-    tpc_accumulate_packet_in_turn(op, a, own, u, folded, acc);
+    tpc_accumulate_packet_in_turn(op, a, own, u, folded, acc, a->dtype);
     return;
   }
   uint2 got[TPC_MAX_RANKS];
