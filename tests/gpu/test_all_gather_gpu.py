@@ -145,7 +145,7 @@ def body_size_bands(rank, world):
     # within the packet cap: a kernel, whatever the table; past both caps: NCCL
     assert all(seen[n] in KERNELS for n in seen if n <= 64 * KiB), seen
     assert seen[max(1 * MiB, per_rank_cap) + 16] == stats_label(comm, "nccl"), seen  # the fallback, as routes name it
-    with pytest.raises(RuntimeError, match="over the"):
+    with pytest.raises(RuntimeError, match="is over max_bytes"):
         torch.ops._tpcomm.all_gather(torch.zeros(per_rank_cap // 4 + 4, device="cuda"), 0, comm.comm_id, ALGO["bulk"])
     comm.check()
     comm.close()
