@@ -300,8 +300,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
     uint32_t amax = 0; /* the FP8 epilogue's maximum |x| (bits) over this thread's units of the row */
     if constexpr (add_first) {
       tpc_norm_write<DTYPE, layer, QUANT, UNITS>(a, a.weight, a.bias, v, mean, scale, base, row_units, t, data_threads,
-                                                 broken,
-                                          &amax);
+                                                 broken, &amax);
     } else {
       /* o = r + m * norm(s), kept in v */
       float squares2 = 0.0f; /* an RMSNorm's, of o */
@@ -333,7 +332,7 @@ __global__ void __launch_bounds__(TPC_NORM_THREADS + TPC_CONTROL_THREADS)
                   : rsqrtf(tpc_block_sum(squares2, op.failed, &broken2, sums++) * inv_n + a.next_eps);
         broken |= broken2;
         tpc_norm_write<DTYPE, layer, QUANT, UNITS>(a, a.next_weight, a.next_bias, v, mean2, scale2, base, row_units, t,
-                                            data_threads, broken, &amax);
+                                                   data_threads, broken, &amax);
       }
     }
     TPC_NORM_MARK(3, row == blockIdx.x);

@@ -87,13 +87,10 @@ TPC_DEVICE int tpc_fp8_finite(uint32_t amax, float r, int fast) {
 }
 
 /* tpc_fp8_codes where tpc_fp8_finite holds for x: no NaN to mend and no
- * quotient past the floats, so each value is tpc_fp8_quotient's fast path. */
+ * quotient past the floats, so each value is tpc_fp8_quotient_finite's. */
 TPC_DEVICE uint32_t tpc_fp8_codes_finite(const float *x, float s, float r) {
   float q[4];
-  for (int j = 0; j < 4; ++j) {
-    const float guess = __fmul_rn(x[j], r);
-    q[j] = guess == 0.0f ? guess : tpc_div_by_reciprocal(x[j], s, r);
-  }
+  for (int j = 0; j < 4; ++j) q[j] = tpc_fp8_quotient_finite(x[j], s, r, __fmul_rn(x[j], r));
   return tpc_e4m3x2_of(q[0], q[1]) | tpc_e4m3x2_of(q[2], q[3]) << 16;
 }
 

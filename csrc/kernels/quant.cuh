@@ -205,16 +205,22 @@ TPC_DEVICE float tpc_div_by_reciprocal(float a, float d, float r) {
  * benchmarks/quant_identity.cu checks the quotient's codes. */
 TPC_DEVICE int tpc_fp8_fast_scale(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
 
-/* x / s as the division rounds it, from r = 1 / s (correctly rounded)
- * where s is fast (tpc_div_by_reciprocal): its residual is exact for |x| >=
- * 2^-90; below that |x / s| < 2^-30, and both quotients give e4m3 zero of
- * x's sign. A zero guess is the quotient (x is a zero, or x / s is below
- * the subnormals): the correction would add +0 to -0, losing its sign. A
- * scale that is not fast, and an infinite or NaN guess, take the division. */
+/* x / s as the division rounds it, from r = 1 / s (correctly rounded) and
+ * the guess q = x * r, where s is fast and q finite (tpc_div_by_reciprocal):
+ * its residual is exact for |x| >= 2^-90; below that |x / s| < 2^-30, and
+ * both quotients give e4m3 zero of x's sign. A zero guess is the quotient
+ * (x is a zero, or x / s is below the subnormals): the correction would add
+ * +0 to -0, losing its sign. */
+TPC_DEVICE float tpc_fp8_quotient_finite(float x, float s, float r, float q) {
+  return q == 0.0f ? q : tpc_div_by_reciprocal(x, s, r);
+}
+
+/* The same for any x and s: a scale that is not fast, and an infinite or
+ * NaN guess, take the division. */
 TPC_DEVICE float tpc_fp8_quotient(float x, float s, float r, int fast) {
   const float q = __fmul_rn(x, r);
   if (!fast || !(fabsf(q) <= 0x1.fffffep127f)) return x / s;
-  return q == 0.0f ? q : tpc_div_by_reciprocal(x, s, r);
+  return tpc_fp8_quotient_finite(x, s, r, q);
 }
 
 /* a / qmax for a in [TPC_QUANT_TINY, FLT_MAX], as __fdiv_rn
