@@ -126,7 +126,7 @@ __global__ void probe_packet_no_header(const __grid_constant__ tpc_kernel_args a
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
   }
   for (uint64_t u = span.first; u < units; u += span.stride)
-    ((uint2 *)a.out)[u] = tpc_sum_packet(&op, &a, u == span.first ? v0 : in[u], u, 0);
+    ((uint2 *)a.out)[u] = tpc_sum_packet<PROBE_DTYPE>(&op, &a, u == span.first ? v0 : in[u], u, 0);
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
@@ -248,7 +248,7 @@ int main(int argc, char **argv) {
           const tpc_geometry g = {blocks, warps * TPC_STREAM_LANES + TPC_CONTROL_THREADS};
           char name[64];
           snprintf(name, sizeof name, "  %u blocks x %u warps", blocks, warps);
-          report(name, n, [&](int r) { launch_pdl(tpc_all_reduce_stream_kernel, g, r, 1); });
+          report(name, n, [&](int r) { launch_pdl(tpc_all_reduce_stream_kernel<PROBE_DTYPE>, g, r, 1); });
           check_all_reduce(n);
         }
     }
@@ -268,9 +268,9 @@ int main(int argc, char **argv) {
         tpc_kernel kernel;
         uint64_t items;
       } kinds[] = {
-          {"all_reduce packet", TPC_OP_ALL_REDUCE, tpc_all_reduce_packet_kernel, n / TPC_PACKET_DATA_BYTES},
+          {"all_reduce packet", TPC_OP_ALL_REDUCE, tpc_all_reduce_packet_kernel<PROBE_DTYPE>, n / TPC_PACKET_DATA_BYTES},
           {"all_gather packet", TPC_OP_ALL_GATHER, tpc_all_gather_packet_kernel, (n / 4 + 1) / 2},
-          {"all_reduce line", TPC_OP_ALL_REDUCE, tpc_all_reduce_line_kernel, (lines + 3) / 4 * 32},
+          {"all_reduce line", TPC_OP_ALL_REDUCE, tpc_all_reduce_line_kernel<PROBE_DTYPE>, (lines + 3) / 4 * 32},
           {"all_gather line", TPC_OP_ALL_GATHER, tpc_all_gather_line_kernel, (lines + 3) / 4 * 32},
       };
       for (const auto &k : kinds) {
@@ -324,7 +324,7 @@ int main(int argc, char **argv) {
     report("  ... with a packed bf16 sum", n, [&](int r) { launch_pdl(probe_packets_two_loops<true>, g, r, 1); });
     check_all_reduce(n);
     check_all_reduce(n);
-    report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel, g, r, 0); });
+    report("  without PDL", n, [&](int r) { launch_pdl(tpc_all_reduce_packet_kernel<PROBE_DTYPE>, g, r, 0); });
     report("  after an ordinary kernel", n, [&](int r) {
       launch_pdl(probe_empty, one, r, 0);
       CHECK((cudaError_t)tpc_launch_all_reduce(&ranks[r].args, TPC_ALGO_PACKET, ranks[r].stream));

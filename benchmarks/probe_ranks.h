@@ -33,6 +33,8 @@
 #include "probe_check.h"
 
 static const int PROBE_OPS = 50, PROBE_REPLAYS = 40, PROBE_WARMUP = 5;
+/* The inputs' dtype: a probe that launches a kernel template itself takes this instantiation. */
+#define PROBE_DTYPE TPC_BFLOAT16
 
 struct Rank {
   char *buf;
@@ -119,7 +121,7 @@ static void open_ranks(int n, size_t max_bytes, bool require_gpus) {
     a.comm_id = 1;
     a.rank = r;
     a.world = world;
-    a.dtype = TPC_BFLOAT16;
+    a.dtype = PROBE_DTYPE;
     a.poison_out = 1;
     CHECK(cudaDeviceGetAttribute(&a.max_blocks, cudaDevAttrMultiProcessorCount, device_of(r)));
     /* every rank of a shared GPU resident at once, each with room for the
@@ -157,7 +159,7 @@ static void set_size(uint64_t nbytes, int op) {
     a.out_bytes = op == TPC_OP_ALL_GATHER ? nbytes * world : nbytes;
     a.row_bytes = nbytes;
     a.op = op;
-    a.kind = tpc_kind_word(op, TPC_ALGO_PACKET, TPC_BFLOAT16, nbytes);
+    a.kind = tpc_kind_word(op, TPC_ALGO_PACKET, PROBE_DTYPE, nbytes);
   }
 }
 

@@ -65,10 +65,10 @@ __global__ void probe_packet_in_turn(const __grid_constant__ tpc_kernel_args a) 
     for (int q = 0; q < a.world; ++q) {
       const uint2 v = q == a.rank ? own : tpc_packet_from(&op, u, q, 0);
       const uint32_t words[2] = {v.x, v.y};
-      tpc_add_rank(acc, words, 2, a.dtype, q);
+      tpc_add_rank(acc, words, 2, PROBE_DTYPE, q);
     }
     uint32_t sum[2];
-    tpc_round(acc, sum, 2, a.dtype);
+    tpc_round(acc, sum, 2, PROBE_DTYPE);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : make_uint2(sum[0], sum[1]);
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);

@@ -31,6 +31,9 @@
  *   gathered after it: no barrier, and every link carries the same load in
  *   both phases. Each rank sends 2(n-1)/n of the input: the minimum for an
  *   all-reduce.
+ * Each is templated on its dtype (DTYPE: a tpc_dtype; launch.cu picks the
+ * instantiation from a.dtype), so that the sums convert and round with the
+ * dtype's instructions and test no dtype per value.
  * The stream and bulk kernels read only the input and registered buffers, so
  * captured graphs need no registration after capture; a lane touches the same
  * units in every phase, so in == out is safe.
@@ -43,6 +46,7 @@
 #include "stream_sum.cuh"
 #include "two_shot.cuh"
 
+template <int DTYPE>
 __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const uint64_t units = a.nbytes / TPC_PACKET_DATA_BYTES;
   const uint2 *in = (const uint2 *)a.in;
@@ -55,12 +59,13 @@ __global__ void tpc_all_reduce_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_
     tpc_packet_push(&a, op.epoch, u, [&](int) { return v; });
   }
   for (uint64_t u = p.span.first; u < units; u += p.span.stride) {
-    const uint2 sum = tpc_sum_packet(&op, &a, u == p.span.first ? p.v0 : in[u], u, p.folded);
+    const uint2 sum = tpc_sum_packet<DTYPE>(&op, &a, u == p.span.first ? p.v0 : in[u], u, p.folded);
     ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
 }
 
+template <int DTYPE>
 __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const tpc_lines l = tpc_lines_of(&a);
   uint4 v0;
@@ -70,7 +75,7 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
 
   for (uint64_t s = l.first; s < l.steps; s += l.stride) tpc_line_push(&op, &l, s, tpc_line_own(&l, a.in, s, v0));
   for (uint64_t s = l.first; s < l.steps; s += l.stride) {
-    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_own(&l, a.in, s, v0), s == 0);
+    const uint4 sum = tpc_line_sum<DTYPE>(&op, &l, s, tpc_line_own(&l, a.in, s, v0), s == 0);
     const uint64_t u = tpc_line_unit(&l, s);
     if (u < l.units) tpc_store16((char *)a.out + u * 16, tpc_op_broken(&op) ? tpc_poison16(&a) : sum);
   }
@@ -91,6 +96,7 @@ __global__ void tpc_all_reduce_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_ar
  * in == out is safe: a step of another chunk is pushed and gathered by the
  * same warp in that order; a step of the own chunk is read before its sum is
  * written. */
+template <int DTYPE>
 __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const tpc_lines l = tpc_lines_of(&a);
   const int n = a.world, me = a.rank;
@@ -108,7 +114,7 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
     tpc_line_put(&op, &l, s, t == l.first ? v0 : tpc_line_load(&l, a.in, s), tpc_line_chunk_of(l.steps, s, n));
   }
   for (uint64_t s = cb + l.first; s < ce; s += l.stride) {
-    const uint4 sum = tpc_line_sum(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
+    const uint4 sum = tpc_line_sum<DTYPE>(&op, &l, s, tpc_line_load(&l, a.in, s), s == cb);
     if (!tpc_op_broken(&op)) tpc_line_push(&op, &l, s, sum);
     tpc_line_store(&op, &l, a.out, tpc_line_unit(&l, s), sum);
   }
@@ -124,8 +130,11 @@ __global__ void tpc_all_reduce_two_shot_kernel(const TPC_GRID_CONSTANT tpc_kerne
 /* Each data warp pushes step i+1 before it waits for and sums step i, so the
  * link carries the next step while the warp reads the last; the own input of
  * the two steps stays in registers. in == out is safe: a lane writes only
- * units whose input it already holds. */
-__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
+ * units whose input it already holds. One block a multiprocessor, said
+ * outright as for the bulk kernel below: without it ptxas aims the fp32
+ * instantiation at two (96 registers) and spills. */
+template <int DTYPE>
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_all_reduce_stream_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const char *in = (const char *)a.in;
   uint4 cur[TPC_STREAM_UNITS], next[TPC_STREAM_UNITS];
@@ -141,7 +150,7 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
         }
       },
       [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
-        tpc_stream_reduce(op, s, t, cur, (char *)a.out);
+        tpc_stream_reduce<DTYPE>(op, s, t, cur, (char *)a.out);
         if (t + 1 < s->block_steps)
           for (int k = 0; k < TPC_STREAM_UNITS; ++k) cur[k] = next[k];
       });
@@ -193,13 +202,14 @@ __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
  *
  * At least one block a multiprocessor is all the launch needs; said outright,
  * since without it ptxas aims at two (96 registers) and spills. */
+template <int DTYPE>
 __global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_all_reduce_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_op op = tpc_stream_op_begin(&a);
   if (op.refused) return tpc_op_refuse(&a, op.refused, op.epoch);
   const tpc_two_shot c = tpc_two_shot_of(&a);
   const tpc_steps s = tpc_stream_of(&a, tpc_bulk_acquire(&a, &op, c.use), c.chunk, c.use);
-  tpc_two_shot_run<tpc_two_shot, tpc_two_shot_scatter, tpc_two_shot_reduce, tpc_two_shot_gather>(&op, &s, &c);
+  tpc_two_shot_run<tpc_two_shot, tpc_two_shot_scatter, tpc_two_shot_reduce<DTYPE>, tpc_two_shot_gather>(&op, &s, &c);
   tpc_op_end(&a, &op, c.use);
 }
 

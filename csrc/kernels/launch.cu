@@ -106,6 +106,16 @@ static tpc_geometry tpc_stream_geometry(uint64_t units) {
 
 typedef void (*tpc_kernel)(const tpc_kernel_args);
 
+/* The reducing kernels are templated on the dtype (all_reduce.cuh,
+ * reduce_scatter.cuh): their instantiations in a table indexed by
+ * args->dtype, which the core checked is one of the three. */
+static_assert(TPC_FLOAT32 == 0 && TPC_FLOAT16 == 1 && TPC_BFLOAT16 == 2, "the dtype indexes the kernel tables");
+#define TPC_DTYPES(K) {K<TPC_FLOAT32>, K<TPC_FLOAT16>, K<TPC_BFLOAT16>}
+/* reduce-scatter's, by a.out_f32, then the dtype */
+#define TPC_DTYPES_OUT(K)                                      \
+  {{K<TPC_FLOAT32, 0>, K<TPC_FLOAT16, 0>, K<TPC_BFLOAT16, 0>}, \
+   {K<TPC_FLOAT32, 1>, K<TPC_FLOAT16, 1>, K<TPC_BFLOAT16, 1>}}
+
 /* Launches with programmatic stream serialisation where CUDA has it: the
  * kernel may begin while the previous one finishes and waits for it in
  * tpc_grid_wait (see portability.cuh). */
@@ -128,18 +138,21 @@ static int tpc_launch(tpc_kernel kernel, tpc_geometry g, const tpc_kernel_args *
 }
 
 extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void *stream) {
+  const int d = args->dtype;
   if (algo == TPC_ALGO_PACKET) {
+    static const tpc_kernel packet[3] = TPC_DTYPES(tpc_all_reduce_packet_kernel);
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
-    return tpc_launch(tpc_all_reduce_packet_kernel,
-                      tpc_packet_geometry(args, items), args, stream);
+    return tpc_launch(packet[d] /* a tpc_all_reduce_packet_kernel */, tpc_packet_geometry(args, items), args, stream);
   }
   if (algo == TPC_ALGO_LINE) {
     TPC_LINE_UNSUPPORTED();
-    return tpc_launch(tpc_all_reduce_line_kernel, tpc_line_geometry(args, 1), args, stream);
+    static const tpc_kernel line[3] = TPC_DTYPES(tpc_all_reduce_line_kernel);
+    return tpc_launch(line[d] /* a tpc_all_reduce_line_kernel */, tpc_line_geometry(args, 1), args, stream);
   }
   if (algo == TPC_ALGO_TWO_SHOT) { /* a warp a step: the pushes and gathers cover (n-1)/n of them */
     TPC_LINE_UNSUPPORTED();
-    return tpc_launch(tpc_all_reduce_two_shot_kernel, tpc_line_geometry(args, 1), args, stream);
+    static const tpc_kernel two_shot[3] = TPC_DTYPES(tpc_all_reduce_two_shot_kernel);
+    return tpc_launch(two_shot[d] /* a tpc_all_reduce_two_shot_kernel */, tpc_line_geometry(args, 1), args, stream);
   }
   if (algo == TPC_ALGO_QUANTIZED_FP8 || algo == TPC_ALGO_QUANTIZED_INT8 || algo == TPC_ALGO_QUANTIZED_INT4) {
 #ifdef TPC_HIP
@@ -157,10 +170,14 @@ extern "C" int tpc_launch_all_reduce(const tpc_kernel_args *args, int algo, void
 #endif
   }
   /* the one-shot stream (two ranks: limits.c) */
-  if (algo == TPC_ALGO_BULK_ONE_SHOT)
-    return tpc_launch(tpc_all_reduce_stream_kernel, tpc_stream_geometry(args->nbytes / 16), args, stream);
+  if (algo == TPC_ALGO_BULK_ONE_SHOT) {
+    static const tpc_kernel one_shot[3] = TPC_DTYPES(tpc_all_reduce_stream_kernel);
+    return tpc_launch(one_shot[d] /* a tpc_all_reduce_stream_kernel */, tpc_stream_geometry(args->nbytes / 16), args,
+                      stream);
+  }
   /* the streamed two-shot (three ranks or more), its steps laid over one rank's chunk */
-  return tpc_launch(tpc_all_reduce_bulk_kernel,
+  static const tpc_kernel bulk[3] = TPC_DTYPES(tpc_all_reduce_bulk_kernel);
+  return tpc_launch(bulk[d] /* a tpc_all_reduce_bulk_kernel */,
                     tpc_stream_geometry(tpc_two_shot_chunk(args->nbytes / 16, args->world)), args, stream);
 }
 
@@ -182,19 +199,23 @@ extern "C" int tpc_launch_all_gather(const tpc_kernel_args *args, int algo, void
 }
 
 extern "C" int tpc_launch_reduce_scatter(const tpc_kernel_args *args, int algo, void *stream) {
+  const int f = args->out_f32 != 0, d = args->dtype;
   if (algo == TPC_ALGO_PACKET) {
+    static const tpc_kernel packet[2][3] = TPC_DTYPES_OUT(tpc_reduce_scatter_packet_kernel);
     const uint64_t items = args->nbytes / TPC_PACKET_DATA_BYTES;
-    return tpc_launch(args->out_f32 ? tpc_reduce_scatter_packet_kernel<1> : tpc_reduce_scatter_packet_kernel<0>,
-                      tpc_packet_geometry(args, items), args, stream);
+    return tpc_launch(packet[f][d] /* a tpc_reduce_scatter_packet_kernel */, tpc_packet_geometry(args, items), args,
+                      stream);
   }
   if (algo == TPC_ALGO_LINE) { /* a warp for each step of the n-1 chunks it pushes */
     TPC_LINE_UNSUPPORTED();
-    return tpc_launch(args->out_f32 ? tpc_reduce_scatter_line_kernel<1> : tpc_reduce_scatter_line_kernel<0>,
+    static const tpc_kernel line[2][3] = TPC_DTYPES_OUT(tpc_reduce_scatter_line_kernel);
+    return tpc_launch(line[f][d] /* a tpc_reduce_scatter_line_kernel */,
                       tpc_line_geometry(args, (uint64_t)args->world - 1), args, stream);
   }
   /* streamed, its steps laid over one rank's chunk */
-  return tpc_launch(args->out_f32 ? tpc_reduce_scatter_bulk_kernel<1> : tpc_reduce_scatter_bulk_kernel<0>,
-                    tpc_stream_geometry(args->nbytes / 16), args, stream);
+  static const tpc_kernel bulk[2][3] = TPC_DTYPES_OUT(tpc_reduce_scatter_bulk_kernel);
+  return tpc_launch(bulk[f][d] /* a tpc_reduce_scatter_bulk_kernel */, tpc_stream_geometry(args->nbytes / 16), args,
+                    stream);
 }
 
 /* The fused norm family: one block per row, up to one per multiprocessor; as many data threads as

@@ -218,7 +218,9 @@ TPC_DEVICE void tpc_lines_from_peers(tpc_op *op, const tpc_lines *l, uint64_t s,
 /* Step s's line summed in rank order, in fp32 and not rounded (acc: 8
  * values of a 16-bit dtype, 4 of fp32): this rank's values from `own`, each
  * peer's from its line in this rank's slot (tpc_lines_from_peers). Flag
- * lanes sum flags: their result is never used. */
+ * lanes sum flags: their result is never used. DTYPE: a tpc_dtype, the
+ * kernel's. */
+template <int DTYPE>
 TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header,
                                     float acc[8]) {
   const tpc_kernel_args *a = op->args;
@@ -228,19 +230,20 @@ TPC_DEVICE void tpc_line_accumulate(tpc_op *op, const tpc_lines *l, uint64_t s, 
   for (int q = 0; q < TPC_MAX_RANKS; ++q) {
     const uint4 x = q == a->rank ? own : v[q];
     const uint32_t words[4] = {x.x, x.y, x.z, x.w};
-    if (q < a->world) tpc_add_rank(acc, words, 4, a->dtype, q);
+    if (q < a->world) tpc_add_rank(acc, words, 4, DTYPE, q);
   }
 }
 
 /* The same sum rounded once to the dtype; two ranks add in the dtype's
  * packed arithmetic, which gives the same bits (docs/design.md). */
+template <int DTYPE>
 TPC_DEVICE uint4 tpc_line_sum(tpc_op *op, const tpc_lines *l, uint64_t s, uint4 own, int check_header) {
   const tpc_kernel_args *a = op->args;
-  if (a->world == 2) return tpc_sum_pair16(own, tpc_line_wait(op, l, s, 1 - a->rank, check_header), a->dtype);
+  if (a->world == 2) return tpc_sum_pair16(own, tpc_line_wait(op, l, s, 1 - a->rank, check_header), DTYPE);
   float acc[8];
-  tpc_line_accumulate(op, l, s, own, check_header, acc);
+  tpc_line_accumulate<DTYPE>(op, l, s, own, check_header, acc);
   uint32_t w[4];
-  tpc_round(acc, w, 4, a->dtype);
+  tpc_round(acc, w, 4, DTYPE);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -21,7 +21,8 @@
  * Each comes in two builds: OutF32 = 0 rounds the sums to the input's dtype;
  * OutF32 = 1 writes them as fp32, unrounded (a.out_f32: the bulk path of
  * all_reduce_add_rms_norm adds the residual before it rounds). What moves
- * between ranks is the same; only the local output differs.
+ * between ranks is the same; only the local output differs. Each is also
+ * templated on its dtype (DTYPE: a tpc_dtype), as the all-reduce kernels.
  */
 #ifndef TPCOMM_REDUCE_SCATTER_CUH
 #define TPCOMM_REDUCE_SCATTER_CUH
@@ -43,7 +44,7 @@ TPC_DEVICE void tpc_store_sums_f32(const tpc_kernel_args *a, uint64_t u, const f
   }
 }
 
-template <int OutF32>
+template <int DTYPE, int OutF32>
 __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_packet_start p;
   if (!tpc_packet_prologue(&a, 0, tpc_no_prefetch(), &p)) return;
@@ -59,10 +60,10 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
   for (uint64_t u = span.first; u < units; u += span.stride) {
     if (OutF32) {
       float acc[4];
-      tpc_accumulate_packet(&op, &a, in[me * units + u], u, folded, acc);
-      tpc_store_sums_f32(&a, u, acc, a.dtype == TPC_FLOAT32 ? 2 : 4, tpc_op_broken(&op));
+      tpc_accumulate_packet<DTYPE>(&op, &a, in[me * units + u], u, folded, acc);
+      tpc_store_sums_f32(&a, u, acc, DTYPE == TPC_FLOAT32 ? 2 : 4, tpc_op_broken(&op));
     } else {
-      const uint2 sum = tpc_sum_packet(&op, &a, in[me * units + u], u, folded);
+      const uint2 sum = tpc_sum_packet<DTYPE>(&op, &a, in[me * units + u], u, folded);
       ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
     }
   }
@@ -72,7 +73,7 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
 /* Lines are laid out over one chunk (a.nbytes); warp w takes steps of the
  * n-1 other chunks t = w, w + W, ... (chunk me + 1 + t / steps, step t % steps)
  * and then the steps of its own. */
-template <int OutF32>
+template <int DTYPE, int OutF32>
 __global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   const tpc_lines l = tpc_lines_of(&a);
   const int n = a.world, me = a.rank;
@@ -95,11 +96,10 @@ __global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kerne
     const uint64_t u = tpc_line_unit(&l, s);
     if (OutF32) {
       float acc[8];
-      tpc_line_accumulate(&op, &l, s, own, s == 0, acc);
-      const int values = a.dtype == TPC_FLOAT32 ? 4 : 8;
-      if (u < l.units) tpc_store_sums_f32(&a, u, acc, values, tpc_op_broken(&op));
+      tpc_line_accumulate<DTYPE>(&op, &l, s, own, s == 0, acc);
+      if (u < l.units) tpc_store_sums_f32(&a, u, acc, DTYPE == TPC_FLOAT32 ? 4 : 8, tpc_op_broken(&op));
     } else {
-      tpc_line_store(&op, &l, a.out, u, tpc_line_sum(&op, &l, s, own, s == 0));
+      tpc_line_store(&op, &l, a.out, u, tpc_line_sum<DTYPE>(&op, &l, s, own, s == 0));
     }
   }
   tpc_op_end(&a, &op, TPC_NOT_BULK);
@@ -167,31 +167,33 @@ TPC_DEVICE void tpc_reduce_scatter_push(const tpc_op *op, const tpc_steps *s, ui
 /* Step t of this rank's chunk summed (the peers' from this rank's slots,
  * already waited for) into out: rounded to the dtype, or fp32 (4 or 8
  * values a 16-byte unit); NaN once the op broke. */
-template <int OutF32>
+template <int DTYPE, int OutF32>
 TPC_DEVICE void tpc_reduce_scatter_sum(const tpc_op *op, const tpc_steps *s, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   uint4 own[TPC_STREAM_UNITS];
   tpc_stream_load(s, (const char *)a->in + (uint64_t)a->rank * a->nbytes, t, own);
   if (!OutF32) {
-    tpc_stream_reduce(op, s, t, own, (char *)a->out);
+    tpc_stream_reduce<DTYPE>(op, s, t, own, (char *)a->out);
     return;
   }
   float acc[TPC_STREAM_UNITS][8];
-  tpc_stream_sum(a, s, t, own, acc);
-  const int broken = tpc_op_broken(op), values = a->dtype == TPC_FLOAT32 ? 4 : 8;
+  tpc_stream_sum<DTYPE>(a, s, t, own, acc);
+  const int broken = tpc_op_broken(op);
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t u = tpc_stream_unit(s, t, k);
-    if (u < s->units) tpc_store_sums_f32(a, u, acc[k], values, broken);
+    if (u < s->units) tpc_store_sums_f32(a, u, acc[k], DTYPE == TPC_FLOAT32 ? 4 : 8, broken);
   }
 }
 
-template <int OutF32>
-__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS)
+/* One block a multiprocessor, said outright: without it ptxas aims the fp32
+ * and bf16 instantiations that round at two (96 registers) and spills. */
+template <int DTYPE, int OutF32>
+__global__ void __launch_bounds__(TPC_STREAM_MAX_THREADS, 1)
     tpc_reduce_scatter_bulk_kernel(const TPC_GRID_CONSTANT tpc_kernel_args a) {
   tpc_stream_op(
       &a, [&](tpc_op *op, const tpc_steps *s, uint32_t t) { tpc_reduce_scatter_push(op, s, t); },
       [&](tpc_op *op, const tpc_steps *s, uint32_t t) {
-        if (!tpc_op_broken(op) || a.poison_out) tpc_reduce_scatter_sum<OutF32>(op, s, t);
+        if (!tpc_op_broken(op) || a.poison_out) tpc_reduce_scatter_sum<DTYPE, OutF32>(op, s, t);
       });
 }
 

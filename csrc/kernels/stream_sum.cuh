@@ -18,8 +18,8 @@
  * the rank loop inside, leaves one load in flight, and the large ops wait on
  * each). The slots are read after tpc_stream_wait's acquire of the peer's
  * flag, which the peer's control warp released after these units landed
- * (the memory order above). */
-template <typename SlotOf>
+ * (the memory order above). DTYPE: a tpc_dtype, the kernel's. */
+template <int DTYPE, typename SlotOf>
 TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t, uint64_t limit,
                                       const uint4 own[TPC_STREAM_UNITS], SlotOf slot_of,
                                       float acc[TPC_STREAM_UNITS][8]) {
@@ -32,7 +32,7 @@ TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps 
     }
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-      tpc_add_rank(acc[k], words, 4, a->dtype, q);
+      tpc_add_rank(acc[k], words, 4, DTYPE, q);
     }
   }
 }
@@ -40,15 +40,17 @@ TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps 
 /* The same over every unit of the steps (below s->units), the peers'
  * values from this rank's slots of the op's half (tpc_stream_slot: the
  * one-shot all-reduce's inputs, reduce-scatter's chunks). */
+template <int DTYPE>
 TPC_DEVICE void tpc_stream_sum(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t,
                                const uint4 own[TPC_STREAM_UNITS], float acc[TPC_STREAM_UNITS][8]) {
-  tpc_stream_accumulate(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
+  tpc_stream_accumulate<DTYPE>(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
 }
 
 /* Those sums of step t rounded once (own values from `own`, the peers' from
  * this rank's slots, already waited for), or NaN once the op broke, into
  * out: the one-shot all-reduce's result, reduce-scatter's in the input's
  * dtype. */
+template <int DTYPE>
 TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t t,
                                   const uint4 own[TPC_STREAM_UNITS], char *out) {
   const tpc_kernel_args *a = op->args;
@@ -58,17 +60,17 @@ TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t
     const int broken = tpc_op_broken(op);
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
       const uint64_t u = tpc_stream_unit(s, t, k);
-      if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : tpc_sum_pair16(own[k], v[k], a->dtype));
+      if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : tpc_sum_pair16(own[k], v[k], DTYPE));
     }
     return;
   }
   float acc[TPC_STREAM_UNITS][8];
-  tpc_stream_sum(a, s, t, own, acc);
+  tpc_stream_sum<DTYPE>(a, s, t, own, acc);
   const int broken = tpc_op_broken(op);
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t u = tpc_stream_unit(s, t, k);
     uint32_t w[4];
-    tpc_round(acc[k], w, 4, a->dtype);
+    tpc_round(acc[k], w, 4, DTYPE);
     if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]));
   }
 }

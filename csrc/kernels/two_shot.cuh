@@ -91,7 +91,8 @@ TPC_DEVICE void tpc_two_shot_scatter(const tpc_op *op, const tpc_steps *s, const
  * sums of this rank's chunk in rank order (tpc_stream_accumulate: this
  * rank's input, the peers' scatter slots), rounded once, pushed into every
  * peer's gather slot for this sender (unless the op broke) and written to
- * out (NaN once broken). */
+ * out (NaN once broken). DTYPE: a tpc_dtype, the kernel's. */
+template <int DTYPE>
 TPC_DEVICE void tpc_two_shot_reduce(const tpc_op *op, const tpc_steps *s, const tpc_two_shot *c, uint32_t t) {
   const tpc_kernel_args *a = op->args;
   const int me = a->rank;
@@ -99,11 +100,11 @@ TPC_DEVICE void tpc_two_shot_reduce(const tpc_op *op, const tpc_steps *s, const 
   uint4 own[TPC_STREAM_UNITS], sum[TPC_STREAM_UNITS];
   float acc[TPC_STREAM_UNITS][8];
   tpc_stream_load_below(s, (const char *)a->in + offset, t, limit, own);
-  tpc_stream_accumulate(a, s, t, limit, own, [&](int q) { return tpc_two_shot_slot(a, s, c, me, q, 0); }, acc);
+  tpc_stream_accumulate<DTYPE>(a, s, t, limit, own, [&](int q) { return tpc_two_shot_slot(a, s, c, me, q, 0); }, acc);
   const int broken = tpc_op_broken(op);
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     uint32_t w[4];
-    tpc_round(acc[k], w, 4, a->dtype);
+    tpc_round(acc[k], w, 4, DTYPE);
     sum[k] = broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]);
   }
   if (!broken) {
