@@ -2,8 +2,9 @@
 # compute-sanitizer's memcheck, racecheck, synccheck and initcheck over every
 # tpcomm kernel and band (scripts/sanitize_ranks.py lists the cases: all_reduce
 # packet/line/bulk, all_gather packet flat and general/line/bulk,
-# reduce_scatter packet/bulk in both output dtypes, the fused norm family's
-# RMSNorm and LayerNorm patterns spread and in place, with biases and residual
+# reduce_scatter packet/bulk in both output dtypes, every instantiation of
+# the streamed all-reduce and reduce-scatter (by dtype and output), the
+# fused norm family's RMSNorm and LayerNorm patterns spread and in place, with biases and residual
 # scales, and its FP8 epilogues), on one GPU: the ranks share it, rank 0 runs
 # under the tool and the others plain. World 2 runs the one-shot bulk all-reduce, world 3 the
 # two-shot ones and the general (n > 2) paths of the rest; the streamed
@@ -162,7 +163,8 @@ for world in $worlds; do
         for kernel in "${runs[@]}"; do
           kernel_filter "$kernel"
           # limits.c: the one-shot stream runs at two ranks only, the streamed
-          # two-shot at three or more; ONLY may leave any kernel out
+          # two-shot at three or more (each instantiation: the patterns match
+          # its mangled name); ONLY may leave any kernel out
           case ${ONLY:+only}:$world:$kernel in
             only:* | :2:*tpc_all_reduce_bulk_kernel* | :[3-8]:*tpc_all_reduce_stream_kernel*) must_report= ;;
             *) must_report=$kernel ;;

@@ -191,7 +191,10 @@ class Cases:
             # two_shot: chunks of unequal steps (an odd number of them), and one step a rank
             ("all_reduce two_shot 16 KiB + 16", lambda: self.all_reduce((8200,), bf16, TWO_SHOT)),
             ("all_reduce two_shot a step a rank f32", lambda: self.all_reduce((112 * n,), f32, TWO_SHOT)),
+            # the streamed kernels in every dtype: each instantiation is a handoff kernel whose
+            # racecheck run must draw reports (sanitize.sh)
             ("all_reduce bulk 64 KiB f16", lambda: self.all_reduce((32768,), f16, BULK)),
+            ("all_reduce bulk 64 KiB f32", lambda: self.all_reduce((16384,), f32, BULK)),
             # quantized (the two-shot's schedule): several steps a block at 13 MiB, a chunk
             # that ends inside a group, fewer units than ranks
             ("all_reduce quant int8 13 MiB", lambda: self.quantized(13 * 512 * 1024, bf16, "int8")),
@@ -218,6 +221,10 @@ class Cases:
             ("reduce_scatter bulk 5 MiB parts f32 out",
              lambda: self.reduce_scatter((n * big_part,), f16, BULK, True)),
             ("reduce_scatter bulk f32 out", lambda: self.reduce_scatter((n * 16384,), f32, BULK, True)),
+            ("reduce_scatter bulk 64 KiB parts f32", lambda: self.reduce_scatter((n * 16384,), f32, BULK, False)),
+            ("reduce_scatter bulk 64 KiB parts f16", lambda: self.reduce_scatter((n * 32768,), f16, BULK, False)),
+            ("reduce_scatter bulk 64 KiB parts bf16 f32 out",
+             lambda: self.reduce_scatter((n * 32768,), bf16, BULK, True)),
             # the fused norm family: out of place with few rows ("spread": every
             # block pushes) and in place, each pattern (the second norm's block
             # sum of NORM_ADD_NORM, weight 1 + w); the split route is
