@@ -200,6 +200,10 @@ class Cases:
             ("all_reduce quant int8 13 MiB", lambda: self.quantized(13 * 512 * 1024, bf16, "int8")),
             ("all_reduce quant fp8 64 KiB + 48 f16", lambda: self.quantized(32768 + 24, f16, "fp8")),
             ("all_reduce quant int4 48 B", lambda: self.quantized(24, bf16, "int4")),
+            # and the other dtype of each mode: every instantiation a handoff kernel that must draw reports
+            ("all_reduce quant int8 64 KiB f16", lambda: self.quantized(32768, f16, "int8")),
+            ("all_reduce quant fp8 64 KiB", lambda: self.quantized(32768, bf16, "fp8")),
+            ("all_reduce quant int4 64 KiB f16", lambda: self.quantized(32768, f16, "int4")),
             # packet all_gather: the flat kernel (dim 0, 8-byte multiple), the
             # general one with whole 8-byte units and with 4-byte ones
             ("all_gather packet flat 4 KiB", lambda: self.all_gather((2048,), 0, bf16, PACKET)),
