@@ -35,6 +35,14 @@ def _comm():
     return comm
 
 
+def _takes_fused(comm, tokens, hidden):
+    """Whether routing should give (tokens, hidden) of a 16-bit dtype the fused kernel: within the
+    packet cap, from 5 ranks on the fused kernel's own (the table's, or the cost model's), and the
+    kernel's row limit."""
+    return (tokens * hidden * 2 <= min(1 * MiB, routing.fused_norm_max(comm._routes))
+            and hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES)
+
+
 def _shared(shape, dtype, seed):
     """Residual and weight, the same on every rank (tensor parallelism)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -76,12 +84,9 @@ def body_shapes(rank, world):
             x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * (1 + rank)).to(dtype)
             residual, weight = _shared((tokens, hidden), dtype, 1000 + i)
             route = comm.route_all_reduce_add_rms_norm(x, weight)
-            nbytes = tokens * hidden * 2
-            # the packet cap, and from 5 ranks on the fused kernel's own (the table's, or the cost model's)
-            fused = nbytes <= min(1 * MiB, routing.fused_norm_max(comm._routes)) and \
-                hidden * 2 <= tpcomm._lib.NORM_MAX_ROW_BYTES
-            split = tokens % world == 0 and nbytes <= comm.max_bytes
-            assert route == ("fused" if fused else "split" if split else "unfused"), (tokens, hidden, route)
+            split = tokens % world == 0 and tokens * hidden * 2 <= comm.max_bytes
+            assert route == ("fused" if _takes_fused(comm, tokens, hidden) else "split" if split else "unfused"), \
+                (tokens, hidden, route)
             expected[route] += 2
             what = f"{tokens}x{hidden} {dtype} ({route})"
             kept_x, kept_r = x.clone(), residual.clone()
@@ -163,7 +168,7 @@ def body_graph_and_skew(rank, world):
     # captured once each; the last is over the packet cap, and from 5 ranks on (32, 8192) is over the
     # fused kernel's own cap (the table's, or the cost model's): both split
     routes = collections.Counter(comm.route_all_reduce_add_rms_norm(x, w) for x, w in zip(static_x, weights))
-    fused = sum(s[0] * s[1] * 2 <= min(1 * MiB, routing.fused_norm_max(comm._routes)) for s in shapes)
+    fused = sum(_takes_fused(comm, *shape) for shape in shapes)
     assert routes == {"fused": fused, "split": len(shapes) - fused}, routes
     stats = comm.stats()
     assert {how: stats[("all_reduce_add_rms_norm", how)]["calls"] for how in routes} == routes, stats
