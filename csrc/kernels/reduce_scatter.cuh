@@ -31,9 +31,12 @@
 #include "reduce.cuh"
 #include "stream_sum.cuh"
 
-/* Stores the fp32 sums of one unit (2 or 4 values for a packet unit, 4 or 8
- * for a 16-byte one: fp32 or 16-bit input) at unit index u of a float output. */
-TPC_DEVICE void tpc_store_sums_f32(const tpc_kernel_args *a, uint64_t u, const float *acc, int values, int broken) {
+/* Stores the fp32 sums of one unit of UNIT_BYTES input bytes (8: a packet
+ * unit, 16: a line's or a stream's) at unit index u of a float output: a
+ * sum for each of its values of DTYPE. */
+template <int DTYPE, int UNIT_BYTES>
+TPC_DEVICE void tpc_store_sums_f32(const tpc_kernel_args *a, uint64_t u, const float *acc, int broken) {
+  constexpr int values = UNIT_BYTES / (DTYPE == TPC_FLOAT32 ? 4 : 2);
   uint32_t *out = (uint32_t *)a->out + u * (uint64_t)values;
   for (int i = 0; i < values; i += 4) {
     const uint4 v = broken ? tpc_poison16(a)
@@ -61,7 +64,7 @@ __global__ void tpc_reduce_scatter_packet_kernel(const TPC_GRID_CONSTANT tpc_ker
     if (OutF32) {
       float acc[4];
       tpc_accumulate_packet<DTYPE>(&op, &a, in[me * units + u], u, folded, acc);
-      tpc_store_sums_f32(&a, u, acc, DTYPE == TPC_FLOAT32 ? 2 : 4, tpc_op_broken(&op));
+      tpc_store_sums_f32<DTYPE, 8>(&a, u, acc, tpc_op_broken(&op));
     } else {
       const uint2 sum = tpc_sum_packet<DTYPE>(&op, &a, in[me * units + u], u, folded);
       ((uint2 *)a.out)[u] = tpc_op_broken(&op) ? tpc_poison8(&a) : sum;
@@ -97,7 +100,7 @@ __global__ void tpc_reduce_scatter_line_kernel(const TPC_GRID_CONSTANT tpc_kerne
     if (OutF32) {
       float acc[8];
       tpc_line_accumulate<DTYPE>(&op, &l, s, own, s == 0, acc);
-      if (u < l.units) tpc_store_sums_f32(&a, u, acc, DTYPE == TPC_FLOAT32 ? 4 : 8, tpc_op_broken(&op));
+      if (u < l.units) tpc_store_sums_f32<DTYPE, 16>(&a, u, acc, tpc_op_broken(&op));
     } else {
       tpc_line_store(&op, &l, a.out, u, tpc_line_sum<DTYPE>(&op, &l, s, own, s == 0));
     }
@@ -181,7 +184,7 @@ TPC_DEVICE void tpc_reduce_scatter_sum(const tpc_op *op, const tpc_steps *s, uin
   const int broken = tpc_op_broken(op);
   for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
     const uint64_t u = tpc_stream_unit(s, t, k);
-    if (u < s->units) tpc_store_sums_f32(a, u, acc[k], DTYPE == TPC_FLOAT32 ? 4 : 8, broken);
+    if (u < s->units) tpc_store_sums_f32<DTYPE, 16>(a, u, acc[k], broken);
   }
 }
 
