@@ -24,10 +24,11 @@
  * in the same run (its 16 MiB read and 16 MiB written per second), marked
  * where it is below the target of 90 %. Medians of 50 timed runs after 5
  * untimed, each run after twice the L2 is read (ql_flush: the 16 MiB and
- * its copy would otherwise stay in an H100's 50 MB L2). Checks: every group decoded and each value held to quant.cuh's
- * bound, |v - decode| <= c A (+ 2^-64), after quantize; every unit of a
- * dequant-sum's output the bits of its n decodes summed unit by unit. A
- * value past the bound or a sum that differs exits 1.
+ * its copy would otherwise stay in an H100's 50 MB L2). Checks: every
+ * group decoded and each value held to quant.cuh's bound, |v - decode| <=
+ * c A (+ 2^-64), after quantize; every unit of a dequant-sum's output the
+ * bits of its n decodes summed unit by unit. A value past the bound or a
+ * sum that differs exits 1.
  *
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/quant_local.cu -o /tmp/quant_local && /tmp/quant_local
  *   /tmp/quant_local 8      every kernel on 8 blocks an SM instead of its own grid (below)
