@@ -22,7 +22,7 @@ def test_quant_local_compiles_and_lists_its_rows(tmp_path):
                            str(exe)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = subprocess.run([str(exe), "list"], capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")
-    want = ["copy 16 MiB (cudaMemcpyAsync)"]
+    want = ["copy 16 MiB (cudaMemcpyAsync)", "read 16 MiB (quantize's loads)"]
     for mode in ("fp8", "int8", "int4"):
         want += [f"quantize {mode}"] + [f"dequant-sum {mode} n={n}" for n in (2, 4, 8)]
     assert [r for r in rows if r] == want
