@@ -6,10 +6,11 @@
  * tpc_fp8_keep on each unit as it rounds the normed values, then
  * tpc_fp8_emit once per row with every thread of the block.
  *
- * The absolute maximum is taken over the bits of |x|: for values without a
- * sign bit the unsigned order is the float order, with inf above every finite
- * value and NaN above inf, so a NaN anywhere makes the maximum NaN (torch.amax
- * propagates NaN) and the order of the reduction cannot change the result.
+ * The absolute maximum: a thread's by max.NaN (tpc_absmax2), a warp's and a
+ * block's over the bits of those maxima: without a sign bit the unsigned
+ * order is the float order, with inf above every finite value and NaN above
+ * inf, so a NaN anywhere makes the maximum NaN (torch.amax propagates NaN)
+ * and the order of the reduction cannot change the result.
  * Each group of a row is one warp's 32 units in one step k: the data threads
  * are a multiple of 32 and a unit holds 4 values, so units [32g, 32g + 32)
  * are lanes 0-31 of one warp at one k.
@@ -42,6 +43,16 @@ TPC_DEVICE uint32_t tpc_block_max_u32(uint32_t v) {
   return tpc_max32_u32(partial[i < data_warps ? i : 0]);
 }
 
+/* The bits of the largest |x| of a unit, NaN winning: tpc_absmax2, one
+ * max.NaN a value on sm_80+ with |x| an operand modifier. A NaN gives a NaN
+ * (its payload is not the input's; only its NaN-ness is read), anything
+ * else the largest magnitude, +0 for zeros. */
+TPC_DEVICE uint32_t tpc_fp8_unit_absmax(const float *x) {
+  float a = tpc_absmax2(fabsf(x[0]), x[1]);
+  a = tpc_absmax2(a, x[2]);
+  return __float_as_uint(tpc_absmax2(a, x[3]));
+}
+
 /* The rounded normed words of a unit back into x (exact) and, for a scale
  * per tensor or row, |x|'s bits into *amax: this thread's maximum (a
  * group's is its warp's, taken in tpc_fp8_emit). */
@@ -49,10 +60,7 @@ template <int QUANT>
 TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
   tpc_start(x, words, 2, dtype);
   if constexpr (QUANT == TPC_QUANT_PER_TENSOR || QUANT == TPC_QUANT_PER_TOKEN)
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t bits = __float_as_uint(x[j]) & 0x7fffffffu;
-      *amax = bits > *amax ? bits : *amax;
-    }
+    *amax = __float_as_uint(tpc_absmax2(__uint_as_float(*amax), __uint_as_float(tpc_fp8_unit_absmax(x))));
 }
 
 /* The dynamic scale of an absolute maximum: max(amax / 448, floor), NaN kept
@@ -94,6 +102,53 @@ TPC_DEVICE uint32_t tpc_fp8_codes_finite(const float *x, float s, float r) {
   return tpc_e4m3x2_of(q[0], q[1]) | tpc_e4m3x2_of(q[2], q[3]) << 16;
 }
 
+/* The codes of x, finite's or not (tpc_fp8_finite(m, r, fast)); NaN bytes
+ * where the op failed. */
+TPC_DEVICE uint32_t tpc_fp8_unit_codes(const float *x, float s, float r, int fast, uint32_t m, int broken) {
+  return broken                        ? (uint32_t)TPC_E4M3_NAN_BYTES
+         : tpc_fp8_finite(m, r, fast) ? tpc_fp8_codes_finite(x, s, r)
+                                      : tpc_fp8_codes(x, s, r, fast);
+}
+
+/* Codes and scales of one row's groups (TPC_QUANT_PER_TOKEN_GROUP), by the
+ * data threads. Group k of a warp is its 32 units at step k, so its maximum
+ * is one warp reduction, the same in every lane. The scale and reciprocal of
+ * a group are the same arithmetic in every lane: lane k (< UNITS) computes
+ * group k's and writes its scale, and the warp reads them with a shuffle
+ * each, one scale computation for the UNITS groups instead of one a group.
+ * Whether step k holds units is the same over the warp (the row's units are
+ * a multiple of 32), so every lane takes every shuffle it reaches. */
+template <int UNITS>
+TPC_DEVICE void tpc_fp8_emit_groups(const tpc_kernel_args &a, float (*x)[4], uint64_t row, uint64_t base,
+                                    uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
+  static_assert(UNITS <= 32, "lane k takes group k");
+  if (t >= data_threads || t >= row_units) return; /* no unit in this row: the whole warp */
+  const unsigned lane = t % 32;
+  uint32_t m[UNITS];
+#pragma unroll
+  for (int k = 0; k < UNITS; ++k)
+    m[k] = t + (uint64_t)k * data_threads < row_units ? tpc_max32_u32(tpc_fp8_unit_absmax(x[k])) : 0;
+  /* lane k's group where step k holds one; every other lane takes group 0's
+   * again (unused), so that no lane's scale takes another path than a
+   * group's would (a maximum of 0 would divide) */
+  uint32_t own = m[0];
+#pragma unroll
+  for (int k = 1; k < UNITS; ++k)
+    own = lane == (unsigned)k && t + (uint64_t)k * data_threads < row_units ? m[k] : own;
+  const float own_s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(own, a.scale_floor), own_r = 1.0f / own_s;
+  const uint64_t own_u = t + (uint64_t)lane * data_threads; /* lane k's unit at step k, in group own_u / 32 */
+  if (lane < UNITS && own_u < row_units)
+    a.scales[row * a.scale_row_stride + (own_u / 32) * a.scale_group_stride] = own_s;
+  uint32_t *codes = (uint32_t *)a.out;
+#pragma unroll
+  for (int k = 0; k < UNITS; ++k) {
+    const uint64_t u = t + (uint64_t)k * data_threads;
+    if (u >= row_units) continue;
+    const float s = tpc_shfl32_float(own_s, k), r = tpc_shfl32_float(own_r, k);
+    codes[base + u] = tpc_fp8_unit_codes(x[k], s, r, tpc_fp8_fast_scale(s), m[k], broken);
+  }
+}
+
 /* Codes (and scales) of one row from the kept x; every thread of the block
  * calls it (PER_TOKEN's maximum is a block reduction). tensor_scale: the
  * given scale (PER_TENSOR), loaded at the kernel's start. broken: the op
@@ -101,39 +156,24 @@ TPC_DEVICE uint32_t tpc_fp8_codes_finite(const float *x, float s, float r) {
 template <int QUANT, int UNITS>
 TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t amax, float tensor_scale, uint64_t row,
                              uint64_t base, uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
-  uint32_t *codes = (uint32_t *)a.out;
-  float s = tensor_scale;
-  uint32_t m = amax; /* the maximum |x| over the values coded with s (its bits) */
-  if (QUANT == TPC_QUANT_PER_TOKEN) {
-    m = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
-    s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
-    if (t == 0) a.scales[row * a.scale_row_stride] = s;
-  }
-  /* the group's scale comes per group, below */
-  float r = QUANT == TPC_QUANT_PER_TOKEN_GROUP ? 0.0f : 1.0f / s;
-  int fast = tpc_fp8_fast_scale(s);
-  int finite = tpc_fp8_finite(m, r, fast);
-#pragma unroll
-  for (int k = 0; k < UNITS; ++k) {
-    const uint64_t u = t + (uint64_t)k * data_threads;
-    /* uniform over a warp: the control warp is whole, and the row's units a multiple of 32 here */
-    if (t >= data_threads || u >= row_units) continue;
-    if (QUANT == TPC_QUANT_PER_TOKEN_GROUP) {
-      m = 0;
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t bits = __float_as_uint(x[k][j]) & 0x7fffffffu;
-        m = bits > m ? bits : m;
-      }
-      m = tpc_max32_u32(m);
-      s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(m, a.scale_floor);
-      if (t % 32 == 0) a.scales[row * a.scale_row_stride + (u / 32) * a.scale_group_stride] = s;
-      r = 1.0f / s;
-      fast = tpc_fp8_fast_scale(s);
-      finite = tpc_fp8_finite(m, r, fast);
+  if constexpr (QUANT == TPC_QUANT_PER_TOKEN_GROUP) {
+    tpc_fp8_emit_groups<UNITS>(a, x, row, base, row_units, t, data_threads, broken);
+  } else {
+    float s = tensor_scale;
+    if (QUANT == TPC_QUANT_PER_TOKEN) {
+      amax = tpc_block_max_u32(amax); /* every thread, broken or not: a barrier */
+      s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(amax, a.scale_floor);
+      if (t == 0) a.scales[row * a.scale_row_stride] = s;
     }
-    codes[base + u] = broken   ? (uint32_t)TPC_E4M3_NAN_BYTES
-                      : finite ? tpc_fp8_codes_finite(x[k], s, r)
-                               : tpc_fp8_codes(x[k], s, r, fast);
+    /* amax: the maximum |x| over the values coded with s (this thread's, per tensor) */
+    const float r = 1.0f / s;
+    const int fast = tpc_fp8_fast_scale(s);
+#pragma unroll
+    for (int k = 0; k < UNITS; ++k) {
+      const uint64_t u = t + (uint64_t)k * data_threads;
+      if (t >= data_threads || u >= row_units) continue;
+      ((uint32_t *)a.out)[base + u] = tpc_fp8_unit_codes(x[k], s, r, fast, amax, broken);
+    }
   }
 }
 

@@ -331,6 +331,16 @@ TPC_DEVICE float tpc_shfl_xor_float(float v, int mask) {
 #endif
 }
 
+/* v of lane `src` (0-31) of this lane's 32 (the same half of a 64-lane
+ * wavefront); every lane of those 32 takes part. */
+TPC_DEVICE float tpc_shfl32_float(float v, int src) {
+#ifdef TPC_HIP
+  return __shfl(v, src, 32);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
 /* The maximum of v over the 32 lanes of a warp (each half of a 64-lane
  * wavefront apart), the same in each; every lane takes part. One redux
  * instruction from sm_80, a butterfly of shuffles before. */
