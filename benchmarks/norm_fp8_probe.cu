@@ -2,7 +2,8 @@
  * The FP8 epilogue's local cost on one GPU: the fused
  * all-reduce + add + RMSNorm kernel (launch.cu's tpc_launch_all_reduce_norm,
  * ADD_NORM, bf16) without an epilogue and with each (per_tensor, per_token,
- * per_token_group), at 8, 32 and 256 tokens of 4096 and 8192 values.
+ * per_token_group), at 8, 32 and 256 tokens of 4096 and 8192 values (the
+ * row widths of 2 and 4 units a data thread; others on the command line).
  *
  * One process drives every rank (probe_ranks.h): graphs replayed together,
  * so no rank waits out another's replay skew. The kernel's rules
@@ -26,7 +27,8 @@
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc benchmarks/norm_fp8_probe.cu csrc/core/limits.c -o build/norm_fp8_probe
  *   (the same with -shared -Xcompiler -fPIC -DNORM_FP8_PROBE_LIBRARY -o build/libnorm_fp8_probe.so:
  *   the library benchmarks/norm_fp8_probe.py drives)
- *   build/norm_fp8_probe [ranks]    (default 2, every rank on GPU 0 where there is one GPU)
+ *   build/norm_fp8_probe [ranks [hidden ...]]   (default 2 ranks, every rank on GPU 0 where there is
+ *                                    one GPU; hidden 4096 8192; 16384 takes the 8-unit kernel)
  *   build/norm_fp8_probe list       the rows, without a GPU
  *
  * Phase build (-DNORM_FP8_PROBE_PHASES, the same sources): where a row's
@@ -68,8 +70,15 @@ static const float PER_TENSOR_SCALE = 0.02f; /* benchmarks/norm_fp8_local.py's *
 static const float FLOOR_PER_TOKEN = 1.0f / (448.0f * 512.0f);
 static const float FLOOR_PER_TOKEN_GROUP = 1e-10f / 448.0f;
 
-static const size_t MAX_BYTES = (size_t)256 * 8192 * 2; /* the largest shape's input per rank */
-static const size_t MAX_SCALES = (size_t)256 * (8192 / TPC_FP8_GROUP);
+static const int MAX_TOKENS = 256;
+/* The row widths timed; the buffers hold MAX_TOKENS rows of the widest. */
+static std::vector<int> shape_hidden = {4096, 8192};
+static int max_hidden() {
+  int m = 0;
+  for (int h : shape_hidden) m = h > m ? h : m;
+  return m;
+}
+static size_t max_bytes() { return (size_t)MAX_TOKENS * max_hidden() * 2; } /* the largest shape's input per rank */
 
 /* The fused norm's buffers of a rank beside probe_ranks.h's (its in is the kernel's input). */
 struct NormBufs {
@@ -101,9 +110,9 @@ static float hashed(uint32_t i, uint32_t seed, float lo, float hi) {
 }
 
 static void open_norm_buffers() {
-  const size_t values = MAX_BYTES / 2;
+  const size_t values = max_bytes() / 2;
   host_residual.resize(values);
-  host_weight.resize(8192);
+  host_weight.resize(max_hidden());
   for (size_t i = 0; i < values; ++i) host_residual[i] = bf16_of(hashed((uint32_t)i, 100, -1.0f, 1.0f));
   for (size_t i = 0; i < host_weight.size(); ++i) host_weight[i] = bf16_of(hashed((uint32_t)i, 101, 0.5f, 1.5f));
   for (int r = 0; r < world; ++r) {
@@ -111,16 +120,16 @@ static void open_norm_buffers() {
     for (size_t i = 0; i < values; ++i) host_in[r][i] = bf16_of(hashed((uint32_t)i, (uint32_t)r, -2.0f, 2.0f));
     CHECK(cudaSetDevice(device_of(r)));
     NormBufs &b = norm_bufs[r];
-    CHECK(cudaMalloc(&b.residual, MAX_BYTES));
-    CHECK(cudaMalloc(&b.weight, 8192 * 2));
-    CHECK(cudaMalloc(&b.stream_out, MAX_BYTES));
-    CHECK(cudaMalloc(&b.normed, MAX_BYTES));
-    CHECK(cudaMalloc(&b.codes, MAX_BYTES / 2));
-    CHECK(cudaMalloc(&b.scales, MAX_SCALES * sizeof(float)));
+    CHECK(cudaMalloc(&b.residual, max_bytes()));
+    CHECK(cudaMalloc(&b.weight, host_weight.size() * 2));
+    CHECK(cudaMalloc(&b.stream_out, max_bytes()));
+    CHECK(cudaMalloc(&b.normed, max_bytes()));
+    CHECK(cudaMalloc(&b.codes, max_bytes() / 2));
+    CHECK(cudaMalloc(&b.scales, values / TPC_FP8_GROUP * sizeof(float)));
     CHECK(cudaMalloc(&b.tensor_scale, sizeof(float)));
-    CHECK(cudaMemcpy(ranks[r].in, host_in[r].data(), MAX_BYTES, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(b.residual, host_residual.data(), MAX_BYTES, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(b.weight, host_weight.data(), 8192 * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(ranks[r].in, host_in[r].data(), max_bytes(), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(b.residual, host_residual.data(), max_bytes(), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(b.weight, host_weight.data(), host_weight.size() * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(b.tensor_scale, &PER_TENSOR_SCALE, sizeof(float), cudaMemcpyHostToDevice));
   }
 }
@@ -172,7 +181,7 @@ static void check_rules(int tokens, int hidden, int quant) {
   const size_t nbytes = (size_t)tokens * hidden * 2;
   const void *const ptrs[] = {ranks[0].in, norm_bufs[0].residual, norm_bufs[0].weight, norm_bufs[0].codes,
                               norm_bufs[0].stream_out, norm_bufs[0].normed};
-  tpc_result r = tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, world, MAX_BYTES, MAX_BYTES,
+  tpc_result r = tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, world, max_bytes(), max_bytes(),
                                       TPC_PLATFORM_CUDA, &limits);
   if (r == TPC_OK)
     r = tpc_kernel_check(&limits, TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, TPC_BFLOAT16, nbytes, (size_t)hidden * 2,
@@ -309,7 +318,7 @@ static void run_shape(int tokens, int hidden, bool timed, double *us) {
 /* Whether the kernel's rules (limits.c) take n ranks at all. */
 static bool rules_take(int n) {
   tpc_kernel_limits limits;
-  return tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, n, MAX_BYTES, MAX_BYTES, TPC_PLATFORM_CUDA,
+  return tpc_kernel_limits_of(TPC_OP_ALL_REDUCE_NORM, TPC_ALGO_PACKET, n, max_bytes(), max_bytes(), TPC_PLATFORM_CUDA,
                               &limits) == TPC_OK &&
          limits.refused == TPC_KERNEL_TAKES;
 }
@@ -324,7 +333,7 @@ static bool rules_take(int n) {
 extern "C" int nfp_open(int n) {
   if (!rules_take(n)) return 2;
   timing_shared = true;
-  open_ranks(n, MAX_BYTES, false);
+  open_ranks(n, max_bytes(), false);
   open_norm_buffers();
   return 0;
 }
@@ -353,7 +362,7 @@ extern "C" int nfp_check_errors(void) {
   return 0;
 }
 #else
-static const int SHAPE_TOKENS[] = {8, 32, 256}, SHAPE_HIDDEN[] = {4096, 8192};
+static const int SHAPE_TOKENS[] = {8, 32, MAX_TOKENS};
 
 #ifdef NORM_FP8_PROBE_PHASES
 /* The phase build's output (the header comment): every shape and epilogue,
@@ -363,7 +372,7 @@ static void print_phases() {
   printf("phase build: SM cycles from the kernel's start to each mark, block 0's first row, mean over calls\n");
   printf("tokens hidden epilogue rank calls m0 m1 m2 m3 m4 m5 m6\n");
   for (int tokens : SHAPE_TOKENS)
-    for (int hidden : SHAPE_HIDDEN) {
+    for (int hidden : shape_hidden) {
       run_shape(tokens, hidden, false, nullptr); /* the timed build's checks, and a warm-up */
       for (int quant : QUANTS) {
         for (int r = 0; r < world; ++r) set_norm(r, tokens, hidden, quant, false);
@@ -392,17 +401,29 @@ int main(int argc, char **argv) {
   const int n = !listing && argc > 1 ? atoi(argv[1]) : 2;
   if (listing) {
     for (int tokens : SHAPE_TOKENS)
-      for (int hidden : SHAPE_HIDDEN)
+      for (int hidden : shape_hidden)
         for (int quant : QUANTS) printf("%d %d %s\n", tokens, hidden, QUANT_NAMES[quant]);
     return 0;
   }
+  if (argc > 2) shape_hidden.clear();
+  for (int i = 2; i < argc; ++i) {
+    const int hidden = atoi(argv[i]);
+    if (hidden <= 0 || hidden % TPC_FP8_GROUP) {
+      fprintf(stderr, "usage: norm_fp8_probe [list | ranks [hidden ...]]: hidden %s is not a positive multiple of %d\n",
+              argv[i], TPC_FP8_GROUP);
+      return 2;
+    }
+    shape_hidden.push_back(hidden);
+  }
   if (!rules_take(n)) {
-    fprintf(stderr, "usage: norm_fp8_probe [list | ranks]: the fused norm kernel takes 2..%d ranks (limits.c), not %d\n",
+    fprintf(stderr,
+            "usage: norm_fp8_probe [list | ranks [hidden ...]]: the fused norm kernel takes 2..%d ranks (limits.c), "
+            "not %d\n",
             TPC_MAX_RANKS, n);
     return 2;
   }
   timing_shared = true;
-  open_ranks(n, MAX_BYTES, false);
+  open_ranks(n, max_bytes(), false);
   printf("norm_fp8_probe: ADD_NORM bf16, eps %g, weight w, each rank's grid at most %d blocks\n", (double)EPS,
          ranks[0].args.max_blocks);
   open_norm_buffers();
@@ -412,7 +433,7 @@ int main(int argc, char **argv) {
 #else
   printf("tokens hidden epilogue us\n");
   for (int tokens : SHAPE_TOKENS)
-    for (int hidden : SHAPE_HIDDEN) {
+    for (int hidden : shape_hidden) {
       double us[4];
       run_shape(tokens, hidden, true, us);
       for (int quant : QUANTS) printf("%d %d %s %.3f\n", tokens, hidden, QUANT_NAMES[quant], us[quant]);
