@@ -87,27 +87,20 @@ __global__ void __launch_bounds__(QL_THREADS, 5) ql_quantize(const uint4 *in, ch
   });
 }
 
-/* Quantize's loads alone, on its grid and steps (tpc_quant_load_in, two
+/* Quantize's loads alone, on its grid and steps (tpc_quant_walk_jobs, two
  * steps in flight): the time its 16 MiB read takes with no arithmetic and
  * no stores. The sink is written only on a value the input never xors to,
  * so the loads stay. */
 __global__ void __launch_bounds__(QL_THREADS, 5) ql_read_in(const uint4 *in, unsigned *sink) {
   const tpc_steps s = ql_steps();
-  uint4 v[TPC_STREAM_UNITS], w[TPC_STREAM_UNITS];
+  if (s.block_steps == 0) return;
   unsigned acc = 0;
-  const tpc_quant_job first = {0, (const char *)in, QL_UNITS, {}};
-  if (s.block_steps) tpc_quant_load_in(&s, &first, v);
-  for (uint32_t t = 0; t < s.block_steps; ++t) {
-    if (t + 1 < s.block_steps) {
-      const tpc_quant_job next = {t + 1, (const char *)in, QL_UNITS, {}};
-      tpc_quant_load_in(&s, &next, w);
-    }
+  tpc_quant_walk_jobs(
+      &s, (int)s.block_steps, [&](int t) { return tpc_quant_job{(uint32_t)t, (const char *)in, QL_UNITS, {}}; },
+      [&](const tpc_quant_job &, const uint4 *v) {
 #pragma unroll
-    for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-      acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
-      v[k] = w[k];
-    }
-  }
+        for (int k = 0; k < TPC_STREAM_UNITS; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+      });
   if (acc == 0x9e3779b9u) *sink = acc;
 }
 

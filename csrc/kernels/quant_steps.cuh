@@ -85,13 +85,12 @@ TPC_DEVICE void tpc_quant_encode_units(const tpc_steps *s, const tpc_quant_job *
   }
 }
 
-/* Jobs 0 .. jobs-1 (jobs >= 1) of job_of(i), each quantized (every lane
- * runs every group's shuffles, lanes past a job's limit with zeros): the
- * scatter's work on the peers' chunks of a step. Job i+1's loads are issued
- * before job i's units are quantized (two buffers), so a warp's loads are in
- * flight while it does its arithmetic. */
-template <int Dtype, int Mode, typename JobOf>
-TPC_DEVICE void tpc_quant_encode_jobs(const tpc_steps *s, int jobs, JobOf job_of) {
+/* Jobs 0 .. jobs-1 (jobs >= 1) of job_of(i) in turn, each's input loaded
+ * (tpc_quant_load_in) and handed to use(job, v). Job i+1's loads are issued
+ * before job i is used (two buffers), so a warp's loads are in flight while
+ * it does its arithmetic. */
+template <typename JobOf, typename Use>
+TPC_DEVICE void tpc_quant_walk_jobs(const tpc_steps *s, int jobs, JobOf job_of, Use use) {
   uint4 v[TPC_STREAM_UNITS], w[TPC_STREAM_UNITS];
   const tpc_quant_job first = job_of(0);
   tpc_quant_load_in(s, &first, v);
@@ -100,12 +99,22 @@ TPC_DEVICE void tpc_quant_encode_jobs(const tpc_steps *s, int jobs, JobOf job_of
       const tpc_quant_job next = job_of(i + 1);
       tpc_quant_load_in(s, &next, w);
     }
-    const tpc_quant_job j = job_of(i); /* asked again, not kept: fewer registers live across the loads */
-    if (tpc_quant_whole_step(s, j.t, j.limit)) tpc_quant_encode_units<Dtype, Mode, true>(s, &j, v);
-    else tpc_quant_encode_units<Dtype, Mode, false>(s, &j, v);
+    use(job_of(i), v); /* the job asked again, not kept: fewer registers live across the loads */
 #pragma unroll
     for (int k = 0; k < TPC_STREAM_UNITS; ++k) v[k] = w[k];
   }
+}
+
+/* Jobs 0 .. jobs-1 (jobs >= 1) of job_of(i), each quantized (every lane
+ * runs every group's shuffles, lanes past a job's limit with zeros): the
+ * scatter's work on the peers' chunks of a step, two jobs' loads in flight
+ * (tpc_quant_walk_jobs). */
+template <int Dtype, int Mode, typename JobOf>
+TPC_DEVICE void tpc_quant_encode_jobs(const tpc_steps *s, int jobs, JobOf job_of) {
+  tpc_quant_walk_jobs(s, jobs, job_of, [&](const tpc_quant_job &j, const uint4 *v) {
+    if (tpc_quant_whole_step(s, j.t, j.limit)) tpc_quant_encode_units<Dtype, Mode, true>(s, &j, v);
+    else tpc_quant_encode_units<Dtype, Mode, false>(s, &j, v);
+  });
 }
 
 /* Step t's codes of the units below `limit` (written by a peer whose flag
