@@ -155,7 +155,8 @@ def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path,
     and as the library benchmarks/norm_fp8_probe.py loads; its rows are every
     shape of the issue with no epilogue and each of the driver's modes, in
     the form the driver parses; limits.c, linked in, refuses 1 and 9 ranks
-    before any GPU call. Its phase build (the kernel's marks defined) builds
+    and the probe a row width that is not whole groups of 128, before any
+    GPU call. Its phase build (the kernel's marks defined) builds
     warning-free too and lists the same rows."""
     import ctypes
     import importlib.util
@@ -179,6 +180,9 @@ def test_norm_fp8_probe_lists_what_its_driver_reads_and_asks_the_rules(tmp_path,
     for n in ("1", "9"):
         bad = subprocess.run([str(exe), n], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "takes 2..8 ranks (limits.c), not " + n in bad.stderr
+    for hidden in ("100", "0"):  # row widths after the ranks: whole FP8 groups
+        bad = subprocess.run([str(exe), "2", "4096", hidden], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and f"hidden {hidden} is not a positive multiple of 128" in bad.stderr
     library = ctypes.CDLL(str(lib))
     assert library.nfp_open(1) == 2  # refused by the rules, before any CUDA call
     for name in ("nfp_set", "nfp_check_shape", "nfp_launch", "nfp_check_errors"):
