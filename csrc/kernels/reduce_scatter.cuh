@@ -179,13 +179,9 @@ TPC_DEVICE void tpc_reduce_scatter_sum(const tpc_op *op, const tpc_steps *s, uin
     tpc_stream_reduce<DTYPE>(op, s, t, own, (char *)a->out);
     return;
   }
-  float acc[TPC_STREAM_UNITS][8];
-  tpc_stream_sum<DTYPE>(a, s, t, own, acc);
-  const int broken = tpc_op_broken(op);
-  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-    const uint64_t u = tpc_stream_unit(s, t, k);
-    if (u < s->units) tpc_store_sums_f32<DTYPE, 16>(a, u, acc[k], broken);
-  }
+  tpc_stream_sum<DTYPE>(op, s, t, own, [&](uint64_t u, const float *sums, int broken) {
+    tpc_store_sums_f32<DTYPE, 16>(a, u, sums, broken);
+  });
 }
 
 /* One block a multiprocessor, said outright: without it ptxas aims the fp32

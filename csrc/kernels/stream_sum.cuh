@@ -39,11 +39,20 @@ TPC_DEVICE void tpc_stream_accumulate(const tpc_kernel_args *a, const tpc_steps 
 
 /* The same over every unit of the steps (below s->units), the peers'
  * values from this rank's slots of the op's half (tpc_stream_slot: the
- * one-shot all-reduce's inputs, reduce-scatter's chunks). */
-template <int DTYPE>
-TPC_DEVICE void tpc_stream_sum(const tpc_kernel_args *a, const tpc_steps *s, uint32_t t,
-                               const uint4 own[TPC_STREAM_UNITS], float acc[TPC_STREAM_UNITS][8]) {
+ * one-shot all-reduce's inputs, reduce-scatter's chunks), each unit's sums
+ * handed to store(u, sums, broken) (broken: the op broke, so the sums are
+ * not to be written as they are). */
+template <int DTYPE, typename Store>
+TPC_DEVICE void tpc_stream_sum(const tpc_op *op, const tpc_steps *s, uint32_t t, const uint4 own[TPC_STREAM_UNITS],
+                               Store store) {
+  const tpc_kernel_args *a = op->args;
+  float acc[TPC_STREAM_UNITS][8];
   tpc_stream_accumulate<DTYPE>(a, s, t, s->units, own, [&](int q) { return tpc_stream_slot(a, s, a->rank, q); }, acc);
+  const int broken = tpc_op_broken(op);
+  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
+    const uint64_t u = tpc_stream_unit(s, t, k);
+    if (u < s->units) store(u, acc[k], broken);
+  }
 }
 
 /* Those sums of step t rounded once (own values from `own`, the peers' from
@@ -64,15 +73,11 @@ TPC_DEVICE void tpc_stream_reduce(const tpc_op *op, const tpc_steps *s, uint32_t
     }
     return;
   }
-  float acc[TPC_STREAM_UNITS][8];
-  tpc_stream_sum<DTYPE>(a, s, t, own, acc);
-  const int broken = tpc_op_broken(op);
-  for (int k = 0; k < TPC_STREAM_UNITS; ++k) {
-    const uint64_t u = tpc_stream_unit(s, t, k);
+  tpc_stream_sum<DTYPE>(op, s, t, own, [&](uint64_t u, const float *sums, int broken) {
     uint32_t w[4];
-    tpc_round(acc[k], w, 4, DTYPE);
-    if (u < s->units) tpc_store16(out + u * 16, broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]));
-  }
+    tpc_round(sums, w, 4, DTYPE);
+    tpc_store16(out + u * 16, broken ? tpc_poison16(a) : make_uint4(w[0], w[1], w[2], w[3]));
+  });
 }
 
 #endif /* TPCOMM_STREAM_SUM_CUH */
