@@ -55,7 +55,7 @@ TPC_DEVICE uint32_t tpc_fp8_unit_absmax(const float *x) {
 
 /* The rounded normed words of a unit back into x (exact) and, for a scale
  * per tensor or row, |x|'s bits into *amax: this thread's maximum (a
- * group's is its warp's, taken in tpc_fp8_emit). */
+ * group's is its warp's, taken in tpc_fp8_emit_groups). */
 template <int QUANT>
 TPC_DEVICE void tpc_fp8_keep(const uint32_t *words, int dtype, float *x, uint32_t *amax) {
   tpc_start(x, words, 2, dtype);
