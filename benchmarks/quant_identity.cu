@@ -28,7 +28,9 @@
  *   FP8 quotients the fused norm's FP8 epilogue (tpc_fp8_quotient: a
  *                reciprocal and one fma correction) against __fdiv_rn for
  *                every bf16 and fp16 x and 8192 scales over 2^-64 .. 2^64:
- *                the same e4m3 codes, the same bits where |x / s| >= 2^-30.
+ *                the same e4m3 codes, the same bits where |x / s| >= 2^-30;
+ *   FP8 reciprocals tpc_fp8_reciprocal against __frcp_rn for every scale
+ *                the quotient takes it for (tpc_fp8_fast_scale).
  *
  * On the CPU (no argument): tpc_e4m3_sat_of and tpc_e4m3_value against
  * cuda_fp8.h's host conversions, the same functions as its device ones (the
@@ -45,7 +47,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "kernels/quant.cuh"
+#include "kernels/fp8_quotient.cuh"
 #include "probe_check.h"
 
 /* Whether tpc_quant_scaled can return y: not NaN. */
@@ -247,8 +249,18 @@ __global__ void qi_fp8_quotients(unsigned long long *bad) {
   atomicAdd(bad + 1, bits);
 }
 
+/* The FP8 epilogue's reciprocal (tpc_fp8_reciprocal) against __frcp_rn for
+ * every fast scale: the bits it multiplies by. */
+__global__ void qi_fp8_reciprocals(unsigned long long *bad) {
+  unsigned long long n = 0;
+  const uint32_t lo = tpc_bits_of(0x1p-60f), hi = tpc_bits_of(0x1p60f);
+  for (uint32_t i = lo + blockIdx.x * blockDim.x + threadIdx.x; i <= hi; i += gridDim.x * blockDim.x)
+    n += tpc_bits_of(tpc_fp8_reciprocal(tpc_float_of(i))) != tpc_bits_of(__frcp_rn(tpc_float_of(i)));
+  atomicAdd(bad, n);
+}
+
 static int qi_device(void) {
-  unsigned long long *bad, nbad[8];
+  unsigned long long *bad, nbad[9];
   CHECK(cudaMalloc(&bad, sizeof nbad));
   CHECK(cudaMemset(bad, 0, sizeof nbad));
   qi_encode<<<4096, 256>>>(bad);
@@ -261,6 +273,7 @@ static int qi_device(void) {
   qi_int_decode<TPC_QUANT_INT4><<<4096, 256>>>(bad + 4);
   qi_scales<<<4096, 256>>>(bad + 5);
   qi_fp8_quotients<<<4096, 256>>>(bad + 6);
+  qi_fp8_reciprocals<<<4096, 256>>>(bad + 8);
   CHECK(cudaGetLastError());
   CHECK(cudaMemcpy(nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost));
   printf("device: 2^32 encoded pairs and absmax steps: %llu differences; 65536 decoded pairs: %llu differences\n", nbad[0], nbad[1]);
@@ -270,7 +283,8 @@ static int qi_device(void) {
   printf("device: every absmax's scale and inv, 3 modes: %llu differences\n", nbad[5]);
   printf("device: FP8 epilogue quotients, every bf16 and fp16 x by 8192 scales: %llu codes and %llu quotients "
          "(|x / s| >= 2^-30) differ\n", nbad[6], nbad[7]);
-  for (int i = 0; i < 8; ++i)
+  printf("device: FP8 epilogue reciprocals, every fast scale (2^-60 .. 2^60): %llu differences\n", nbad[8]);
+  for (int i = 0; i < 9; ++i)
     if (nbad[i]) return 1;
   return 0;
 }

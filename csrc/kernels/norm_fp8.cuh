@@ -18,9 +18,27 @@
 #ifndef TPCOMM_NORM_FP8_CUH
 #define TPCOMM_NORM_FP8_CUH
 
-#include "quant.cuh"
+#include "fp8_quotient.cuh"
 
 #define TPC_FP8_MAX 448.0f
+
+/* A thread's units are steps 0 .. n-1 of its row. Past them, the
+ * instantiations of up to TPC_NORM_FEW_UNITS units leave the unrolled loop,
+ * which saves the remaining steps' tests; the larger one skips each
+ * remaining step instead (leaving made it spill more), as clang (HIP) does
+ * everywhere: it unrolls no loop with an exit. */
+#ifdef TPC_HIP
+#define TPC_FP8_LEAVES(UNITS) false
+#else
+#define TPC_FP8_LEAVES(UNITS) ((UNITS) <= TPC_NORM_FEW_UNITS)
+#endif
+#define TPC_FP8_PAST_UNITS(UNITS)          \
+  {                                        \
+    if constexpr (TPC_FP8_LEAVES(UNITS))   \
+      break;                               \
+    else                                   \
+      continue;                            \
+  }
 
 #if defined(__cplusplus)
 static_assert(TPC_FP8_GROUP == 32 * 4, "a group is one warp's units at one step: 32 lanes of 4 values");
@@ -113,39 +131,45 @@ TPC_DEVICE uint32_t tpc_fp8_unit_codes(const float *x, float s, float r, int fas
 /* Codes and scales of one row's groups (TPC_QUANT_PER_TOKEN_GROUP), by the
  * data threads. Group k of a warp is its 32 units at step k, so its maximum
  * is one warp reduction, the same in every lane. The scale and reciprocal of
- * a group are the same arithmetic in every lane: lane k (< UNITS) computes
- * group k's and writes its scale, and the warp reads them with a shuffle
- * each, one scale computation for the UNITS groups instead of one a group.
- * Whether step k holds units is the same over the warp (the row's units are
- * a multiple of 32), so every lane takes every shuffle it reaches. */
+ * a group are the same arithmetic in every lane: lane k computes group k's
+ * and writes its scale, and the warp reads them with a shuffle each, one
+ * scale computation for the warp's groups instead of one a group. A
+ * thread's units are steps 0 .. n-1, n the same over the warp (the row's
+ * units are a multiple of 32), so each loop stops at the first empty step
+ * and every lane takes every shuffle it reaches. */
 template <int UNITS>
 TPC_DEVICE void tpc_fp8_emit_groups(const tpc_kernel_args &a, float (*x)[4], uint64_t row, uint64_t base,
                                     uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
   static_assert(UNITS <= 32, "lane k takes group k");
   if (t >= data_threads || t >= row_units) return; /* no unit in this row: the whole warp */
-  const unsigned lane = t % 32;
-  uint32_t m[UNITS];
-#pragma unroll
-  for (int k = 0; k < UNITS; ++k)
-    m[k] = t + (uint64_t)k * data_threads < row_units ? tpc_max32_u32(tpc_fp8_unit_absmax(x[k])) : 0;
-  /* lane k's group where step k holds one; every other lane takes group 0's
+  const unsigned lane = t % 32, left = (unsigned)(row_units - t); /* rows hold at most 4096 units */
+  /* lane k's maximum: group k's where step k holds one, else group 0's
    * again (unused), so that no lane's scale takes another path than a
    * group's would (a maximum of 0 would divide) */
-  uint32_t own = m[0];
-#pragma unroll
-  for (int k = 1; k < UNITS; ++k)
-    own = lane == (unsigned)k && t + (uint64_t)k * data_threads < row_units ? m[k] : own;
-  const float own_s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(own, a.scale_floor), own_r = 1.0f / own_s;
-  const uint64_t own_u = t + (uint64_t)lane * data_threads; /* lane k's unit at step k, in group own_u / 32 */
-  if (lane < UNITS && own_u < row_units)
-    a.scales[row * a.scale_row_stride + (own_u / 32) * a.scale_group_stride] = own_s;
-  uint32_t *codes = (uint32_t *)a.out;
+  uint32_t m[UNITS] = {}, own = 0;
 #pragma unroll
   for (int k = 0; k < UNITS; ++k) {
-    const uint64_t u = t + (uint64_t)k * data_threads;
-    if (u >= row_units) continue;
-    const float s = tpc_shfl32_float(own_s, k), r = tpc_shfl32_float(own_r, k);
-    codes[base + u] = tpc_fp8_unit_codes(x[k], s, r, tpc_fp8_fast_scale(s), m[k], broken);
+    if ((unsigned)k * data_threads >= left) TPC_FP8_PAST_UNITS(UNITS)
+    m[k] = tpc_max32_u32(tpc_fp8_unit_absmax(x[k]));
+    if (k == 0 || lane == (unsigned)k) own = m[k];
+  }
+  const float own_s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(own, a.scale_floor);
+  const float own_r = tpc_fp8_reciprocal(own_s);
+  /* r's sign: + where the group's values all take the finite path (tpc_fp8_finite), - elsewhere
+   * (a NaN r, of a failed op, is not > 0 either), so that a unit tests one comparison */
+  const float own_rs = tpc_fp8_finite(own, own_r, tpc_fp8_fast_scale(own_s)) ? own_r : -own_r;
+  /* lane k's unit at step k is t + k * data_threads, in group warp + k * data_warps */
+  if (lane < UNITS && lane * data_threads < left)
+    a.scales[row * a.scale_row_stride +
+             (uint64_t)(t / 32 + lane * (data_threads / 32)) * a.scale_group_stride] = own_s;
+  uint32_t *codes = (uint32_t *)a.out + base + t;
+#pragma unroll
+  for (int k = 0; k < UNITS; ++k) {
+    if ((unsigned)k * data_threads >= left) TPC_FP8_PAST_UNITS(UNITS)
+    const float s = tpc_shfl32_float(own_s, k), r = tpc_shfl32_float(own_rs, k);
+    codes[k * data_threads] = r > 0.0f ? tpc_fp8_codes_finite(x[k], s, r)
+                              : broken ? (uint32_t)TPC_E4M3_NAN_BYTES
+                                       : tpc_fp8_codes(x[k], s, -r, tpc_fp8_fast_scale(s));
   }
 }
 
@@ -165,14 +189,16 @@ TPC_DEVICE void tpc_fp8_emit(const tpc_kernel_args &a, float (*x)[4], uint32_t a
       s = broken ? __uint_as_float(0x7fc00000u) : tpc_fp8_scale(amax, a.scale_floor);
       if (t == 0) a.scales[row * a.scale_row_stride] = s;
     }
+    if (t >= data_threads || t >= row_units) return;
     /* amax: the maximum |x| over the values coded with s (this thread's, per tensor) */
-    const float r = 1.0f / s;
+    const float r = tpc_fp8_reciprocal(s);
     const int fast = tpc_fp8_fast_scale(s);
+    const unsigned left = (unsigned)(row_units - t); /* as in tpc_fp8_emit_groups */
+    uint32_t *codes = (uint32_t *)a.out + base + t;
 #pragma unroll
     for (int k = 0; k < UNITS; ++k) {
-      const uint64_t u = t + (uint64_t)k * data_threads;
-      if (t >= data_threads || u >= row_units) continue;
-      ((uint32_t *)a.out)[base + u] = tpc_fp8_unit_codes(x[k], s, r, fast, amax, broken);
+      if ((unsigned)k * data_threads >= left) TPC_FP8_PAST_UNITS(UNITS)
+      codes[k * data_threads] = tpc_fp8_unit_codes(x[k], s, r, fast, amax, broken);
     }
   }
 }

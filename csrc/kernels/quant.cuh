@@ -199,30 +199,6 @@ TPC_DEVICE float tpc_div_by_reciprocal(float a, float d, float r) {
   return __fmaf_rn(__fmaf_rn(-q, d, a), r, q);
 }
 
-/* Whether tpc_fp8_quotient may take x / s from r = 1 / s: s within
- * [2^-60, 2^60]. The FP8 epilogue's scales (norm_fp8.cuh) are one per
- * tensor, row or group, so the test is the same for each value under one.
- * benchmarks/quant_identity.cu checks the quotient's codes. */
-TPC_DEVICE int tpc_fp8_fast_scale(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
-
-/* x / s as the division rounds it, from r = 1 / s (correctly rounded) and
- * the guess q = x * r, where s is fast and q finite (tpc_div_by_reciprocal):
- * its residual is exact for |x| >= 2^-90; below that |x / s| < 2^-30, and
- * both quotients give e4m3 zero of x's sign. A zero guess is the quotient
- * (x is a zero, or x / s is below the subnormals): the correction would add
- * +0 to -0, losing its sign. */
-TPC_DEVICE float tpc_fp8_quotient_finite(float x, float s, float r, float q) {
-  return q == 0.0f ? q : tpc_div_by_reciprocal(x, s, r);
-}
-
-/* The same for any x and s: a scale that is not fast, and an infinite or
- * NaN guess, take the division. */
-TPC_DEVICE float tpc_fp8_quotient(float x, float s, float r, int fast) {
-  const float q = __fmul_rn(x, r);
-  if (!fast || !(fabsf(q) <= 0x1.fffffep127f)) return x / s;
-  return tpc_fp8_quotient_finite(x, s, r, q);
-}
-
 /* a / qmax for a in [TPC_QUANT_TINY, FLT_MAX], as __fdiv_rn
  * (tpc_div_by_reciprocal; benchmarks/quant_identity.cu checks every a)
  * without its range check, a branch around a slow path that would split the
