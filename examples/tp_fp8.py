@@ -183,14 +183,34 @@ class TPFp8Model(torch.nn.Module):
         return funcol.all_reduce(self.head(mine, scales, h.dtype), "sum", self.group)
 
 
+def _unit(quant):
+    """The columns a rank's slice is a multiple of: the block of the scales; _scaled_mm's 16 on CUDA."""
+    return GROUP if quant == "group" else 16
+
+
 def check_dims(dims, world, quant):
     """Raises ValueError where `dims` do not split among `world` ranks for `quant`."""
-    unit = GROUP if quant == "group" else 16  # the block of the scales; _scaled_mm's multiple of 16 on CUDA
+    unit = _unit(quant)
     for name in ("hidden", "mlp"):
         if dims[name] % (unit * world):
             raise ValueError(f"{name} {dims[name]} must be a multiple of {unit} * {world} ranks for {quant}")
     if dims["heads"] % world or dims["vocab"] % unit:
         raise ValueError(f"heads {dims['heads']} must divide among {world} ranks, vocab {dims['vocab']} by {unit}")
+
+
+def dims_for(world, quant, dims=SMALL):
+    """`dims` where they split among `world` ranks for `quant` (check_dims),
+    else widened to the next sizes that do: hidden and mlp to multiples of
+    the unit times the world, heads to a multiple of the world that divides
+    hidden. SMALL splits as it is among 2 ranks for every quantization."""
+    step = _unit(quant) * world
+
+    def up(n, multiple):
+        return -(-n // multiple) * multiple
+    hidden, heads = up(dims["hidden"], step), up(dims["heads"], world)
+    while hidden % heads:
+        hidden += step
+    return dict(dims, hidden=hidden, heads=heads, mlp=up(dims["mlp"], step))
 
 
 def build(rank, world, group, quant, dims=None, dtype=torch.float32, device="cpu", seed=0):
@@ -257,9 +277,10 @@ def main(rank, world, args):
     device = tp_functional.rank_device(rank, args.cpu)
     dtype, group = getattr(torch, args.dtype), dist.group.WORLD
     comm = tpcomm.Communicator(group, device=device)
-    x = example_input(device=device)
     for quant in args.quant:
-        model = build(rank, world, group, quant, dtype=dtype, device=device)
+        dims = dims_for(world, quant)
+        x = example_input(dims, device=device)
+        model = build(rank, world, group, quant, dims, dtype=dtype, device=device)
         results = tp_functional.run_modes(model, x, comm, group, inner=args.inner)
         rows, (greedy, same) = tp_functional.summary(results), tokens(results)
         if rank == 0:

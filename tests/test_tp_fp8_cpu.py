@@ -102,6 +102,19 @@ def test_dims_that_do_not_split_are_refused():
         tp_fp8.check_dims(dict(tp_fp8.SMALL, heads=3), 2, "static")
 
 
+def test_dims_for_splits_at_every_world_size():
+    """dims_for: SMALL itself at 2 ranks; at 2..8 ranks, dims that split
+    (check_dims passes) and are no smaller than SMALL."""
+    for quant in tp_fp8.QUANTS:
+        assert tp_fp8.dims_for(2, quant) == tp_fp8.SMALL
+        for world in range(2, 9):
+            dims = tp_fp8.dims_for(world, quant)
+            tp_fp8.check_dims(dims, world, quant)
+            assert dims["hidden"] % dims["heads"] == 0, (world, quant, dims)
+            assert all(dims[k] >= tp_fp8.SMALL[k] for k in ("hidden", "heads", "mlp")), (world, quant, dims)
+    assert tp_fp8.dims_for(3, "group") == dict(tp_fp8.SMALL, hidden=384, heads=6, mlp=768)
+
+
 def test_weight_quantization_round_trips():
     """quantize_weight, then dequantize_weight (fp8_linear's off _scaled_mm):
     the weight back within half an e4m3 step (2^-4 of the value) plus a

@@ -46,10 +46,11 @@ def _body(rank, world, quant, inner):
     comm = tpcomm.Communicator()
     assert comm.enabled, comm.disabled_reason
     device, group = torch.device("cuda", torch.cuda.current_device()), dist.group.WORLD
-    x, issued = tp_fp8.example_input(device=device), tp_fp8.collectives()
+    dims = tp_fp8.dims_for(world, quant)  # SMALL at 2 ranks, widened where it does not split
+    x, issued = tp_fp8.example_input(dims, device=device), tp_fp8.collectives()
     with torch.no_grad():
-        out32 = tp_fp8.build(rank, world, group, quant, dtype=torch.float32, device=device)(x)
-    model = tp_fp8.build(rank, world, group, quant, dtype=torch.bfloat16, device=device)
+        out32 = tp_fp8.build(rank, world, group, quant, dims, dtype=torch.float32, device=device)(x)
+    model = tp_fp8.build(rank, world, group, quant, dims, dtype=torch.bfloat16, device=device)
     results = tp_functional.run_modes(model, x, comm, group, inner=inner, modes=("torch", "compiled_fused"))
     what = f"{quant} {inner} at {world} ranks"
     check_tp_fp8(results["compiled_fused"], issued, what, "fused", KERNELS)
