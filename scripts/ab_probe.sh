@@ -8,7 +8,9 @@
 #
 #   mkdir -p .ab && git archive <rev> csrc benchmarks -o .ab/base.tar
 #   bash scripts/ab_probe.sh .ab/base.tar [rounds] [hidden ...]   (default 2 rounds, 4096 8192 16384)
-# Each round's output is kept in AB_DIR (default build/ab_probe).
+# Each round's output is kept in AB_DIR (default build/ab_probe). BASE.tar "-" runs the
+# builds already in AB_DIR (timed_base, phases_base, timed_new, phases_new: made on a
+# machine without a GPU, by the same nvcc line, and carried) instead of building.
 set -u
 base_tar=${1:?usage: ab_probe.sh BASE.tar [rounds] [hidden ...]}
 rounds=${2:-2}
@@ -16,16 +18,18 @@ shift $(( $# >= 2 ? 2 : 1 ))
 hidden=("$@")
 [ ${#hidden[@]} -gt 0 ] || hidden=(4096 8192 16384)
 dir=${AB_DIR:-build/ab_probe}
-rm -rf "$dir" && mkdir -p "$dir/base"
-tar -xf "$base_tar" -C "$dir/base" || exit 1
 build() {  # build SOURCE_ROOT NAME: the timed and phase builds, in parallel
   local probe="nvcc -O3 -std=c++17 -arch=sm_90 -I$1/csrc $1/benchmarks/norm_fp8_probe.cu $1/csrc/core/limits.c"
   $probe -o "$dir/timed_$2" > "$dir/build_timed_$2.log" 2>&1 &
   $probe -DNORM_FP8_PROBE_PHASES -o "$dir/phases_$2" > "$dir/build_phases_$2.log" 2>&1 &
 }
-build "$dir/base" base
-build . new
-wait
+if [ "$base_tar" != - ]; then
+  rm -rf "$dir" && mkdir -p "$dir/base"
+  tar -xf "$base_tar" -C "$dir/base" || exit 1
+  build "$dir/base" base
+  build . new
+  wait
+fi
 for b in timed_base phases_base timed_new phases_new; do
   [ -x "$dir/$b" ] || { tail -20 "$dir/build_$b.log"; exit 1; }
 done
