@@ -135,8 +135,8 @@ TPC_DEVICE uint32_t tpc_fp8_unit_codes(const float *x, float s, float r, int fas
  * and writes its scale, and the warp reads them with a shuffle each, one
  * scale computation for the warp's groups instead of one a group. A
  * thread's units are steps 0 .. n-1, n the same over the warp (the row's
- * units are a multiple of 32), so each loop stops at the first empty step
- * and every lane takes every shuffle it reaches. */
+ * units are a multiple of 32), so every lane takes every shuffle it reaches
+ * and none past n (TPC_FP8_PAST_UNITS). */
 template <int UNITS>
 TPC_DEVICE void tpc_fp8_emit_groups(const tpc_kernel_args &a, float (*x)[4], uint64_t row, uint64_t base,
                                     uint64_t row_units, unsigned t, unsigned data_threads, int broken) {
