@@ -119,7 +119,9 @@ def _extension():
         sources=sources,
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", TORCH_TARGET, *macros],
-            "nvcc": ["-O3", "-std=c++17", TORCH_TARGET, *macros],
+            # --threads 0: one thread per target architecture (the kernels are one file, so
+            # ninja's jobs alone would compile a wheel's sm_80 and sm_90 one after the other).
+            "nvcc": ["-O3", "-std=c++17", "--threads", "0", TORCH_TARGET, *macros],
         },
         include_dirs=[gpu_include],
         py_limited_api=True,

@@ -5,17 +5,21 @@
 # extension loads, its libraries carry no RUNPATH, `tpcomm doctor` exits 0,
 # and the CPU tests that prove the install pass (WHEEL_TESTS: the package
 # alone registers the ops, the ops and the vLLM plugin on gloo ranks, the
-# console script, the quick start). They run from a copy of the checkout's
+# doctor's console script, the quick start; the doctor's logic is the
+# suite's). They run from a copy of the checkout's
 # tracked files, where no in-place build exists, with TPCOMM_TEST_INSTALLED=1,
 # which keeps python/ off sys.path and off every child's PYTHONPATH
 # (tests/source_tree.py; tests/test_source_tree_cpu.py checks it). The whole
 # suite runs once, against the in-place build (.ci/run).
 # Usage: .ci/test_wheel.sh WHEEL TORCH_VERSION VENV
+#        .ci/test_wheel.sh --prepare TORCH_VERSION VENV [PACKAGE ...]   (the venv alone, with PACKAGEs too)
 #   env: PYTHON (makes the venv; default python3), WHEEL_TESTS (pytest arguments)
 set -euo pipefail
-wheel=$(readlink -f "${1:?usage: test_wheel.sh WHEEL TORCH_VERSION VENV}")
-torch_version=${2:?usage: test_wheel.sh WHEEL TORCH_VERSION VENV}
-venv=${3:?usage: test_wheel.sh WHEEL TORCH_VERSION VENV}
+usage="usage: test_wheel.sh WHEEL|--prepare TORCH_VERSION VENV"
+wheel=${1:?$usage}
+[ "$wheel" = --prepare ] || wheel=$(readlink -f "$wheel")
+torch_version=${2:?$usage}
+venv=${3:?$usage}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="$(pwd)"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -28,7 +32,11 @@ if [ "$have" != "$torch_version" ]; then
   "${PYTHON:-python3}" -m venv "$venv"
 fi
 "$py" -m pip install -q --progress-bar off "torch==$torch_version" numpy pytest hypothesis transformers accelerate \
-  matplotlib tqdm
+  matplotlib tqdm "${@:4}"
+if [ "$wheel" = --prepare ]; then
+  echo "venv $venv: torch $torch_version ready in $(( $(date +%s) - start )) s"
+  exit 0
+fi
 "$py" -m pip install -q --progress-bar off --no-deps --force-reinstall "$wheel"
 echo "== $(basename "$wheel") in torch $("$py" -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda, end=")")') (venv ready in $(( $(date +%s) - start )) s)"
 
@@ -61,7 +69,8 @@ if ls "$src"/python/tpcomm/*.so >/dev/null 2>&1; then echo "the test copy holds 
 cd "$src"
 status=0
 tests=(tests/test_source_tree_cpu.py tests/test_package_cpu.py tests/test_ops_cpu.py
-       tests/test_vllm_plugin_cpu.py tests/test_doctor_cpu.py tests/test_quickstart_cpu.py
+       tests/test_vllm_plugin_cpu.py tests/test_quickstart_cpu.py
+       tests/test_doctor_cpu.py::test_console_script_runs_the_doctor_and_tells_its_version
        tests/test_packaging_cpu.py::test_built_extension_carries_no_run_path)
 [ -z "${WHEEL_TESTS:-}" ] || read -ra tests <<<"$WHEEL_TESTS"
 TPCOMM_TEST_INSTALLED=1 "$py" -m pytest -q -rs -p no:cacheprovider "${tests[@]}" || status=$?

@@ -4,7 +4,7 @@
 # transformers and those of its dependencies whose versions differ from the venv's (what pip would
 # change in the venv: its resolver's report, then those packages alone into the directory); then
 # .ci/test_transformers_versions.py runs the families under each. A directory already holding its
-# version is kept. Prints each step's time. Env: PY (the venv's python; default .venv/bin/python),
+# version is kept (`--install` installs them and stops). Prints each step's time. Env: PY (the venv's python; default .venv/bin/python),
 # TPCOMM_TEST_VERSIONS_JSON (where the test writes every run's results, for scripts/benchmark_tables.py),
 # TPCOMM_TEST_TRANSFORMERS_SIDE (the side directories' parent instead).
 set -euo pipefail
@@ -41,6 +41,7 @@ PYTHON
   PYTHONPATH="$dir" "$PY" -c "import transformers; assert transformers.__version__ == '$v', transformers.__file__"
 done
 
+[ "${1:-}" != --install ] || { step "installed"; exit 0; }
 step "tests under ${VERSIONS// /, } and the venv's $("$PY" -c 'import transformers; print(transformers.__version__)')"
 status=0
 TPCOMM_TEST_TRANSFORMERS_DIRS="$(IFS=:; echo "${dirs[*]}")" "$PY" -m pytest -q -rs .ci/test_transformers_versions.py \
