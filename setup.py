@@ -180,13 +180,32 @@ def _build_ext_class(gpu_home, gpu_include, macros, clang):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 subprocess.check_call([cc, "-shared", *objects, "-o", str(target)])
                 return
-            if clang:
-                objects.append(self._clang_kernels(out_dir))
             ext.extra_objects = list(ext.extra_objects or []) + objects
-            super().build_extension(ext)
+            if not clang:
+                super().build_extension(ext)
+                return
+            # clang compiles the kernels while ninja compiles the binding; the link waits for both.
+            kernels, obj = self._start_clang_kernels(out_dir)
+            ext.extra_objects.append(obj)
+            link = self.compiler.link_shared_object
+
+            def link_after_kernels(*args, **kwargs):
+                if kernels.wait() != 0:
+                    raise subprocess.CalledProcessError(kernels.returncode, kernels.args)
+                return link(*args, **kwargs)
+
+            self.compiler.link_shared_object = link_after_kernels
+            try:
+                super().build_extension(ext)
+            finally:
+                self.compiler.link_shared_object = link
+                if kernels.poll() is None:
+                    kernels.kill()
+                    kernels.wait()
 
         @staticmethod
-        def _clang_kernels(out_dir):
+        def _start_clang_kernels(out_dir):
+            """Starts clang on the kernels: (the process, the object it writes)."""
             if shutil.which(clang) is None:
                 raise RuntimeError(f"TPCOMM_CUDA_CLANG={clang}: no such compiler on PATH")
             obj = out_dir / "launch_clang.o"
@@ -196,9 +215,8 @@ def _build_ext_class(gpu_home, gpu_include, macros, clang):
                    *_clang_cuda_arch_flags(), "-std=c++17", "-O3", "-fPIC", "-Wall", "-Werror",
                    "-Wno-unknown-cuda-version", *macros, "-I", str(ROOT / "csrc"),
                    "-include", str(ROOT / CLANG_CUDA_PRELUDE), "-c", str(ROOT / KERNEL_SOURCE), "-o", str(obj)]
-            print(" ".join(cmd))
-            subprocess.check_call(cmd)
-            return str(obj)
+            print(" ".join(cmd), flush=True)
+            return subprocess.Popen(cmd), str(obj)
 
     return BuildWithCCore.with_options(use_ninja=True)
 

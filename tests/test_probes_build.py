@@ -1,8 +1,9 @@
 """The standalone CUDA probes under benchmarks/: latency_probe.cu (the stage
 timings behind docs/design.md's "where the time goes") and scale_probe.cu
 (the kernels at 2..8 ranks) are compiled against the current kernels (their
-device code to PTX: see _compile), so they cannot drift from the code they measure, and their `list` modes (no
-GPU needed) must name every row the device run times;
+device code to PTX: see _compile), so they cannot drift from the code they
+measure, and their `list` modes (no GPU needed) must name every row the
+device run times;
 bandwidth_probe.cu (the NVLink transfer rates behind the bulk kernels'
 design) and racecheck_stream_start.cu (compute-sanitizer's reports on the
 streamed kernels' start) must compile warning-free; norm_fp8_probe.cu (the
