@@ -7,8 +7,10 @@
 # The torch 2.10 and 2.15 venvs are fresh per clone (.whl/ is ignored), made by python3 -m venv
 # before the builds, and removed after their tests (TPCOMM_CI_KEEP_VENVS=1 keeps them); torch
 # 2.11's is the build venv, whose editable install the wheel replaces (so it runs last).
-# `wheels.sh --prepare` makes the tools, the venvs and the CUDA 12.8 toolkit and stops: .ci/run
-# starts it in the background before the suite, so the downloads overlap the tests.
+# `wheels.sh --prepare` makes the tools, the venvs and the CUDA 12.8 toolkit and stops;
+# `wheels.sh --build` then builds both wheels into a fresh .whl/dist and stops: .ci/run runs both
+# in the background during the suite, then this script with TPCOMM_CI_WHEELS_PREBUILT=1, which
+# tests the wheels found in .whl/dist instead of building them.
 # Prints each step's time. Needs: the build venv .venv (.ci/run; BUILD_PY overrides), clang-19
 # (.ci/run's apt step), nvcc in CUDA_HOME.
 set -euo pipefail
@@ -39,13 +41,18 @@ bash scripts/cuda12_toolkit.sh "$W/cuda12.8" "$V12/bin/python"
 step "torch $NEWEST_CU13 venv (tests the cu130 wheel)"
 bash .ci/test_wheel.sh --prepare "$NEWEST_CU13" "$V13"
 [ "${1:-}" != --prepare ] || { step "prepared"; exit 0; }
-command -v clang-19 >/dev/null || { echo "clang-19 is needed for the cu128 wheel (apt-get install clang-19)" >&2; exit 1; }
 
-step "cu130 wheel"
-PY="${BUILD_PY:-$ROOT/.venv/bin/python}" bash .ci/wheel.sh cu130 "$DIST"
-
-step "cu128 wheel"
-PY="$V12/bin/python" CUDA12_TOOLKIT="$W/cuda12.8" bash .ci/wheel.sh cu128 "$DIST"
+if [ "${TPCOMM_CI_WHEELS_PREBUILT:-0}" = 1 ]; then
+  step "the wheels built earlier: $(cd "$DIST" && echo tpcomm-*.whl)"
+else
+  command -v clang-19 >/dev/null || { echo "clang-19 is needed for the cu128 wheel (apt-get install clang-19)" >&2; exit 1; }
+  rm -rf "$DIST" && mkdir -p "$DIST"
+  step "cu130 wheel"
+  PY="${BUILD_PY:-$ROOT/.venv/bin/python}" bash .ci/wheel.sh cu130 "$DIST"
+  step "cu128 wheel"
+  PY="$V12/bin/python" CUDA12_TOOLKIT="$W/cuda12.8" bash .ci/wheel.sh cu128 "$DIST"
+  [ "${1:-}" != --build ] || { step "built"; exit 0; }
+fi
 
 status=0
 for run in "cu128 $TORCH_CU12 $V12" "cu130 $NEWEST_CU13 $V13" "cu130 $OLDEST_CU13 $BUILD_VENV"; do

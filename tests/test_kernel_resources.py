@@ -1,5 +1,5 @@
 """The kernels as ptxas builds them for sm_90 (H100/H200), compiled here from
-csrc/kernels/launch.cu with the build's nvcc flags and -Xptxas -v.
+csrc/kernels/launch.cu with the build's nvcc flags, ptxas run as nvcc runs it, with -v.
 
 A launch asks for the registers of its whole block at once: a kernel given
 more registers than its largest block allows fails at launch ("too many
@@ -59,18 +59,37 @@ def _base(mangled):
     return found.group(1) if found else None
 
 
+def _ptxas(nvcc):
+    found = shutil.which("ptxas") or os.path.join(os.path.dirname(nvcc), "ptxas")
+    if not os.path.exists(found):
+        pytest.skip("needs ptxas (the CUDA toolkit) to build the kernels")
+    return found
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(ptxas report per function, .maxntid per kernel) of launch.cu for sm_90."""
     nvcc, out = _nvcc(), tmp_path_factory.mktemp("kernels")
-    src = os.path.join(CSRC, "kernels", "launch.cu")
-    # One compile: --keep leaves the PTX ptxas was given (launch.ptx) beside the object.
-    proc = subprocess.run([nvcc, *NVCC_FLAGS, "-Xptxas", "-v", "--keep", "--keep-dir", str(out), "-c", src,
-                           "-o", str(out / "launch.o")], capture_output=True, text=True, timeout=600)
+    src, ptx = os.path.join(CSRC, "kernels", "launch.cu"), out / "launch.ptx"
+    # The PTX nvcc gives ptxas for sm_90, then ptxas as nvcc runs it, over the
+    # kernels in two halves side by side: ptxas builds each entry on its own.
+    flags = [f for f in NVCC_FLAGS if not f.startswith("-gencode")]
+    proc = subprocess.run([nvcc, *flags, "-arch=compute_90", "-ptx", src, "-o", str(ptx)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    entries = re.findall(r"^\.visible \.entry (\w+)\(", ptx.read_text(), re.MULTILINE)
+    assert entries, "no kernel in launch.ptx"
+    ptxas = _ptxas(nvcc)
+    halves = [subprocess.Popen([ptxas, "-arch=sm_90", "-m64", "-v", "-e", ",".join(entries[i::2]), str(ptx),
+                                "-o", str(out / f"launch{i}.cubin")], stderr=subprocess.PIPE, text=True)
+              for i in range(2)]
+    errors = [half.communicate(timeout=600)[1] for half in halves]
+    for half, err in zip(halves, errors):
+        assert half.returncode == 0, err[-4000:]
+    stderr = "".join(errors)
     report = {}  # mangled function -> {"stack", "spill_stores", "spill_loads", "registers"}
     current = None
-    for line in proc.stderr.splitlines():
+    for line in stderr.splitlines():
         if m := re.search(r"Function properties for (\S+)", line):
             current = report.setdefault(m.group(1), {})
         elif current is not None and (m := re.search(
@@ -79,7 +98,7 @@ def built(tmp_path_factory):
         elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
             current["registers"] = int(m.group(1))
     bounds = {}  # kernel -> .maxntid, or None
-    for chunk in (out / "launch.ptx").read_text().split(".entry ")[1:]:
+    for chunk in ptx.read_text().split(".entry ")[1:]:
         head = chunk[:chunk.index("{")]
         found = re.search(r"\.maxntid (\d+), 1, 1", head)
         bounds[_base(head.split("(")[0])] = int(found.group(1)) if found else None
