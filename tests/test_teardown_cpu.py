@@ -3,12 +3,14 @@ ends a gloo group before interpreter exit: nothing of tpcomm's keeps the
 group, and with it gloo's worker threads, alive, so none is left to abort
 the process at exit (docs/design.md, Teardown; tpcomm._teardown says why a
 thread left at exit can). Each test checks the group object is gone and its
-worker threads joined, which needs no timing: the abort itself is a race,
-counted by scripts/exit_stress.py (docs/testing.md)."""
+worker threads joined, which needs no timing (only a new thread's name is
+waited for): the abort itself is a race, counted by scripts/exit_stress.py
+(docs/testing.md)."""
 import inspect
 import os
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -25,8 +27,8 @@ import exit_stress  # noqa: E402 - the README snippet on gloo, as the stress scr
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
 
 
-def gloo_worker_threads():
-    """Thread ids of this process's gloo worker threads (ProcessGroupGloo names them)."""
+def thread_names():
+    """Thread id -> name of this process's threads."""
     names = {}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -34,14 +36,22 @@ def gloo_worker_threads():
                 names[tid] = f.read().strip()
         except OSError:  # the thread ended while we looked
             pass
-    return {tid for tid, name in names.items() if name == "pt_gloo_runloop"}
+    return names
+
+
+def gloo_worker_threads():
+    """Thread ids of this process's gloo worker threads (ProcessGroupGloo names them)."""
+    return {tid for tid, name in thread_names().items() if name == "pt_gloo_runloop"}
 
 
 def _body_closed_communicator_lets_go(rank, world_size):
     """A closed Communicator, still referenced (a module-scope one is, until
-    exit), holds nothing of its group: destroying the group joins its threads."""
-    dist.barrier()  # the world group's threads are up before the count
-    before = gloo_worker_threads()
+    exit), holds nothing of its group: destroying the group joins its threads.
+    The group's threads are the gloo ones whose ids are new since before
+    new_group: every thread that exists then, named yet or not (a thread takes
+    its name when it first runs, which on a loaded machine can be later), is
+    another's."""
+    before = set(thread_names())
     group = dist.new_group(list(range(world_size)))
     comm = tpcomm.Communicator(group, device="cpu")
     x = torch.ones(4 * world_size)
@@ -50,13 +60,17 @@ def _body_closed_communicator_lets_go(rank, world_size):
     comm.reduce_scatter(x, 0)
     comm.all_reduce_add_rms_norm(x.view(world_size, 4), x.view(world_size, 4), torch.ones(4))
     torch.ops.tpcomm.custom_all_reduce(x, comm.group_name)
-    mine = gloo_worker_threads() - before
+    deadline = time.monotonic() + 30
+    while not gloo_worker_threads() - before:  # one of the group's threads has run, so the check sees it
+        assert time.monotonic() < deadline, "no gloo worker thread of the new group took its name within 30 s"
+        time.sleep(0.01)
     comm.close()
     ref = weakref.ref(group)
     dist.destroy_process_group(group)
     del group
     assert ref() is None, "the process group outlives destroy_process_group: the closed Communicator holds it"
-    assert not mine & gloo_worker_threads(), "the group's gloo worker threads outlive its destruction"
+    left = gloo_worker_threads() - before
+    assert not left, f"the group's gloo worker threads {sorted(left)} outlive its destruction"
     assert "closed" in repr(comm) and comm.group is None
 
 
@@ -100,7 +114,8 @@ def test_readme_core_snippet_ends_its_gloo_group(tmp_path):
     """The README's core snippet, on 2 gloo ranks under torchrun as a user
     runs it, leaves no gloo worker thread for interpreter exit."""
     script = tmp_path / "readme_core.py"
-    script.write_text(exit_stress.readme_core(source_tree.ROOT) + "\n" + inspect.getsource(gloo_worker_threads)
+    script.write_text(exit_stress.readme_core(source_tree.ROOT) + "\n" + inspect.getsource(thread_names)
+                      + inspect.getsource(gloo_worker_threads)
                       + "left = gloo_worker_threads()\n"
                       + "assert not left, f'{len(left)} gloo worker threads outlive the teardown'\n"
                       + "print('no gloo worker thread left')\n")
