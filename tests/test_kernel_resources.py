@@ -77,7 +77,8 @@ def built(tmp_path_factory):
     proc = subprocess.run([nvcc, *flags, "-arch=compute_90", "-ptx", src, "-o", str(ptx)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    entries = re.findall(r"^\.visible \.entry (\w+)\(", ptx.read_text(), re.MULTILINE)
+    text = ptx.read_text()
+    entries = re.findall(r"\.entry (\w+)\(", text)
     assert entries, "no kernel in launch.ptx"
     ptxas = _ptxas(nvcc)
     halves = [subprocess.Popen([ptxas, "-arch=sm_90", "-m64", "-v", "-e", ",".join(entries[i::2]), str(ptx),
@@ -97,8 +98,10 @@ def built(tmp_path_factory):
             current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
             current["registers"] = int(m.group(1))
+    missing = set(entries) - set(report)
+    assert not missing, f"kernels ptxas did not report: {sorted(missing)}"
     bounds = {}  # kernel -> .maxntid, or None
-    for chunk in ptx.read_text().split(".entry ")[1:]:
+    for chunk in text.split(".entry ")[1:]:
         head = chunk[:chunk.index("{")]
         found = re.search(r"\.maxntid (\d+), 1, 1", head)
         bounds[_base(head.split("(")[0])] = int(found.group(1)) if found else None
