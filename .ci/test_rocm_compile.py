@@ -12,6 +12,9 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A guard against a hung compiler, not a speed check: 15 minutes alone; .ci/run sets more where
+# the check runs at the lowest priority beside the suite, which decides how much CPU it gets.
+TIMEOUT_S = int(os.environ.get("TPCOMM_CI_ROCM_TIMEOUT_S", "900"))
 MISSING = [tool for tool in ("hipcc", "clang-19", "gcc") if shutil.which(tool) is None]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} "
                                 "(apt-get install hipcc libamdhip64-dev rocm-device-libs clang-19; .ci/run does)")
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING
 
 def test_kernels_and_core_compile_for_amd(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "rocm_compile.sh"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "kernels: gfx90a" in proc.stdout and "kernels: gfx942" in proc.stdout
     core = [os.path.basename(c)[:-2] + ".o" for c in glob.glob(os.path.join(ROOT, "csrc", "core", "*.c"))]

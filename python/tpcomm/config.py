@@ -50,7 +50,7 @@ VARIABLES = ("TPCOMM_DISABLE", "TPCOMM_TIMEOUT_S", "TPCOMM_MAX_BYTES", "TPCOMM_P
 # (.ci/) and the test harness (docs/testing.md), whose own variables are all
 # TPCOMM_TEST_* besides TPCOMM_SHARE_GPU.
 OTHER_VARIABLES = ("TPCOMM_CUDA_CLANG", "TPCOMM_VERSION_LABEL", "TPCOMM_CI_WHEELS", "TPCOMM_CI_KEEP_VENVS",
-                   "TPCOMM_CI_WHEELS_PREBUILT", "TPCOMM_SHARE_GPU")
+                   "TPCOMM_CI_WHEELS_PREBUILT", "TPCOMM_CI_ROCM_TIMEOUT_S", "TPCOMM_SHARE_GPU")
 TEST_PREFIX = "TPCOMM_TEST_"
 _TIMEOUT_MAX_S = (2**64 - 1) / 1e9  # the C core holds the timeout in nanoseconds, in 64 bits
 
