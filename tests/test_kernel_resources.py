@@ -8,13 +8,13 @@ every kernel launch.cu starts either carries that largest block as its
 __launch_bounds__ (ptxas then keeps the registers within it), or has few
 enough registers for it. Spills and stack frames go to local memory, slow on
 the hot path: none is allowed but the ones listed below with their reason."""
-import glob
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
+
+import cuda_toolkit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -46,41 +46,28 @@ def _define(path, name):
     return int(found.group(1))
 
 
-def _nvcc():
-    found = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
-    if found is None:
-        pytest.skip("needs nvcc (the CUDA toolkit) to compile the kernels")
-    return found
-
-
 def _base(mangled):
     """tpc_x_kernel from _Z..tpc_x_kernelILi0EEv15tpc_kernel_args and the like."""
     found = re.search(r"(tpc_\w+?_kernel)", mangled)
     return found.group(1) if found else None
 
 
-def _ptxas(nvcc):
-    found = shutil.which("ptxas") or os.path.join(os.path.dirname(nvcc), "ptxas")
-    if not os.path.exists(found):
-        pytest.skip("needs ptxas (the CUDA toolkit) to build the kernels")
-    return found
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(ptxas report per function, .maxntid per kernel) of launch.cu for sm_90."""
-    nvcc, out = _nvcc(), tmp_path_factory.mktemp("kernels")
+    ptxas, out = cuda_toolkit.tool("ptxas"), tmp_path_factory.mktemp("kernels")
+    if ptxas is None:
+        pytest.skip(f"{cuda_toolkit.NEEDS_NVCC}, with its ptxas, to build the kernels")
     src, ptx = os.path.join(CSRC, "kernels", "launch.cu"), out / "launch.ptx"
     # The PTX nvcc gives ptxas for sm_90, then ptxas as nvcc runs it, over the
     # kernels in two halves side by side: ptxas builds each entry on its own.
     flags = [f for f in NVCC_FLAGS if not f.startswith("-gencode")]
-    proc = subprocess.run([nvcc, *flags, "-arch=compute_90", "-ptx", src, "-o", str(ptx)],
+    proc = subprocess.run([cuda_toolkit.NVCC, *flags, "-arch=compute_90", "-ptx", src, "-o", str(ptx)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = ptx.read_text()
     entries = re.findall(r"\.entry (\w+)\(", text)
     assert entries, "no kernel in launch.ptx"
-    ptxas = _ptxas(nvcc)
     halves = [subprocess.Popen([ptxas, "-arch=sm_90", "-m64", "-v", "-e", ",".join(entries[i::2]), str(ptx),
                                 "-o", str(out / f"launch{i}.cubin")], stderr=subprocess.PIPE, text=True)
               for i in range(2)]

@@ -11,14 +11,14 @@ FP8 epilogue's local cost) too, as a probe and as its driver's library.
 Timing needs 2 GPUs (norm_fp8_probe: one)."""
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
+from cuda_toolkit import NEEDS_NVCC, NVCC
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason=NEEDS_NVCC)
 
 SIZES = (64, 2048, 16384, 65536, 262144, 1048576)
 # Every kernel the default run times at each size: the real ones, through

@@ -6,16 +6,16 @@ conversion, every code through the decoder, and every group absmax through
 the integer codes' range bound; any difference fails. The same program with
 `device` checks the instructions themselves on an sm_89+ GPU."""
 import os
-import shutil
 import subprocess
 
 import pytest
 
+from cuda_toolkit import NEEDS_NVCC, NVCC
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
-@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.skipif(NVCC is None, reason=NEEDS_NVCC)
 def test_hardware_codec_paths_match_the_software_rule_on_every_input(tmp_path):
     exe = tmp_path / "quant_identity"
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-I",

@@ -5,16 +5,16 @@ it measures, and its `list` mode (no GPU needed) names every row the device
 run times; a grid argument out of range is refused before any GPU call.
 Timing needs a GPU (scripts/device_run.sh quant_local)."""
 import os
-import shutil
 import subprocess
 
 import pytest
 
+from cuda_toolkit import NEEDS_NVCC, NVCC
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
-@pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.skipif(NVCC is None, reason=NEEDS_NVCC)
 def test_quant_local_compiles_and_lists_its_rows(tmp_path):
     exe = tmp_path / "quant_local"
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", "-arch=sm_90", "-Werror", "all-warnings", "-I",
